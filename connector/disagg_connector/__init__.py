@@ -1,0 +1,1 @@
+"""Data-plane glue that runs inside the pods: contract (names, labels, NIXL identity), router, preflight, KV transfer."""

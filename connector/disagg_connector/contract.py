@@ -1,0 +1,221 @@
+"""The contract between the operator, the vLLM pods and the router: names, labels, ports, NIXL identity.
+
+One source of truth. The operator imports this module to render children; the router imports it to
+discover and address pods. Nothing here talks to an API or imports the operator: pure functions only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+API_GROUP = "disagg.dev"
+API_VERSION = "v1alpha1"
+KIND = "DisaggregatedModel"
+PLURAL = "disaggregatedmodels"
+SINGULAR = "disaggregatedmodel"
+SHORT_NAMES = ("dm", "dmodel")
+
+OPERATOR_NAME = "disagg-operator"
+FIELD_MANAGER = OPERATOR_NAME
+
+Role = Literal["prefill", "decode", "router"]
+ENGINE_ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+# --- labels ---------------------------------------------------------------------------------------
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_MODEL = f"{API_GROUP}/model"
+LABEL_ROLE = f"{API_GROUP}/role"
+LABEL_REVISION = f"{API_GROUP}/revision"
+APP_NAME = "disaggregated-model"
+
+# --- annotations on P and D pods: the NIXL identity a router needs before dispatch -----------------
+ANNOTATION_TP_SIZE = f"{API_GROUP}/tensor-parallel-size"
+ANNOTATION_PP_SIZE = f"{API_GROUP}/pipeline-parallel-size"
+ANNOTATION_DP_SIZE = f"{API_GROUP}/data-parallel-size"
+ANNOTATION_SIDE_CHANNEL_PORT = f"{API_GROUP}/nixl-side-channel-port"
+ANNOTATION_HTTP_PORT = f"{API_GROUP}/http-port"
+ANNOTATION_TRANSFER_MODE = f"{API_GROUP}/transfer-mode"
+
+# --- ports ----------------------------------------------------------------------------------------
+HTTP_PORT = 8000
+HTTP_PORT_NAME = "http"
+NIXL_SIDE_CHANNEL_PORT = 5600
+NIXL_PORT_NAME = "nixl"
+ROUTER_PORT = 8000
+ROUTER_METRICS_PORT_NAME = "http"
+
+# Downward API env vars that the engine id is assembled from inside the pod ($(VAR) expansion).
+ENV_POD_NAME = "POD_NAME"
+ENV_POD_UID = "POD_UID"
+ENV_POD_IP = "POD_IP"
+
+MAX_NAME_LENGTH = 63
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def short_hash(text: str, length: int = 8) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def fit_name(*parts: str, limit: int = MAX_NAME_LENGTH) -> str:
+    """Join parts with '-' into a DNS-1035 label of at most `limit` characters.
+
+    A name that fits is returned as is, so the common case reads naturally (`qwen-prefill`). A longer
+    one keeps the last part (the role, which people grep for) and replaces the tail of the first with a
+    hash of the whole, so two long CR names never collide.
+    """
+    full = "-".join(p for p in parts if p)
+    if len(full) <= limit:
+        return full
+    suffix = "-".join(p for p in parts[1:] if p)
+    digest = short_hash(full)
+    room = limit - len(suffix) - len(digest) - 2
+    head = parts[0][: max(room, 1)].rstrip("-")
+    return "-".join(p for p in (head, digest, suffix) if p)[:limit].rstrip("-")
+
+
+def is_dns_label(name: str) -> bool:
+    return len(name) <= MAX_NAME_LENGTH and bool(_DNS_LABEL.match(name))
+
+
+def model_label_value(model_name: str) -> str:
+    """Label values are limited to 63 characters; CR names are not."""
+    return fit_name(model_name)
+
+
+# --- child names: deterministic, one function each -------------------------------------------------
+def role_service_name(model: str, role: Role) -> str:
+    return fit_name(model, role)
+
+
+def engine_deployment_name(model: str, role: Role, revision: str) -> str:
+    """P and D Deployments carry the revision: a new revision is a new pair, never a mixed rollout."""
+    return fit_name(model, role, revision)
+
+
+def router_name(model: str) -> str:
+    return fit_name(model, "router")
+
+
+def engines_network_policy_name(model: str) -> str:
+    return fit_name(model, "engines")
+
+
+def pdb_name(model: str, role: Role) -> str:
+    return fit_name(model, role)
+
+
+def router_url(model: str, namespace: str, port: int) -> str:
+    return f"http://{router_name(model)}.{namespace}.svc:{port}"
+
+
+# --- labels ----------------------------------------------------------------------------------------
+def selector_labels(model: str, role: Role) -> dict[str, str]:
+    """The stable subset used in selectors (never includes the revision: selectors are immutable)."""
+    return {LABEL_MODEL: model_label_value(model), LABEL_ROLE: role}
+
+
+def model_selector(model: str) -> dict[str, str]:
+    return {LABEL_MODEL: model_label_value(model)}
+
+
+def owned_selector(model: str) -> dict[str, str]:
+    """Every child of one DisaggregatedModel carries these: how the operator finds stale children."""
+    return {LABEL_MANAGED_BY: OPERATOR_NAME, LABEL_MODEL: model_label_value(model)}
+
+
+def common_labels(model: str, component: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: APP_NAME,
+        LABEL_INSTANCE: model_label_value(model),
+        LABEL_COMPONENT: component,
+        **owned_selector(model),
+    }
+
+
+def child_labels(model: str, role: Role, revision: str | None = None) -> dict[str, str]:
+    labels = {**common_labels(model, role), LABEL_ROLE: role}
+    if revision is not None:
+        labels[LABEL_REVISION] = revision
+    return labels
+
+
+# --- NIXL identity ---------------------------------------------------------------------------------
+def engine_id(pod_name: str, pod_uid: str) -> str:
+    """The NIXL engine_id of one pod incarnation: a restarted pod gets a new UID, hence a new id.
+
+    Used twice with the same code: the operator calls it with "$(POD_NAME)" and "$(POD_UID)" so that
+    Kubernetes expands the Downward API values into vLLM's --kv-transfer-config, and the router calls it
+    with the pod's real name and UID.
+    """
+    return f"{pod_name}.{pod_uid}"
+
+
+def engine_id_template() -> str:
+    return engine_id(f"$({ENV_POD_NAME})", f"$({ENV_POD_UID})")
+
+
+def dp_engine_id(base_engine_id: str, dp_rank: int, dp_size: int) -> str:
+    """vLLM suffixes `_dp<rank>` to the configured engine_id when data parallel size > 1."""
+    return f"{base_engine_id}_dp{dp_rank}" if dp_size > 1 else base_engine_id
+
+
+def side_channel_port(base_port: int, dp_rank: int) -> int:
+    """One ZMQ handshake listener per engine core (DP rank), at base + rank (vLLM 0.33.0)."""
+    return base_port + dp_rank
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """What a router must know of a prefill engine before it dispatches a push decode leg."""
+
+    engine_id: str
+    host: str
+    side_channel_port: int
+    tp_size: int
+    pp_size: int
+    dp_rank: int = 0
+    http_port: int = HTTP_PORT
+
+    def push_decode_params(self, remote_request_id: str) -> dict[str, object]:
+        """kv_transfer_params of a push decode leg (every key is read with [] by vLLM's push scheduler)."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.side_channel_port,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "remote_request_id": remote_request_id,
+        }
+
+
+def identities_from_pod(
+    name: str, uid: str, pod_ip: str, annotations: Mapping[str, str]
+) -> list[EngineIdentity]:
+    """The NIXL identities (one per data-parallel rank) of a P or D pod, read per the contract."""
+    tp = int(annotations.get(ANNOTATION_TP_SIZE, "1"))
+    pp = int(annotations.get(ANNOTATION_PP_SIZE, "1"))
+    dp = int(annotations.get(ANNOTATION_DP_SIZE, "1"))
+    base_port = int(annotations.get(ANNOTATION_SIDE_CHANNEL_PORT, str(NIXL_SIDE_CHANNEL_PORT)))
+    http_port = int(annotations.get(ANNOTATION_HTTP_PORT, str(HTTP_PORT)))
+    base = engine_id(name, uid)
+    return [
+        EngineIdentity(
+            engine_id=dp_engine_id(base, rank, dp),
+            host=pod_ip,
+            side_channel_port=side_channel_port(base_port, rank),
+            tp_size=tp,
+            pp_size=pp,
+            dp_rank=rank,
+            http_port=http_port,
+        )
+        for rank in range(dp)
+    ]

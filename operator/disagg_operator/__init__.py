@@ -1,0 +1,1 @@
+"""The DisaggregatedModel operator."""

@@ -1,0 +1,61 @@
+"""Pure rendering: a parsed DisaggregatedModel -> every child manifest the operator applies.
+
+No API client and no kopf here: the same function backs the operator, `disagg-operator render` and
+the golden tests, so what a reviewer sees is exactly what gets applied.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from disagg_connector import contract
+
+from ..api.models import DisaggregatedModel
+from ..config import RenderDefaults
+from ..resolve import TransferPlan, plan
+from . import engine, network, router
+from .meta import pod_disruption_budget
+
+REVISION_LENGTH = 10
+
+
+@dataclass(frozen=True)
+class Rendered:
+    objects: list[dict[str, Any]]
+    plan: TransferPlan
+    revision: str
+
+
+def revision_of(templates: dict[str, dict[str, Any]], transfer: TransferPlan) -> str:
+    """A hash of everything P and D must agree on: both pod templates (image, model, dtype, block
+    size, connector, backend, parallelism, ...) and the transfer plan. Replica counts are not in it:
+    scaling is not a new revision."""
+    payload = json.dumps({"templates": templates, "mode": transfer.mode, "backend": transfer.backend}, sort_keys=True)
+    return contract.short_hash(payload, REVISION_LENGTH)
+
+
+def render(dm: DisaggregatedModel, defaults: RenderDefaults | None = None) -> Rendered:
+    defaults = defaults or RenderDefaults()
+    transfer = plan(dm.spec)
+    templates = {role: engine.pod_template(dm, role, transfer, defaults) for role in contract.ENGINE_ROLES}
+    revision = revision_of(templates, transfer)
+    objects: list[dict[str, Any]] = []
+    for role in contract.ENGINE_ROLES:
+        objects += [
+            engine.deployment(dm, role, templates[role], revision),
+            engine.headless_service(dm, role),
+            pod_disruption_budget(dm, role),
+        ]
+    objects += [
+        router.service_account(dm),
+        router.role(dm),
+        router.role_binding(dm),
+        router.deployment(dm, transfer, defaults),
+        router.service(dm),
+        pod_disruption_budget(dm, "router"),
+    ]
+    if dm.spec.network.network_policy.enabled:
+        objects.append(network.engines_network_policy(dm, transfer))
+    return Rendered(objects=objects, plan=transfer, revision=revision)

@@ -1,0 +1,270 @@
+"""Prefill and decode engines: pod template, Deployment and headless Service of one role."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
+from disagg_connector import contract
+
+from ..api.models import DisaggregatedModel, RoleSpec
+from ..config import RenderDefaults
+from ..resolve import TransferPlan
+from . import placement, vllm
+from .meta import metadata
+
+ACCELERATOR_RESOURCE = {"nvidia": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+HEALTH_PATH = "/health"
+STARTUP_PERIOD_SECONDS = 10
+PREFLIGHT_COMMAND = "disagg-preflight"
+
+
+def engine_image(dm: DisaggregatedModel, role: RoleSpec, defaults: RenderDefaults) -> str:
+    if dm.spec.engine.image:
+        return dm.spec.engine.image
+    return defaults.neuron_engine_image if role.accelerator.type == "neuron" else defaults.engine_image
+
+
+def _device_resources(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, str]:
+    """Extended resources must be equal in requests and limits; these win over user resources."""
+    devices = {ACCELERATOR_RESOURCE[role.accelerator.type]: str(role.accelerator.count)}
+    if role.efa.count > 0:
+        devices[EFA_RESOURCE] = str(role.efa.count)
+        if dm.spec.network.efa.hugepages != "0":
+            devices[HUGEPAGES_RESOURCE] = dm.spec.network.efa.hugepages
+    return devices
+
+
+def resources(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, Any]:
+    devices = _device_resources(dm, role)
+    return {
+        "requests": {**role.resources.requests, **devices},
+        "limits": {**role.resources.limits, **devices},
+    }
+
+
+def _tolerations(role: RoleSpec) -> list[dict[str, Any]]:
+    keys = [ACCELERATOR_RESOURCE[role.accelerator.type]]
+    if role.efa.count > 0:
+        keys.append(EFA_RESOURCE)
+    defaults = [{"key": k, "operator": "Exists", "effect": "NoSchedule"} for k in keys]
+    return defaults + [t.model_dump(by_alias=True, exclude_none=True) for t in role.tolerations]
+
+
+def _security_context(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, Any] | None:
+    if role.efa.count == 0:
+        return None
+    if dm.spec.network.efa.privileged:
+        return {"privileged": True}
+    # Registering memory with the EFA device pins pages: IPC_LOCK lifts the memlock limit.
+    return {"capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def _ports(dm: DisaggregatedModel, role: RoleSpec) -> list[dict[str, Any]]:
+    ports = [{"name": contract.HTTP_PORT_NAME, "containerPort": contract.HTTP_PORT, "protocol": "TCP"}]
+    base = dm.spec.kv_transfer.side_channel_port
+    for rank in range(role.parallelism.data):
+        name = contract.NIXL_PORT_NAME if rank == 0 else f"{contract.NIXL_PORT_NAME}-dp{rank}"
+        port = contract.side_channel_port(base, rank)
+        ports.append({"name": name, "containerPort": port, "protocol": "TCP"})
+    return ports
+
+
+def _probes(dm: DisaggregatedModel) -> dict[str, Any]:
+    def http_get(period: int, failures: int) -> dict[str, Any]:
+        return {
+            "httpGet": {"path": HEALTH_PATH, "port": contract.HTTP_PORT_NAME},
+            "periodSeconds": period,
+            "timeoutSeconds": 5,
+            "failureThreshold": failures,
+        }
+
+    startup_failures = math.ceil(dm.spec.engine.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)
+    return {
+        # Weight loading can take many minutes: only the startup probe waits for it.
+        "startupProbe": http_get(STARTUP_PERIOD_SECONDS, startup_failures),
+        "readinessProbe": http_get(5, 3),
+        "livenessProbe": http_get(10, 6),
+    }
+
+
+def _pre_stop_seconds(dm: DisaggregatedModel) -> int:
+    """Stay up while requests already routed here finish: the router stops sending to a terminating
+    pod at once, and its legs end within its deadline."""
+    grace = dm.spec.engine.termination_grace_period_seconds
+    return max(0, min(dm.spec.router.request_deadline_seconds, grace - 10))
+
+
+def _bytes(quantity: str) -> int:
+    return int(parse_quantity(quantity))
+
+
+def preflight_container(
+    dm: DisaggregatedModel, role: RoleSpec, plan: TransferPlan, image: str, res: dict[str, Any]
+) -> dict[str, Any]:
+    """Checks the fabric before vLLM starts; a failure names itself in the termination message."""
+    huge = dm.spec.network.efa.hugepages if role.efa.count > 0 else "0"
+    command = [
+        PREFLIGHT_COMMAND,
+        "--backend", plan.backend,
+        "--efa-devices", str(role.efa.count),
+        "--accelerator", role.accelerator.type,
+        "--accelerator-count", str(role.accelerator.count),
+        "--hugepages-2mi-bytes", str(_bytes(huge)),
+        "--shm-min-bytes", str(_bytes(dm.spec.network.efa.shared_memory)),
+    ]  # fmt: skip
+    container: dict[str, Any] = {
+        "name": "preflight",
+        "image": image,
+        "imagePullPolicy": dm.spec.engine.image_pull_policy,
+        "command": command,
+        "resources": res,  # the same devices as vLLM: the device plugin hands them to this container too
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    security = _security_context(dm, role)
+    if security:
+        container["securityContext"] = security
+    return container
+
+
+def _volumes(dm: DisaggregatedModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": dm.spec.network.efa.shared_memory}}
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    source = dm.spec.model.source
+    if source is not None and source.uri.startswith("pvc://"):
+        claim = source.uri.removeprefix("pvc://").split("/", 1)[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": f"{vllm.MODEL_MOUNT_ROOT}/{claim}", "readOnly": True})
+    return volumes, mounts
+
+
+def identity_annotations(dm: DisaggregatedModel, role: RoleSpec, plan: TransferPlan) -> dict[str, str]:
+    """What the router reads from a pod to address its engine (engine_id comes from name and UID)."""
+    par = role.parallelism
+    return {
+        contract.ANNOTATION_TP_SIZE: str(par.tensor),
+        contract.ANNOTATION_PP_SIZE: str(par.pipeline),
+        contract.ANNOTATION_DP_SIZE: str(par.data),
+        contract.ANNOTATION_SIDE_CHANNEL_PORT: str(dm.spec.kv_transfer.side_channel_port),
+        contract.ANNOTATION_HTTP_PORT: str(contract.HTTP_PORT),
+        contract.ANNOTATION_TRANSFER_MODE: plan.mode,
+    }
+
+
+def pod_template(
+    dm: DisaggregatedModel, role_name: contract.Role, plan: TransferPlan, defaults: RenderDefaults
+) -> dict[str, Any]:
+    """The pod template without the revision label (the revision is a hash of this template)."""
+    spec = dm.spec
+    role: RoleSpec = getattr(spec, role_name)
+    image = engine_image(dm, role, defaults)
+    res = resources(dm, role)
+    volumes, mounts = _volumes(dm)
+    command = vllm.serve_command(spec, role_name, plan)
+    container: dict[str, Any] = {
+        "name": "vllm",
+        "image": image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": command[:2],
+        "args": command[2:],
+        "env": vllm.engine_env(spec, role_name, plan),
+        "ports": _ports(dm, role),
+        "resources": res,
+        "volumeMounts": mounts,
+        **_probes(dm),
+        "lifecycle": {"preStop": {"sleep": {"seconds": _pre_stop_seconds(dm)}}},
+    }
+    env_from = vllm.env_from(spec)
+    if env_from:
+        container["envFrom"] = env_from
+    security = _security_context(dm, role)
+    if security:
+        container["securityContext"] = security
+
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # engines never talk to the API
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
+        "initContainers": [preflight_container(dm, role, plan, image, res)],
+        "containers": [container],
+        "volumes": volumes,
+        "tolerations": _tolerations(role),
+        "affinity": placement.affinity(dm, role_name),
+    }
+    if role.node_selector:
+        pod_spec["nodeSelector"] = dict(role.node_selector)
+    if role.priority_class_name:
+        pod_spec["priorityClassName"] = role.priority_class_name
+    if role.scheduler_name:
+        pod_spec["schedulerName"] = role.scheduler_name
+    return {
+        "metadata": {
+            "labels": contract.child_labels(dm.metadata.name, role_name),
+            "annotations": identity_annotations(dm, role, plan),
+        },
+        "spec": pod_spec,
+    }
+
+
+def deployment(
+    dm: DisaggregatedModel, role_name: contract.Role, template: dict[str, Any], revision: str
+) -> dict[str, Any]:
+    model = dm.metadata.name
+    role: RoleSpec = getattr(dm.spec, role_name)
+    rollout = getattr(dm.spec.rollout, role_name)
+    labels = contract.child_labels(model, role_name, revision)
+    template = {**template, "metadata": {**template["metadata"], "labels": labels}}
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": {**contract.selector_labels(model, role_name), contract.LABEL_REVISION: revision}},
+        "strategy": {
+            "type": "RollingUpdate",
+            "rollingUpdate": {
+                "maxSurge": _int_or_percent(rollout.max_surge),
+                "maxUnavailable": _int_or_percent(rollout.max_unavailable),
+            },
+        },
+        "revisionHistoryLimit": 2,
+        "progressDeadlineSeconds": dm.spec.engine.startup_timeout_seconds + 600,
+        "template": template,
+    }
+    if role.autoscaling is None:
+        spec = {"replicas": role.replicas, **spec}
+    # With autoscaling the field is left to the HPA/KEDA: server-side apply then never resets it.
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(dm, contract.engine_deployment_name(model, role_name, revision), labels),
+        "spec": spec,
+    }
+
+
+def _int_or_percent(value: str) -> int | str:
+    return value if value.endswith("%") else int(value)
+
+
+def headless_service(dm: DisaggregatedModel, role_name: contract.Role) -> dict[str, Any]:
+    """Stable DNS for every pod of a role across revisions (the router discovers pods by label)."""
+    model = dm.metadata.name
+    role: RoleSpec = getattr(dm.spec, role_name)
+    ports = [
+        {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+        for p in _ports(dm, role)
+    ]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(dm, contract.role_service_name(model, role_name), contract.child_labels(model, role_name)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": contract.selector_labels(model, role_name),
+            "ports": ports,
+            "publishNotReadyAddresses": False,
+        },
+    }

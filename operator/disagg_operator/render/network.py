@@ -1,0 +1,59 @@
+"""NetworkPolicy of the engines: P and D reach each other for NIXL, only the router reaches vLLM's HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg_connector import contract
+
+from ..api.models import DisaggregatedModel
+from ..resolve import TransferPlan
+from .meta import metadata
+
+
+def _pods(model: str, roles: list[str]) -> dict[str, Any]:
+    return {
+        "podSelector": {
+            "matchLabels": {contract.LABEL_MODEL: contract.model_label_value(model)},
+            "matchExpressions": [{"key": contract.LABEL_ROLE, "operator": "In", "values": roles}],
+        }
+    }
+
+
+def _side_channel_ports(dm: DisaggregatedModel) -> dict[str, Any]:
+    base = dm.spec.kv_transfer.side_channel_port
+    ranks = max(dm.spec.prefill.parallelism.data, dm.spec.decode.parallelism.data)
+    port: dict[str, Any] = {"protocol": "TCP", "port": base}
+    if ranks > 1:
+        port["endPort"] = contract.side_channel_port(base, ranks - 1)
+    return port
+
+
+def engines_network_policy(dm: DisaggregatedModel, plan: TransferPlan) -> dict[str, Any]:
+    model = dm.metadata.name
+    engines = list(contract.ENGINE_ROLES)
+    peers: dict[str, Any] = {"from": [_pods(model, engines)]}
+    if plan.backend == "LIBFABRIC":
+        # EFA moves KV over SRD, outside IP: only the ZMQ handshake (side channel) needs a port.
+        peers["ports"] = [_side_channel_ports(dm)]
+    # UCX over TCP opens data-plane connections on ephemeral ports, so P<->D is open on all ports.
+    http = [{"protocol": "TCP", "port": contract.HTTP_PORT}]
+    ingress = [
+        peers,
+        {"from": [_pods(model, ["router"])], "ports": http},
+    ]
+    metrics_from = dm.spec.network.network_policy.metrics_from
+    if metrics_from:
+        ingress.append({"from": [dict(p) for p in metrics_from], "ports": http})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(
+            dm, contract.engines_network_policy_name(model), contract.common_labels(model, "engines")
+        ),
+        "spec": {
+            "podSelector": _pods(model, engines)["podSelector"],
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }

@@ -1,0 +1,127 @@
+"""The P/D router: Deployment, Service, and the RBAC it needs to watch this model's pods.
+
+The flags are the router's CLI contract (`disagg-router --help`); the router discovers prefill and
+decode pods itself by label, so serving continues while the operator is down.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg_connector import contract
+
+from ..api.models import DisaggregatedModel
+from ..config import RenderDefaults
+from ..resolve import TransferPlan
+from .meta import metadata
+from .vllm import served_model_name
+
+DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+SHUTDOWN_MARGIN_SECONDS = 15
+
+
+def router_args(dm: DisaggregatedModel, plan: TransferPlan) -> list[str]:
+    router = dm.spec.router
+    return [
+        "--served-model-name", served_model_name(dm.spec),
+        "--mode", plan.mode.lower(),
+        "--namespace", dm.metadata.namespace,
+        "--selector", f"{contract.LABEL_MODEL}={contract.model_label_value(dm.metadata.name)}",
+        "--port", str(contract.ROUTER_PORT),
+        "--leg-timeout-seconds", str(router.request_deadline_seconds),
+        "--max-retries", str(router.max_retries),
+        "--shutdown-grace-seconds", str(router.request_deadline_seconds),
+    ]  # fmt: skip
+
+
+def _labels(dm: DisaggregatedModel) -> dict[str, str]:
+    return contract.child_labels(dm.metadata.name, "router")
+
+
+def service_account(dm: DisaggregatedModel) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(dm, contract.router_name(dm.metadata.name), _labels(dm)),
+    }
+
+
+def role(dm: DisaggregatedModel) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(dm, contract.router_name(dm.metadata.name), _labels(dm)),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def role_binding(dm: DisaggregatedModel) -> dict[str, Any]:
+    name = contract.router_name(dm.metadata.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(dm, name, _labels(dm)),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": dm.metadata.namespace}],
+    }
+
+
+def deployment(dm: DisaggregatedModel, plan: TransferPlan, defaults: RenderDefaults) -> dict[str, Any]:
+    model = dm.metadata.name
+    router = dm.spec.router
+    probe = {"httpGet": {"path": "/health", "port": contract.HTTP_PORT_NAME}, "periodSeconds": 5}
+    resources = router.resources.model_dump(by_alias=True)
+    if not resources["requests"] and not resources["limits"]:
+        resources = DEFAULT_RESOURCES
+    container = {
+        "name": "router",
+        "image": router.image or defaults.router_image,
+        "command": ["disagg-router"],
+        "args": router_args(dm, plan),
+        "ports": [{"name": contract.HTTP_PORT_NAME, "containerPort": contract.ROUTER_PORT, "protocol": "TCP"}],
+        "readinessProbe": {**probe, "failureThreshold": 2},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": resources,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": contract.router_name(model),
+        "terminationGracePeriodSeconds": router.request_deadline_seconds + SHUTDOWN_MARGIN_SECONDS,
+        "containers": [container],
+    }
+    if router.node_selector:
+        pod_spec["nodeSelector"] = dict(router.node_selector)
+    if router.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in router.tolerations]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(dm, contract.router_name(model), _labels(dm)),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": contract.selector_labels(model, "router")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {"metadata": {"labels": _labels(dm)}, "spec": pod_spec},
+        },
+    }
+
+
+def service(dm: DisaggregatedModel) -> dict[str, Any]:
+    model = dm.metadata.name
+    svc = dm.spec.router.service
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(dm, contract.router_name(model), _labels(dm), dict(svc.annotations) or None),
+        "spec": {
+            "type": svc.type,
+            "selector": contract.selector_labels(model, "router"),
+            "ports": [{"name": "http", "port": svc.port, "targetPort": contract.HTTP_PORT_NAME, "protocol": "TCP"}],
+        },
+    }

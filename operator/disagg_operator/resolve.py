@@ -1,0 +1,75 @@
+"""Decisions derived from a spec: effective transfer mode, backend and buffer device, with reasons.
+
+Pure functions: the renderer uses them to wire pods, the status writer reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .api.models import DisaggregatedModelSpec
+
+TransferMode = Literal["Push", "Pull"]
+Backend = Literal["LIBFABRIC", "UCX"]
+
+CONNECTOR = {"Push": "NixlPushConnector", "Pull": "NixlConnector"}
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    mode: TransferMode
+    reason: str
+    backend: Backend
+    backend_reason: str
+    buffer_device: Literal["cuda", "cpu"]
+
+    @property
+    def connector(self) -> str:
+        return CONNECTOR[self.mode]
+
+
+def _needs_pull(spec: DisaggregatedModelSpec) -> str | None:
+    """The first requested feature that push cannot do, in words, or None."""
+    if spec.kv_transfer.bidirectional:
+        return "bidirectional KV reuse (spec.kvTransfer.bidirectional) works only in pull mode"
+    if spec.decode.parallelism.pipeline > 1:
+        return "decode pipeline parallel > 1 is not supported by the push connector"
+    if spec.decode.parallelism.context > 1:
+        return "decode context parallel > 1 is not supported by the push connector"
+    if spec.engine.enable_sleep_mode:
+        return "sleep mode is not supported by the push connector"
+    return None
+
+
+def transfer_mode(spec: DisaggregatedModelSpec) -> tuple[TransferMode, str]:
+    requested = spec.kv_transfer.mode
+    if requested == "Pull":
+        return "Pull", "Pull requested in spec.kvTransfer.mode"
+    blocker = _needs_pull(spec)
+    if requested == "Push":
+        # Admission refuses Push with a blocker; reaching here with one means the CRD was bypassed.
+        if blocker:
+            raise ValueError(f"spec.kvTransfer.mode Push is impossible: {blocker}")
+        return "Push", "Push requested in spec.kvTransfer.mode"
+    if blocker:
+        return "Pull", f"Auto chose pull: {blocker}"
+    return "Push", "Auto chose push: the router sends both legs concurrently and nothing in the spec needs pull"
+
+
+def backend(spec: DisaggregatedModelSpec) -> tuple[Backend, str]:
+    requested = spec.kv_transfer.backend
+    if requested != "Auto":
+        return requested, f"{requested} requested in spec.kvTransfer.backend"
+    if spec.prefill.efa.count > 0:
+        return "LIBFABRIC", "Auto chose LIBFABRIC: EFA devices are requested (UCX over EFA runs at TCP speed)"
+    return "UCX", "Auto chose UCX: no EFA devices are requested"
+
+
+def plan(spec: DisaggregatedModelSpec) -> TransferPlan:
+    mode, reason = transfer_mode(spec)
+    chosen_backend, backend_reason = backend(spec)
+    device = spec.kv_transfer.buffer_device
+    if device == "Auto":
+        device = "cuda" if spec.prefill.accelerator.type == "nvidia" else "cpu"
+    return TransferPlan(mode, reason, chosen_backend, backend_reason, device)
