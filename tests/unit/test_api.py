@@ -1,0 +1,144 @@
+"""The API models: defaults, and every refusal names the field and says what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg_operator.api.validation import SpecError, parse
+from disagg_operator.resolve import backend, transfer_mode
+
+from ..conftest import dm
+
+EFA = {"efa": {"count": 2}, "resources": {"requests": {"memory": "64Gi"}}}
+
+
+def problems(obj: dict) -> list[tuple[str, str]]:
+    with pytest.raises(SpecError) as raised:
+        parse(obj)
+    return [(p.path, p.message) for p in raised.value.problems]
+
+
+def test_defaults_are_sensible() -> None:
+    spec = parse(dm()).spec
+    assert spec.engine.block_size == 128
+    assert spec.kv_transfer.mode == "Auto" and spec.kv_transfer.side_channel_port == 5600
+    assert spec.kv_transfer.lease_seconds > spec.router.request_deadline_seconds
+    assert spec.prefill.replicas == 1 and spec.decode.accelerator.count == 1
+    assert spec.network.network_policy.enabled
+    assert spec.network.placement.zone == "Required" and spec.network.placement.spine == "Preferred"
+    assert not spec.network.efa.privileged
+
+
+# (case id, spec patch, expected field path, a phrase of the message)
+INVALID = [
+    ("tp-not-dividing", {"prefill": {"parallelism": {"tensor": 3}, "accelerator": {"count": 3}},
+                         "decode": {"parallelism": {"tensor": 2}, "accelerator": {"count": 2}}},
+     "spec.decode.parallelism.tensor", "divide each other"),
+    ("push-bidirectional", {"kvTransfer": {"mode": "Push", "bidirectional": True}},
+     "spec.kvTransfer.mode", "bidirectional"),
+    ("push-decode-pp", {"kvTransfer": {"mode": "Push"},
+                        "decode": {"parallelism": {"pipeline": 2}, "accelerator": {"count": 2}}},
+     "spec.kvTransfer.mode", "pipeline"),
+    ("push-decode-cp", {"kvTransfer": {"mode": "Push"}, "decode": {"parallelism": {"context": 2}}},
+     "spec.kvTransfer.mode", "context parallel"),
+    ("push-sleep", {"kvTransfer": {"mode": "Push"}, "engine": {"enableSleepMode": True}},
+     "spec.kvTransfer.mode", "sleep mode"),
+    ("ucx-over-efa", {"kvTransfer": {"backend": "UCX"}, "prefill": EFA, "decode": EFA},
+     "spec.kvTransfer.backend", "TCP speed"),
+    ("efa-one-side", {"prefill": EFA}, "spec.decode.efa.count", "both roles"),
+    ("autoscaling-min-max", {"decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}},
+     "spec.decode.autoscaling.minReplicas", "must not exceed"),
+    ("negative-replicas", {"prefill": {"replicas": -1}}, "spec.prefill.replicas", "greater than or equal to 0"),
+    ("decode-no-accelerator", {"decode": {"accelerator": {"count": 0}}},
+     "spec.decode.accelerator.count", "greater than or equal to 1"),
+    ("gpu-count-mismatch", {"prefill": {"parallelism": {"tensor": 4}, "accelerator": {"count": 8}},
+                            "decode": {"parallelism": {"tensor": 4}, "accelerator": {"count": 4}}},
+     "spec.prefill.accelerator.count", "tensor x pipeline x data"),
+    ("mixed-accelerators", {"decode": {"accelerator": {"type": "neuron"}}},
+     "spec.decode.accelerator.type", "same accelerator type"),
+    ("lease-below-deadline", {"kvTransfer": {"leaseSeconds": 30}, "router": {"requestDeadlineSeconds": 60}},
+     "spec.kvTransfer.leaseSeconds", "must exceed"),
+    ("side-channel-on-http", {"kvTransfer": {"sideChannelPort": 7999},
+                              "decode": {"parallelism": {"data": 2}, "accelerator": {"count": 2}}},
+     "spec.kvTransfer.sideChannelPort", "overlap"),
+    ("hugepages-without-memory", {"prefill": {"efa": {"count": 1}}, "decode": {"efa": {"count": 1}}},
+     "spec.network.efa.hugepages", "cpu or memory request"),
+    ("managed-flag", {"engine": {"extraArgs": ["--kv-transfer-config={}"]}},
+     "spec.engine.extraArgs", "flags the operator manages"),
+    ("managed-flag-dotted", {"decode": {"extraArgs": ["--kv-transfer-config.kv_role", "kv_both"]}},
+     "spec.decode.extraArgs", "flags the operator manages"),
+    ("managed-env", {"prefill": {"env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "0.0.0.0"}]}},
+     "spec.prefill.env", "variables the operator manages"),
+    ("prefill-context", {"prefill": {"parallelism": {"context": 2}}},
+     "spec.prefill.parallelism.context", "decode only"),
+    ("unknown-field", {"kvTransfer": {"leaseSecond": 10}}, "spec.kvTransfer.leaseSecond", "unknown field"),
+    ("wrong-type", {"prefill": {"replicas": "two"}}, "spec.prefill.replicas", "integer"),
+    ("bad-mode", {"kvTransfer": {"mode": "Sideways"}}, "spec.kvTransfer.mode", "'Auto', 'Push' or 'Pull'"),
+    ("bad-block-size", {"engine": {"blockSize": 100}}, "spec.engine.blockSize", "128"),
+    ("bad-quantity", {"prefill": {"resources": {"requests": {"memory": "lots"}}}},
+     "spec.prefill.resources.requests.memory", "not a Kubernetes quantity"),
+    ("bad-source", {"model": {"source": {"uri": "ftp://x/y"}}}, "spec.model.source.uri", "pattern"),
+    ("port-out-of-range", {"kvTransfer": {"sideChannelPort": 80}}, "spec.kvTransfer.sideChannelPort", "1024"),
+]
+
+
+@pytest.mark.parametrize(("patch", "path", "phrase"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_spec_names_field_and_fix(patch: dict, path: str, phrase: str) -> None:
+    found = problems(dm(patch))
+    assert any(p == path and phrase in m for p, m in found), found
+
+
+def test_missing_model_is_reported() -> None:
+    obj = dm()
+    del obj["spec"]["model"]
+    assert ("spec.model", "required field is missing") in problems(obj)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    found = problems(dm({"kvTransfer": {"mode": "Push", "bidirectional": True, "backend": "UCX"},
+                         "prefill": EFA, "decode": EFA}))
+    paths = {p for p, _ in found}
+    assert {"spec.kvTransfer.mode", "spec.kvTransfer.backend"} <= paths
+
+
+VALID_EDGES = [
+    ("tp-8-to-2", {"prefill": {"parallelism": {"tensor": 8}, "accelerator": {"count": 8}},
+                   "decode": {"parallelism": {"tensor": 2}, "accelerator": {"count": 2}}}),
+    ("zero-replicas", {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "router": {"replicas": 0}}),
+    ("autoscaling-min-equals-max", {"decode": {"autoscaling": {"minReplicas": 3, "maxReplicas": 3}}}),
+    ("pull-with-decode-pp", {"kvTransfer": {"mode": "Pull"},
+                             "decode": {"parallelism": {"pipeline": 2}, "accelerator": {"count": 2}}}),
+    ("efa-without-hugepages", {"prefill": {"efa": {"count": 1}}, "decode": {"efa": {"count": 1}},
+                               "network": {"efa": {"hugepages": "0"}}}),
+    ("int-quantities", {"prefill": {"resources": {"requests": {"cpu": 8, "memory": "1.5Gi"}}}}),
+    ("unrelated-extra-args", {"engine": {"extraArgs": ["--max-num-seqs", "256", "--portable-flag"]}}),
+    ("neuron-any-count", {"prefill": {"accelerator": {"type": "neuron", "count": 16}, "parallelism": {"tensor": 64}},
+                          "decode": {"accelerator": {"type": "neuron", "count": 16}, "parallelism": {"tensor": 64}}}),
+]
+
+
+@pytest.mark.parametrize("patch", [c[1] for c in VALID_EDGES], ids=[c[0] for c in VALID_EDGES])
+def test_valid_edge_cases_are_accepted(patch: dict) -> None:
+    parse(dm(patch))
+
+
+@pytest.mark.parametrize(
+    ("patch", "mode", "reason"),
+    [
+        ({}, "Push", "Auto chose push"),
+        ({"kvTransfer": {"bidirectional": True}}, "Pull", "bidirectional"),
+        ({"decode": {"parallelism": {"pipeline": 2}, "accelerator": {"count": 2}}}, "Pull", "pipeline"),
+        ({"decode": {"parallelism": {"context": 2}}}, "Pull", "context parallel"),
+        ({"engine": {"enableSleepMode": True}}, "Pull", "sleep mode"),
+        ({"kvTransfer": {"mode": "Pull"}}, "Pull", "Pull requested"),
+        ({"kvTransfer": {"mode": "Push"}}, "Push", "Push requested"),
+    ],
+)
+def test_mode_selection(patch: dict, mode: str, reason: str) -> None:
+    chosen, why = transfer_mode(parse(dm(patch)).spec)
+    assert chosen == mode and reason in why
+
+
+def test_backend_auto_follows_efa() -> None:
+    assert backend(parse(dm()).spec)[0] == "UCX"
+    assert backend(parse(dm({"prefill": EFA, "decode": EFA})).spec)[0] == "LIBFABRIC"

@@ -1,0 +1,177 @@
+"""Rendering: golden manifests of the examples, and the invariants every rendering must keep."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from disagg_connector import contract
+from disagg_operator.api.validation import parse
+from disagg_operator.manifests import dump_all
+from disagg_operator.render import render
+
+from ..conftest import EXAMPLES, REPO, dm, load_example
+
+GOLDEN = REPO / "tests" / "golden"
+K8S_VERSION = "1.34"
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def engine_container(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    (deploy,) = [d for d in by_kind(objects, "Deployment") if d["metadata"]["labels"][contract.LABEL_ROLE] == role]
+    return deploy["spec"]["template"]["spec"]["containers"][0]
+
+
+def kv_config(container: dict[str, Any]) -> dict[str, Any]:
+    args = container["args"]
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_golden(path) -> None:
+    """Reviewed by eye once; regenerate with DISAGG_UPDATE_GOLDEN=1 and review the diff."""
+    rendered = dump_all(render(parse(load_example(path))).objects)
+    golden = GOLDEN / f"{path.stem}.yaml"
+    if os.environ.get("DISAGG_UPDATE_GOLDEN") == "1":
+        golden.write_text(rendered)
+    assert golden.read_text() == rendered
+
+
+def check_invariants(obj: dict[str, Any]) -> None:
+    """What must hold for every rendering of every valid spec (also driven by hypothesis)."""
+    model = parse(obj)
+    result = render(model)
+    name = model.metadata.name
+    for child in result.objects:
+        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+        meta = child["metadata"]
+        assert contract.is_dns_label(meta["name"]), meta["name"]
+        assert meta["namespace"] == model.metadata.namespace
+        assert meta["labels"][contract.LABEL_MODEL] == contract.model_label_value(name)
+        assert meta["labels"][contract.LABEL_MANAGED_BY] == contract.OPERATOR_NAME
+        assert all(len(v) <= 63 for v in meta["labels"].values())
+        if model.metadata.uid:
+            (owner,) = meta["ownerReferences"]
+            assert owner["uid"] == model.metadata.uid and owner["controller"] is True
+
+    prefill, decode = engine_container(result.objects, "prefill"), engine_container(result.objects, "decode")
+    p_cfg, d_cfg = kv_config(prefill), kv_config(decode)
+    # P and D must agree on everything vLLM's handshake compares.
+    assert p_cfg["kv_connector"] == d_cfg["kv_connector"] == result.plan.connector
+    assert (p_cfg["kv_role"], d_cfg["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert p_cfg["kv_connector_extra_config"]["backends"] == d_cfg["kv_connector_extra_config"]["backends"]
+    for flag in ("--block-size", "--dtype", "--served-model-name"):
+        assert prefill["args"][prefill["args"].index(flag) + 1] == decode["args"][decode["args"].index(flag) + 1]
+    assert prefill["image"] == decode["image"] and prefill["args"][0] == decode["args"][0]
+    assert p_cfg["engine_id"] == contract.engine_id_template()
+    for container in (prefill, decode):
+        names = [e["name"] for e in container["env"]]
+        # $(POD_IP) and $(POD_NAME)/$(POD_UID) expand only from variables defined earlier.
+        assert names.index(contract.ENV_POD_IP) < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
+        assert len(names) == len(set(names))
+    revisions = {
+        d["spec"]["template"]["metadata"]["labels"][contract.LABEL_REVISION]
+        for d in by_kind(result.objects, "Deployment")
+        if contract.LABEL_REVISION in d["metadata"]["labels"]
+    }
+    assert revisions == {result.revision}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_examples_keep_invariants(path) -> None:
+    check_invariants(load_example(path))
+
+
+def test_children_of_a_model() -> None:
+    objects = render(parse(dm())).objects
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objects)
+    revision = render(parse(dm())).revision
+    assert kinds == sorted([
+        ("Deployment", f"m-prefill-{revision}"), ("Deployment", f"m-decode-{revision}"), ("Deployment", "m-router"),
+        ("Service", "m-prefill"), ("Service", "m-decode"), ("Service", "m-router"),
+        ("PodDisruptionBudget", "m-prefill"), ("PodDisruptionBudget", "m-decode"), ("PodDisruptionBudget", "m-router"),
+        ("ServiceAccount", "m-router"), ("Role", "m-router"), ("RoleBinding", "m-router"),
+        ("NetworkPolicy", "m-engines"),
+    ])  # fmt: skip
+
+
+def test_long_names_fit_and_stay_distinct() -> None:
+    a = render(parse(dm(name="a" * 200 + "-one"))).objects
+    b = render(parse(dm(name="a" * 200 + "-two"))).objects
+    names_a = {o["metadata"]["name"] for o in a}
+    names_b = {o["metadata"]["name"] for o in b}
+    assert all(len(n) <= 63 for n in names_a | names_b)
+    assert not names_a & names_b
+    check_invariants(dm(name="b" * 253))
+
+
+def test_revision_follows_what_p_and_d_share_but_not_replicas() -> None:
+    base = render(parse(dm())).revision
+    assert render(parse(dm({"prefill": {"replicas": 5}}))).revision == base
+    assert render(parse(dm({"engine": {"image": "other:1"}}))).revision != base
+    assert render(parse(dm({"engine": {"blockSize": 64}}))).revision != base
+    assert render(parse(dm({"kvTransfer": {"mode": "Pull"}}))).revision != base
+
+
+def test_push_and_pull_wiring() -> None:
+    push = render(parse(dm({"kvTransfer": {"mode": "Push"}}))).objects
+    pull = render(parse(dm({"kvTransfer": {"mode": "Pull", "bidirectional": True}}))).objects
+    assert kv_config(engine_container(push, "decode"))["kv_connector"] == "NixlPushConnector"
+    pull_cfg = kv_config(engine_container(pull, "prefill"))
+    assert pull_cfg["kv_connector"] == "NixlConnector"
+    assert pull_cfg["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    router_args = by_kind(push, "Deployment")[-1]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert router_args[router_args.index("--mode") + 1] == "push"
+
+
+def test_efa_wiring() -> None:
+    efa = {"efa": {"count": 4}, "resources": {"requests": {"memory": "64Gi"}}}
+    objects = render(parse(dm({"prefill": efa, "decode": efa}))).objects
+    container = engine_container(objects, "prefill")
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_HUGE_PAGE"] == "1"
+    assert container["resources"]["limits"]["vpc.amazonaws.com/efa"] == "4"
+    assert container["resources"]["limits"]["hugepages-2Mi"] == "5120Mi"
+    assert container["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert kv_config(container)["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
+    (policy,) = by_kind(objects, "NetworkPolicy")
+    assert policy["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 5600}]
+
+    privileged = render(parse(dm({"prefill": efa, "decode": efa, "network": {"efa": {"privileged": True}}}))).objects
+    assert engine_container(privileged, "decode")["securityContext"] == {"privileged": True}
+
+    plain = engine_container(render(parse(dm())).objects, "prefill")
+    assert "securityContext" not in plain and not any(e["name"].startswith("FI_") for e in plain["env"])
+
+
+def test_network_policy_lets_only_router_reach_http() -> None:
+    (policy,) = by_kind(render(parse(dm())).objects, "NetworkPolicy")
+    http_rules = [r for r in policy["spec"]["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": 8000}]]
+    (rule,) = http_rules
+    assert rule["from"][0]["podSelector"]["matchExpressions"][0]["values"] == ["router"]
+    assert not by_kind(render(parse(dm({"network": {"networkPolicy": {"enabled": False}}}))).objects, "NetworkPolicy")
+
+
+def test_autoscaling_leaves_replicas_to_the_autoscaler() -> None:
+    objects = render(parse(dm({"decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}}}))).objects
+    decode = [d for d in by_kind(objects, "Deployment") if d["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode"]
+    assert "replicas" not in decode[0]["spec"]
+
+
+def test_data_parallel_ports_and_identity() -> None:
+    objects = render(parse(dm({"decode": {"parallelism": {"data": 4}, "accelerator": {"count": 4}}}))).objects
+    container = engine_container(objects, "decode")
+    assert [p["containerPort"] for p in container["ports"]] == [8000, 5600, 5601, 5602, 5603]
+    (deploy,) = [d for d in by_kind(objects, "Deployment") if d["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode"]
+    annotations = deploy["spec"]["template"]["metadata"]["annotations"]
+    identities = contract.identities_from_pod("m-decode-x", "u", "10.0.0.1", annotations)
+    assert [(i.engine_id, i.side_channel_port) for i in identities] == [
+        (f"m-decode-x.u_dp{r}", 5600 + r) for r in range(4)
+    ]
