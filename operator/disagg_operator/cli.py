@@ -97,6 +97,24 @@ def cmd_crd(_: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the operator (kopf) against the cluster of the kubeconfig or the pod's service account."""
+    import kopf
+
+    from . import handlers  # noqa: F401  (registers the handlers)
+
+    kopf.configure(verbose=args.verbose)
+    kopf.run(
+        standalone=args.standalone,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or [],
+        liveness_endpoint=args.liveness,
+        peering_name=None if args.standalone else args.peering,
+        priority=args.priority,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg-operator", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     rend.add_argument("-f", "--filename", required=True, help="YAML file, or - for stdin")
     rend.add_argument("-n", "--namespace", help="namespace to render into (default: the manifest's)")
     rend.set_defaults(func=cmd_render)
+    run = sub.add_parser("run", help="run the operator")
+    run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable); default: all")
+    run.add_argument("--standalone", action="store_true", help="no peering: the only replica (local runs, tests)")
+    run.add_argument("--peering", default=contract.OPERATOR_NAME, help="kopf peering object for HA (default %(default)s)")
+    run.add_argument("--priority", type=int, default=0, help="peering priority; the highest active replica works")
+    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
+    run.add_argument("-v", "--verbose", action="store_true")
+    run.set_defaults(func=cmd_run)
     crd = sub.add_parser("crd", help="print the CustomResourceDefinition")
     crd.set_defaults(func=cmd_crd)
     return parser

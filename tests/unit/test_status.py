@@ -1,0 +1,116 @@
+"""Status from observed children: honest Ready, capacity/crash/fabric reasons, stable transitions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg_connector import contract
+from disagg_operator.api.validation import parse
+from disagg_operator.render import render
+from disagg_operator.status import Observed, compute, invalid_status
+
+from ..conftest import dm
+
+RENDERED = render(parse(dm()))
+REV = RENDERED.revision
+
+
+def deployment(role: str, replicas: int, revision: str | None = REV) -> dict[str, Any]:
+    labels = contract.child_labels("m", role, revision if role != "router" else None)
+    return {"kind": "Deployment", "metadata": {"name": f"m-{role}", "labels": labels}, "spec": {"replicas": replicas}}
+
+
+def pod(role: str, name: str, ready: bool = True, revision: str | None = REV, **status: Any) -> dict[str, Any]:
+    labels = contract.child_labels("m", role, revision if role != "router" else None)
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    return {"metadata": {"name": name, "labels": labels}, "status": {"conditions": conditions, **status}}
+
+
+def status_of(observed: Observed, previous: dict | None = None, now: str = "t1") -> dict[str, Any]:
+    return compute(RENDERED, observed, name="m", namespace="ns", router_port=8000, generation=3,
+                   previous_status=previous, now=now)  # fmt: skip
+
+
+def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+FULL = Observed(
+    deployments=[deployment("prefill", 1), deployment("decode", 1), deployment("router", 1)],
+    pods=[pod("prefill", "p1"), pod("decode", "d1"), pod("router", "r1")],
+)
+
+
+def test_ready_when_current_revision_and_router_are_ready() -> None:
+    status = status_of(FULL)
+    assert cond(status, "Ready")["status"] == "True"
+    assert status["phase"] == "Ready" and status["transferMode"] == "Push" and status["revision"] == REV
+    assert status["prefill"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    assert status["router"] == {"readyReplicas": 1, "url": "http://m-router.ns.svc:8000"}
+    assert status["observedGeneration"] == 3
+    assert cond(status, "Progressing")["status"] == "False"
+
+
+def test_old_revision_pods_never_count_as_ready() -> None:
+    observed = Observed(
+        deployments=[deployment("prefill", 1), deployment("decode", 1), deployment("router", 1),
+                     deployment("prefill", 1, "old"), deployment("decode", 1, "old")],
+        pods=[pod("prefill", "p-old", revision="old"), pod("decode", "d-old", revision="old"),
+              pod("prefill", "p1", ready=False), pod("decode", "d1"), pod("router", "r1")],
+    )  # fmt: skip
+    status = status_of(observed)
+    assert cond(status, "Ready")["status"] == "False"
+    assert status["prefill"] == {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 1}
+    progressing = cond(status, "Progressing")
+    assert progressing["status"] == "True" and progressing["reason"] == "RolloutInProgress"
+
+
+def test_unschedulable_pod_names_the_missing_resource() -> None:
+    message = "0/7 nodes are available: 4 Insufficient vpc.amazonaws.com/efa, 3 node(s) had untolerated taint."
+    pending = pod("decode", "d1", ready=False)
+    pending["status"]["conditions"].append(
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+    )
+    observed = Observed(deployments=FULL.deployments, pods=[pod("prefill", "p1"), pending, pod("router", "r1")])
+    ready = cond(status_of(observed), "Ready")
+    assert ready["reason"] == "InsufficientEFADevices"
+    assert "vpc.amazonaws.com/efa (EFA devices)" in ready["message"] and "d1" in ready["message"]
+
+
+def test_crash_loop_has_its_own_reason() -> None:
+    crashing = pod("prefill", "p1", ready=False, containerStatuses=[{
+        "name": "vllm", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "message": "CUDA out of memory"}},
+    }])  # fmt: skip
+    observed = Observed(deployments=FULL.deployments, pods=[crashing, pod("decode", "d1"), pod("router", "r1")])
+    status = status_of(observed)
+    assert cond(status, "Ready")["reason"] == "CrashLoop" and "CUDA out of memory" in cond(status, "Ready")["message"]
+    assert cond(status, "Degraded")["status"] == "True"
+
+
+def test_preflight_failure_becomes_the_fabric_condition() -> None:
+    failed = pod("prefill", "p1", ready=False, initContainerStatuses=[{
+        "name": "preflight",
+        "state": {"terminated": {"exitCode": 1, "message": "NixlBackendUnavailable: LIBFABRIC did not instantiate"}},
+    }])  # fmt: skip
+    observed = Observed(deployments=FULL.deployments, pods=[failed, pod("decode", "d1"), pod("router", "r1")])
+    fabric = cond(status_of(observed), "FabricReady")
+    assert (fabric["status"], fabric["reason"]) == ("False", "NixlBackendUnavailable")
+    assert "LIBFABRIC did not instantiate" in fabric["message"]
+
+
+def test_transition_time_moves_only_when_status_flips() -> None:
+    first = status_of(FULL, now="t1")
+    again = status_of(FULL, previous=first, now="t2")
+    assert again == first  # unchanged world: identical status, so no write
+    degraded = Observed(deployments=FULL.deployments, pods=[pod("prefill", "p1", ready=False), pod("decode", "d1"), pod("router", "r1")])
+    flipped = status_of(degraded, previous=first, now="t3")
+    assert cond(flipped, "Ready")["lastTransitionTime"] == "t3"
+    assert cond(flipped, "FabricReady")["lastTransitionTime"] == "t1"
+
+
+def test_invalid_spec_status_keeps_what_runs() -> None:
+    first = status_of(FULL)
+    status = invalid_status(["spec.x: bad"], 4, first, "t9")
+    assert status["phase"] == "Invalid" and status["prefill"] == first["prefill"]
+    assert cond(status, "Ready")["reason"] == "InvalidSpec" and "spec.x: bad" in cond(status, "Ready")["message"]
