@@ -33,13 +33,21 @@ def key_of(obj: dict[str, Any]) -> Key:
     return obj["kind"], obj["metadata"]["name"]
 
 
+USER_AGENT = f"{contract.OPERATOR_NAME}/reconciler"
+
+
 def load_api_client() -> client.ApiClient:
-    """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config).
+
+    The user agent names us in the API server's audit log (kopf's own requests say kopf/<version>).
+    """
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    api = client.ApiClient()
+    api.user_agent = USER_AGENT
+    return api
 
 
 def _selector(labels: dict[str, str]) -> str:

