@@ -19,6 +19,7 @@ from .api.crd import render_crd_yaml
 from .api.validation import SpecError, parse
 from .config import RenderDefaults
 from .manifests import dump_all, load_all
+from .rbac import cluster_role
 from .render import render
 
 EXIT_INVALID = 1
@@ -92,6 +93,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rbac(_: argparse.Namespace) -> int:
+    sys.stdout.write(dump_all([cluster_role()]))
+    return 0
+
+
 def cmd_crd(_: argparse.Namespace) -> int:
     sys.stdout.write(render_crd_yaml())
     return 0
@@ -133,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=cmd_run)
+    rbac = sub.add_parser("rbac", help="print the ClusterRole the operator needs")
+    rbac.set_defaults(func=cmd_rbac)
     crd = sub.add_parser("crd", help="print the CustomResourceDefinition")
     crd.set_defaults(func=cmd_crd)
     return parser

@@ -1,0 +1,49 @@
+"""The permissions the operator needs, in one place: the Helm chart and the e2e tests use this.
+
+Least privilege: the operator reads and writes only the kinds it renders, reads pods for status,
+writes Events (kopf posts warnings) and its peering objects (HA). Creating the router's Role requires
+holding its permissions (pods get/list/watch), which the operator has for status anyway. No Secrets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg_connector import contract
+
+from .kube import MANAGED_KINDS
+
+WRITE = ["get", "list", "watch", "create", "update", "patch", "delete"]
+READ = ["get", "list", "watch"]
+
+
+def _group(api_version: str) -> str:
+    return api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+
+
+def _plural(kind: str) -> str:
+    return {"NetworkPolicy": "networkpolicies"}.get(kind, kind.lower() + "s")
+
+
+def rules() -> list[dict[str, Any]]:
+    by_group: dict[str, list[str]] = {}
+    for api_version, kind in MANAGED_KINDS:
+        by_group.setdefault(_group(api_version), []).append(_plural(kind))
+    managed = [{"apiGroups": [g], "resources": sorted(r), "verbs": WRITE} for g, r in sorted(by_group.items())]
+    return [
+        {"apiGroups": [contract.API_GROUP], "resources": [contract.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
+        {"apiGroups": [contract.API_GROUP], "resources": [f"{contract.PLURAL}/status"], "verbs": ["get", "patch", "update"]},
+        *managed,
+        {"apiGroups": [""], "resources": ["pods"], "verbs": READ},
+        {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+        {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
+    ]
+
+
+def cluster_role(name: str = contract.OPERATOR_NAME) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name, "labels": {contract.LABEL_NAME: contract.OPERATOR_NAME}},
+        "rules": rules(),
+    }
