@@ -33,12 +33,19 @@ class ApiModel(BaseModel):
         target = handler.resolve_ref_schema(schema)
         if cls.cel_rules:
             target["x-kubernetes-validations"] = [r.to_schema() for r in cls.cel_rules]
+        # pydantic leaves default_factory values out of the schema; the API server must default them
+        # too, or CEL rules would meet absent lists and maps (an evaluation error, not a refusal).
+        for name, field in cls.model_fields.items():
+            prop = target.get("properties", {}).get(field.alias or name)
+            if prop is not None and field.default_factory is not None:
+                value = field.default_factory()  # type: ignore[call-arg]
+                prop["default"] = {} if isinstance(value, BaseModel) else value
         return schema
 
 
 def _sub(model: type[BaseModel]) -> Any:
     """A nested object that defaults to its own defaults, in Python and in the CRD (`default: {}`)."""
-    return Field(default_factory=model, json_schema_extra={"default": {}})
+    return Field(default_factory=model)
 
 
 # Kubernetes resource.Quantity, accepted as int or string like kubectl does.
@@ -135,7 +142,7 @@ _NO_MANAGED_ENV = CelRule(
     field_path=".env",
 )
 
-ExtraArgs = Annotated[list[Annotated[str, Field(max_length=4096)]], Field(max_length=128)]
+ExtraArgs = Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=64)]
 
 
 class EnvVar(ApiModel):
