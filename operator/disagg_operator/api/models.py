@@ -39,12 +39,16 @@ class ApiModel(BaseModel):
             prop = target.get("properties", {}).get(field.alias or name)
             if prop is not None and field.default_factory is not None:
                 value = field.default_factory()  # type: ignore[call-arg]
-                prop["default"] = {} if isinstance(value, BaseModel) else value
+                if isinstance(value, BaseModel):
+                    # Spelled out in full: the API server checks a default against the CEL rules
+                    # without applying the nested defaults first.
+                    value = value.model_dump(by_alias=True, mode="json", exclude_none=True)
+                prop["default"] = value
         return schema
 
 
 def _sub(model: type[BaseModel]) -> Any:
-    """A nested object that defaults to its own defaults, in Python and in the CRD (`default: {}`)."""
+    """A nested object that defaults to its own defaults, in Python and in the CRD."""
     return Field(default_factory=model)
 
 
@@ -72,8 +76,9 @@ Quantity = Annotated[
     str,
     BeforeValidator(_quantity),
     WithJsonSchema(
-        {
-            "anyOf": [{"type": "integer"}, {"type": "string", "pattern": _QUANTITY_RE}],
+        {  # the only int-or-string shape structural schemas allow: pattern beside anyOf, not in it
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": _QUANTITY_RE,
             "x-kubernetes-int-or-string": True,
         }
     ),
@@ -401,13 +406,21 @@ class NetworkSpec(ApiModel):
     network_policy: NetworkPolicySpec = _sub(NetworkPolicySpec)
 
 
+def _int_or_percent(value: Any) -> int | str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and re.match(r"^[0-9]{1,3}%$", value):
+        return value
+    raise ValueError("must be a non-negative integer or a percentage such as 25%")
+
+
 IntOrPercent = Annotated[
-    str,
-    BeforeValidator(lambda v: str(v) if isinstance(v, int) and not isinstance(v, bool) else v),
-    Field(pattern=r"^([0-9]+|[0-9]{1,3}%)$"),
+    int | str,
+    BeforeValidator(_int_or_percent),
     WithJsonSchema(
         {
-            "anyOf": [{"type": "integer"}, {"type": "string", "pattern": r"^[0-9]{1,3}%$"}],
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": r"^[0-9]{1,3}%$",
             "x-kubernetes-int-or-string": True,
         }
     ),
@@ -416,7 +429,7 @@ IntOrPercent = Annotated[
 
 class RoleRollout(ApiModel):
     max_surge: IntOrPercent = Field(default="25%")
-    max_unavailable: IntOrPercent = Field(default=0, validate_default=True)
+    max_unavailable: IntOrPercent = 0
 
 
 class RolloutSpec(ApiModel):

@@ -226,8 +226,8 @@ def deployment(
         "strategy": {
             "type": "RollingUpdate",
             "rollingUpdate": {
-                "maxSurge": _int_or_percent(rollout.max_surge),
-                "maxUnavailable": _int_or_percent(rollout.max_unavailable),
+                "maxSurge": rollout.max_surge,
+                "maxUnavailable": rollout.max_unavailable,
             },
         },
         "revisionHistoryLimit": 2,
@@ -243,10 +243,6 @@ def deployment(
         "metadata": metadata(dm, contract.engine_deployment_name(model, role_name, revision), labels),
         "spec": spec,
     }
-
-
-def _int_or_percent(value: str) -> int | str:
-    return value if value.endswith("%") else int(value)
 
 
 def headless_service(dm: DisaggregatedModel, role_name: contract.Role) -> dict[str, Any]:
