@@ -19,6 +19,8 @@ if [ ! -e "$stamp" ]; then
   log "installing the project and its test dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip==25.3
   .venv/bin/python -m pip install -q -e '.[test,router,kvxfer]'
+  # NIXL without its hard torch requirement (see pyproject.toml, extra kvxfer).
+  .venv/bin/python -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
   rm -f .venv/.installed-*; touch "$stamp"
 else
   log ".venv is up to date"

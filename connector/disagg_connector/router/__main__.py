@@ -1,0 +1,4 @@
+from disagg_connector.router.cli import main
+
+if __name__ == "__main__":
+    main()

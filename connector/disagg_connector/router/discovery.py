@@ -1,0 +1,434 @@
+"""Discovery of prefill and decode engines: Kubernetes Pods by label, or a static file.
+
+The table is built from pod objects **as the API returns them** (dicts, camelCase keys), so the same
+pure code serves the watch, the relist, the static file and the unit tests:
+
+- a pod counts only if it has the role label (prefill/decode) and the revision label, a UID, a pod IP,
+  condition ``Ready=True`` and no ``deletionTimestamp``; its NIXL identity comes from
+  :func:`contract.identities_from_pod` (engine_id from name and UID, port = side-channel base + DP rank,
+  tp/pp/dp sizes from the annotations);
+- a prefill pod with data-parallel size N yields N backends (one per DP rank: the router pins the prefill
+  leg to the rank with ``X-data-parallel-rank`` and addresses ``<engine_id>_dp<rank>`` at base+rank);
+  a decode pod is one backend (its API server balances its own DP ranks; D sends its own identity);
+- pods that are not (yet) ready are still remembered for the revision's age (see below).
+
+**Newest revision.** A revision's age is the earliest ``creationTimestamp`` of any pod of that revision
+currently known (ready or not): the operator creates a revision's pods when it rolls that revision out,
+so the revision whose pods appeared last is the newest. Ties break on the revision string. In the static
+file, an entry without ``created`` counts as created at its position in the file (later = newer).
+
+**Failures.** The watch runs in a daemon thread with the official ``kubernetes`` client: list, then watch
+from the list's resourceVersion; ``410 Gone`` relists; any other error (API outage, expired token) backs
+off and retries, keeping the last table until a relist succeeds. Kubeconfig: in-cluster service account,
+otherwise ``--kubeconfig`` / ``$KUBECONFIG`` / ``~/.kube/config``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from disagg_connector import contract
+from disagg_connector.contract import EngineIdentity
+
+log = logging.getLogger("disagg_router.discovery")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One schedulable target: a decode pod, or one DP rank of a prefill pod."""
+
+    role: str
+    revision: str
+    pod: str
+    uid: str
+    host: str
+    identity: EngineIdentity
+    dp_size: int = 1
+    created: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.pod}#dp{self.identity.dp_rank}" if self.dp_size > 1 else self.pod
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.identity.http_port}"
+
+
+def _parse_time(value: Any) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, datetime):
+        return value.timestamp()
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def pod_is_ready(pod: Mapping[str, Any]) -> bool:
+    for cond in (pod.get("status") or {}).get("conditions") or ():
+        if cond.get("type") == "Ready":
+            return str(cond.get("status")) == "True"
+    return False
+
+
+def pod_key(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return str(meta.get("uid") or f"{meta.get('namespace', '')}/{meta.get('name', '')}")
+
+
+def backends_from_pod(pod: Mapping[str, Any], engine_id_override: str | None = None) -> list[Backend]:
+    """The backends a pod contributes now: [] unless it is a Ready, not terminating P/D pod with an IP."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    labels = meta.get("labels") or {}
+    role = labels.get(contract.LABEL_ROLE)
+    revision = labels.get(contract.LABEL_REVISION)
+    name, uid, ip = meta.get("name"), meta.get("uid"), status.get("podIP")
+    if role not in contract.ENGINE_ROLES or not revision or not name or not uid:
+        return []
+    if meta.get("deletionTimestamp") or not ip or not pod_is_ready(pod):
+        return []
+    try:
+        identities = contract.identities_from_pod(name, uid, ip, meta.get("annotations") or {})
+    except ValueError as e:
+        log.warning("pod %s: unreadable NIXL identity annotations (%s); ignored", name, e)
+        return []
+    if not identities:
+        return []
+    dp = len(identities)
+    if engine_id_override:
+        identities = [
+            dataclasses.replace(i, engine_id=contract.dp_engine_id(engine_id_override, i.dp_rank, dp))
+            for i in identities
+        ]
+    if role == "decode":
+        identities = identities[:1]
+    created = _parse_time(meta.get("creationTimestamp"))
+    return [Backend(role, revision, name, uid, ip, ident, dp, created) for ident in identities]
+
+
+@dataclass(frozen=True)
+class RevisionView:
+    revision: str
+    created: float
+    prefill: tuple[Backend, ...]
+    decode: tuple[Backend, ...]
+
+    @property
+    def eligible(self) -> bool:
+        return bool(self.prefill) and bool(self.decode)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An immutable view of the table; ``revisions`` is ordered newest first."""
+
+    generation: int
+    revisions: tuple[RevisionView, ...] = ()
+
+    def revision(self, name: str) -> RevisionView | None:
+        return next((r for r in self.revisions if r.revision == name), None)
+
+    def backends(self) -> list[Backend]:
+        return [b for r in self.revisions for b in (*r.prefill, *r.decode)]
+
+
+@dataclass
+class _PodEntry:
+    revision: str | None
+    created: float
+    backends: list[Backend] = field(default_factory=list)
+
+
+class EndpointTable:
+    """Pods -> backends, grouped by revision. Mutated only on the event loop (or a single thread)."""
+
+    def __init__(self) -> None:
+        self._pods: dict[str, _PodEntry] = {}
+        self._generation = 0
+        self._snapshot = Snapshot(0)
+        self._listeners: list[Callable[[Snapshot], None]] = []
+        self.synced = False
+
+    def add_listener(self, fn: Callable[[Snapshot], None]) -> None:
+        self._listeners.append(fn)
+
+    @staticmethod
+    def _entry(pod: Mapping[str, Any], override: str | None = None) -> _PodEntry:
+        meta = pod.get("metadata") or {}
+        revision = (meta.get("labels") or {}).get(contract.LABEL_REVISION)
+        return _PodEntry(revision, _parse_time(meta.get("creationTimestamp")), backends_from_pod(pod, override))
+
+    def replace(self, pods: Iterable[Mapping[str, Any]]) -> None:
+        """A full list (relist or static file): the new truth."""
+        self._pods = {pod_key(p): self._entry(p, p.get("_engine_id")) for p in pods}
+        self.synced = True
+        self._changed()
+
+    def apply(self, event_type: str, pod: Mapping[str, Any]) -> None:
+        """One watch event (ADDED, MODIFIED, DELETED)."""
+        key = pod_key(pod)
+        if event_type == "DELETED":
+            if self._pods.pop(key, None) is None:
+                return
+        elif event_type in ("ADDED", "MODIFIED"):
+            self._pods[key] = self._entry(pod)
+        else:
+            return
+        self._changed()
+
+    def _changed(self) -> None:
+        self._generation += 1
+        by_rev: dict[str, dict[str, Any]] = {}
+        for entry in self._pods.values():
+            if not entry.revision:
+                continue
+            rev = by_rev.setdefault(entry.revision, {"created": entry.created, "prefill": [], "decode": []})
+            rev["created"] = min(rev["created"], entry.created)
+            for b in entry.backends:
+                rev[b.role].append(b)
+        views = [
+            RevisionView(
+                name,
+                r["created"],
+                tuple(sorted(r["prefill"], key=lambda b: b.key)),
+                tuple(sorted(r["decode"], key=lambda b: b.key)),
+            )
+            for name, r in by_rev.items()
+        ]
+        views.sort(key=lambda v: (v.created, v.revision), reverse=True)
+        self._snapshot = Snapshot(self._generation, tuple(views))
+        for fn in self._listeners:
+            try:
+                fn(self._snapshot)
+            except Exception:  # a listener (metrics) must never break discovery
+                log.exception("table listener failed")
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot
+
+
+# --- static file ------------------------------------------------------------------------------------
+def pods_from_static(doc: Any) -> list[dict[str, Any]]:
+    """Static entries -> pod dicts, so the static mode runs the same code as the watch.
+
+    Format (YAML or JSON)::
+
+        endpoints:
+          - {role: prefill, revision: r1, name: p0, uid: u0, host: 127.0.0.1, http_port: 8000,
+             side_channel_port: 5600, tp_size: 1, pp_size: 1, dp_size: 1, ready: true,
+             created: "2024-01-01T00:00:00Z", engine_id: optional-override}
+
+    ``uid`` defaults to the name; ``engine_id`` (optional) replaces ``contract.engine_id(name, uid)`` for
+    engines launched outside Kubernetes with an id of their own.
+    """
+    entries = doc.get("endpoints", []) if isinstance(doc, Mapping) else (doc or [])
+    pods = []
+    for i, e in enumerate(entries):
+        name = str(e["name"])
+        annotations = {
+            contract.ANNOTATION_TP_SIZE: str(e.get("tp_size", 1)),
+            contract.ANNOTATION_PP_SIZE: str(e.get("pp_size", 1)),
+            contract.ANNOTATION_DP_SIZE: str(e.get("dp_size", 1)),
+            contract.ANNOTATION_SIDE_CHANNEL_PORT: str(e.get("side_channel_port", contract.NIXL_SIDE_CHANNEL_PORT)),
+            contract.ANNOTATION_HTTP_PORT: str(e.get("http_port", contract.HTTP_PORT)),
+        }
+        pod = {
+            "metadata": {
+                "name": name,
+                "uid": str(e.get("uid", name)),
+                "labels": {contract.LABEL_ROLE: e["role"], contract.LABEL_REVISION: str(e.get("revision", "static"))},
+                "annotations": annotations,
+                "creationTimestamp": e.get("created", i),
+            },
+            "status": {
+                "podIP": e.get("host", "127.0.0.1"),
+                "conditions": [{"type": "Ready", "status": "True" if e.get("ready", True) else "False"}],
+            },
+        }
+        if e.get("engine_id"):
+            pod["_engine_id"] = str(e["engine_id"])
+        pods.append(pod)
+    return pods
+
+
+def load_static(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    text = Path(path).read_text()
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        import yaml
+
+        doc = yaml.safe_load(text)
+    return pods_from_static(doc)
+
+
+class StaticDiscovery:
+    """Reads the file at start and whenever its mtime/size changes; a bad file keeps the last table."""
+
+    def __init__(self, path: str, table: EndpointTable, poll_seconds: float = 0.5, on_error: Callable[[], None] | None = None):
+        self.path, self.table, self.poll = path, table, poll_seconds
+        self._stamp: tuple[float, int] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._on_error = on_error
+
+    def _reload(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            if self._stamp is not None or not self.table.synced:
+                log.warning("static endpoints %s unreadable (%s); keeping the last table", self.path, e)
+            self._stamp = None
+            return
+        stamp = (st.st_mtime, st.st_size)
+        if stamp == self._stamp:
+            return
+        try:
+            pods = load_static(self.path)
+        except Exception as e:
+            log.warning("static endpoints %s invalid (%s); keeping the last table", self.path, e)
+            if self._on_error:
+                self._on_error()
+            return
+        self._stamp = stamp
+        self.table.replace(pods)
+        log.info("static endpoints loaded: %s", _describe(self.table.snapshot()))
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll)
+            self._reload()
+
+    async def start(self) -> None:
+        self._reload()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+
+def _describe(snap: Snapshot) -> str:
+    return ", ".join(f"{r.revision}: {len(r.prefill)}P/{len(r.decode)}D" for r in snap.revisions) or "empty"
+
+
+# --- Kubernetes -------------------------------------------------------------------------------------
+class KubernetesDiscovery:
+    """List+watch of Pods by label selector in one namespace, in a daemon thread.
+
+    Events are handed to the event loop with ``call_soon_threadsafe``; the table is never touched from the
+    thread. ``api_client`` may be injected (tests); otherwise it is built from in-cluster config or a
+    kubeconfig.
+    """
+
+    WATCH_SECONDS = 240
+
+    def __init__(
+        self,
+        namespace: str,
+        selector: str,
+        table: EndpointTable,
+        kubeconfig: str | None = None,
+        api_client: Any = None,
+        on_error: Callable[[], None] | None = None,
+        on_event: Callable[[], None] | None = None,
+    ) -> None:
+        self.namespace, self.selector, self.table = namespace, selector, table
+        self.kubeconfig = kubeconfig
+        self._api_client = api_client
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_error, self._on_event = on_error, on_event
+        self._watch: Any = None
+
+    def _client(self) -> Any:
+        from kubernetes import client, config
+
+        if self._api_client is None:
+            try:
+                config.load_incluster_config()
+                self._api_client = client.ApiClient()
+            except config.ConfigException:
+                self._api_client = config.new_client_from_config(config_file=self.kubeconfig or os.environ.get("KUBECONFIG"))
+        return client.CoreV1Api(self._api_client)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def _run(self) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                api = self._client()
+                resp = api.list_namespaced_pod(
+                    self.namespace, label_selector=self.selector, _preload_content=False, _request_timeout=(10, 60)
+                )
+                doc = json.loads(resp.data)
+                rv = (doc.get("metadata") or {}).get("resourceVersion")
+                self._post(self.table.replace, doc.get("items") or [])
+                self._post(lambda: log.info("pods listed: %s", _describe(self.table.snapshot())))
+                backoff = 0.5
+                while not self._stop.is_set():
+                    w = watch.Watch()
+                    self._watch = w
+                    for ev in w.stream(
+                        api.list_namespaced_pod,
+                        self.namespace,
+                        label_selector=self.selector,
+                        resource_version=rv,
+                        allow_watch_bookmarks=True,
+                        timeout_seconds=self.WATCH_SECONDS,
+                        _request_timeout=(10, self.WATCH_SECONDS + 30),
+                    ):
+                        if self._stop.is_set():
+                            break
+                        if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                            self._post(self.table.apply, ev["type"], ev["raw_object"])
+                            if self._on_event:
+                                self._post(self._on_event)
+                    rv = w.resource_version or rv
+            except ApiException as e:
+                if e.status == 410:
+                    log.info("watch expired (410 Gone); relisting")
+                    continue
+                self._failed(f"API error {e.status}: {e.reason}", backoff)
+                backoff = min(backoff * 2, 30.0)
+            except Exception as e:  # API outage, DNS, TLS, token: keep the last table and retry
+                self._failed(f"{type(e).__name__}: {e}", backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def _failed(self, why: str, backoff: float) -> None:
+        log.warning("pod discovery failed (%s); keeping the last table, retrying in %.1fs", why, backoff)
+        if self._on_error and self._loop:
+            self._post(self._on_error)
+        self._stop.wait(backoff)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="pod-discovery", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.stop()
+

@@ -1,0 +1,335 @@
+"""Start simulated engines and routers as separate processes on loopback (tests and benchmarks).
+
+Every process gets free ports picked at launch, logs to a file, and is stopped by its own pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from disagg_connector import contract
+
+REPO = Path(__file__).resolve().parents[2]
+HOST = "127.0.0.1"
+MODEL = "sim-model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def get_json(url: str) -> Any:
+    status, body = http_get(url)
+    assert status == 200, (url, status, body[:200])
+    return json.loads(body)
+
+
+def wait_until(pred: Any, timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> Any:
+    """Poll pred() until it returns a truthy value (event-based waits; generous deadlines, no timing asserts)."""
+    end = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < end:
+        try:
+            v = pred()
+            if v:
+                return v
+        except Exception as e:  # noqa: BLE001 - e.g. connection refused while starting
+            last_exc = e
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what}" + (f" (last error: {last_exc!r})" if last_exc else ""))
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.popen.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+@dataclass
+class Sim:
+    proc: Proc
+    role: str
+    mode: str
+    name: str
+    uid: str
+    revision: str
+    port: int
+    side_port: int
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    engine_id_override: str | None = None
+
+    @property
+    def engine_id(self) -> str:
+        return self.engine_id_override or contract.engine_id(self.name, self.uid)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def static_entry(self, **overrides: Any) -> dict[str, Any]:
+        e: dict[str, Any] = {
+            "role": self.role,
+            "revision": self.revision,
+            "name": self.name,
+            "uid": self.uid,
+            "host": HOST,
+            "http_port": self.port,
+            "side_channel_port": self.side_port,
+            "tp_size": self.tp,
+            "pp_size": self.pp,
+            "dp_size": self.dp,
+        }
+        e.update(overrides)
+        return e
+
+    def stats(self) -> dict[str, Any]:
+        return get_json(self.url + "/sim/stats")
+
+    def counter(self, name: str) -> int:
+        return int(self.stats()["counters"].get(name, 0))
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        evs = get_json(self.url + "/sim/events")["events"]
+        return [e for e in evs if kind is None or e["kind"] == kind]
+
+    def body(self, xid: str) -> bytes | None:
+        status, data = http_get(f"{self.url}/sim/body/{xid}")
+        return data if status == 200 else None
+
+    def ready(self) -> bool:
+        return http_get(self.url + "/health", timeout=2)[0] == 200
+
+
+FAST = {"prefill_us_per_token": 100.0, "tpot_ms": 2.0, "step_ms": 2.0, "registration_rtt_ms": 0.5}
+
+
+def launch_sim(
+    log_dir: Path,
+    role: str,
+    mode: str = "push",
+    revision: str = "r1",
+    name: str | None = None,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    lease_seconds: float = 30.0,
+    compat_hash: str | None = None,
+    engine_id: str | None = None,
+    extra: Iterable[str] = (),
+    **timing: float,
+) -> Sim:
+    """Start a simulated engine (does not wait: see wait_ready)."""
+    name = name or f"{revision}-{role}-{uuid.uuid4().hex[:6]}"
+    uid = str(uuid.uuid4())
+    port, side = free_ports(2) if dp == 1 else (free_port(), _free_range(dp))
+    eid = engine_id or contract.engine_id(name, uid)
+    argv = [
+        sys.executable, "-m", "tests.vllm_sim", "--role", role, "--mode", mode, "--host", HOST, "--port", str(port),
+        "--side-channel-port", str(side), "--engine-id", eid, "--served-model-name", MODEL, "--tp-size", str(tp),
+        "--pp-size", str(pp), "--dp-size", str(dp), "--lease-seconds", str(lease_seconds),
+        "--compat-hash", compat_hash or f"hash-{revision}", "--record-bodies",
+    ]
+    for k, v in {**FAST, **timing}.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    argv += list(extra)
+    proc = Proc(name, argv, log_dir)
+    return Sim(proc, role, mode, name, uid, revision, port, side, tp, pp, dp, engine_id)
+
+
+def _free_range(n: int) -> int:
+    """A base port with n consecutive free ports after it."""
+    for _ in range(200):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((HOST, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def wait_ready(*things: Any, timeout: float = 60.0) -> None:
+    for t in things:
+        wait_until(lambda: (t.proc.alive() or _died(t)) and t.ready(), timeout, what=f"{t.proc.name} ready")
+
+
+def _died(t: Any) -> bool:
+    raise RuntimeError(f"{t.proc.name} exited with {t.proc.popen.returncode}:\n{t.proc.log_text()[-3000:]}")
+
+
+def write_static(path: Path, entries: list[dict[str, Any]]) -> None:
+    """Atomic replace, so the router never reads half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"endpoints": entries}, indent=1))
+    os.replace(tmp, path)
+
+
+@dataclass
+class Router:
+    proc: Proc
+    port: int
+    static_path: Path
+    mode: str
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def ready(self) -> bool:
+        return http_get(self.url + "/health", timeout=2)[0] == 200
+
+    def health(self) -> dict[str, Any]:
+        return json.loads(http_get(self.url + "/health")[1])
+
+    def metrics(self) -> str:
+        return http_get(self.url + "/metrics")[1].decode()
+
+    def wait_table(self, eligible: set[str], timeout: float = 30.0) -> None:
+        """Wait until exactly these revisions are eligible in the router's table."""
+        wait_until(
+            lambda: {r["revision"] for r in self.health()["revisions"] if r["eligible"]} == eligible,
+            timeout,
+            what=f"router table {eligible}",
+        )
+
+
+def launch_router(
+    log_dir: Path,
+    static_path: Path,
+    mode: str = "push",
+    *,
+    leg_timeout: float = 30.0,
+    max_retries: int = 1,
+    grace: float = 20.0,
+    extra: Iterable[str] = (),
+    name: str = "router",
+) -> Router:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "disagg_connector.router", "--served-model-name", MODEL, "--mode", mode,
+        "--static-endpoints", str(static_path), "--host", HOST, "--port", str(port),
+        "--leg-timeout-seconds", str(leg_timeout), "--max-retries", str(max_retries),
+        "--shutdown-grace-seconds", str(grace), *extra,
+    ]
+    return Router(Proc(name, argv, log_dir), port, static_path, mode, argv)
+
+
+# --- client helpers (async; tests wrap them in asyncio.run) -----------------------------------------------
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def xid(self) -> str | None:
+        return self.headers.get("x-request-id")
+
+
+async def post(url: str, body: Any, *, timeout: float = 120.0, raw: bytes | None = None) -> Reply:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        kw: dict[str, Any] = {"data": raw, "headers": {"Content-Type": "application/json"}} if raw is not None else {"json": body}
+        async with s.post(url, **kw) as r:
+            return Reply(r.status, {k.lower(): v for k, v in r.headers.items()}, await r.read())
+
+
+def completion(model: str = MODEL, prompt_words: int = 8, max_tokens: int = 4, stream: bool = False, **kw: Any) -> dict[str, Any]:
+    return {"model": model, "prompt": " ".join(["word"] * prompt_words), "max_tokens": max_tokens, "stream": stream, **kw}
+
+
+def chat(model: str = MODEL, words: int = 8, max_tokens: int = 4, stream: bool = False, **kw: Any) -> dict[str, Any]:
+    msgs = [{"role": "user", "content": " ".join(["word"] * words)}]
+    return {"model": model, "messages": msgs, "max_tokens": max_tokens, "stream": stream, **kw}
+
+
+def stop_all(*things: Any) -> None:
+    for t in things:
+        if t is not None:
+            t.proc.stop()

@@ -1,0 +1,776 @@
+"""Simulated vLLM 0.33.0 engine (prefill or decode, NIXL push or pull) for tests and benchmarks.
+
+**HTTP protocol (vLLM's OpenAI server).** ``POST /v1/completions`` and ``/v1/chat/completions``, streamed
+(SSE, ``data: [DONE]``) or not; ``GET /v1/models``; ``GET /health`` (500 once the engine is dead).
+``X-Request-Id: <id>`` gives the engine request id ``cmpl-<id>-0`` (completions; the response id is
+``cmpl-<id>``) or ``chatcmpl-<id>`` (chat), to which the engine appends ``-<8 hex>`` unless
+``--disable-request-id-randomization`` (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``). ``X-data-parallel-rank``
+pins a request to a DP rank. ``kv_transfer_params`` is a top-level request and response field. Errors use
+``{"error": {"message", "type", "param", "code"}}``; a failed KV load under ``--kv-load-failure-policy fail``
+is HTTP 500 "Internal server error" (non-streaming) or an error event (streaming: vLLM has already sent
+200 and its headers).
+
+**The P/D side channel** (vLLM: ZMQ + NIXL notifications; here: HTTP on ``--side-channel-port + rank``).
+- Push: D schedules the request (allocates blocks) at an engine step, then sends ``PUSH_REG`` (``POST
+  /push_reg`` on P's port = ``remote_port``) carrying D's internal request id, D's identity, the
+  ``remote_engine_id``, ``tp_size``, ``pp_size`` from the decode leg and a compatibility hash. P refuses a
+  wrong ``remote_engine_id`` ("Remote NIXL agent engine ID mismatch") or hash (a revision mix): D's recv fails.
+  P matches registration and finished blocks, whichever comes second, by request id: exact, then equal
+  after stripping the trailing ``-<8hex>`` of both. Then P "writes" the KV (sleeps the transfer time) and
+  sends completion notices (``POST /push_done`` on D's side channel). D completes after
+  ``pp_size * max(1, tp_size // D_tp)`` notices (from the decode leg's params); P sends
+  ``P_pp * max(1, min(tp_size, P_tp) // D_tp)`` (its real topology, limited to the ranks D addressed).
+  Too few: D never completes. Enough with a wrong tp/pp: D completes with a wrong KV (garbage tokens ``??``).
+- Pull: P's prefill answer carries its ``kv_transfer_params`` (``remote_block_ids``, ``remote_engine_id``,
+  ``remote_request_id`` = P's internal id, host, port, sizes, expiry, ``transfer_mode: "pull"``). D validates
+  them (missing block ids / engine id / request id / host / port: "Got invalid KVTransferParams", recompute
+  locally: slow but answers), then reads (``POST /pull_read``, exact request id, blocks not expired).
+
+**Failure semantics (reference §3, §5).**
+- Push decode leg missing one of ``remote_engine_id remote_host remote_port tp_size pp_size
+  remote_request_id``: vLLM's scheduler reads them with ``[]`` -> ``KeyError`` in the engine core. The sim
+  treats it as fatal, like an exception in vLLM's busy loop: every in-flight request fails (500 / error
+  event), later requests get 500 ``EngineDeadError``, ``/health`` returns 500.
+- Legs whose ids don't match never rendezvous: D waits in WAITING_FOR_REMOTE_KVS forever (after
+  ``--push-registration-timeout`` it only logs and counts), until the client disconnects.
+- P holds finished blocks for ``--lease-seconds`` ("Releasing expired KV blocks"); a registration (or a
+  pull read) arriving later finds nothing: push D waits forever, pull D fails its load (policy).
+- A client disconnect aborts the request (counted in ``cancelled``); an aborted prefill never pushes.
+
+**Timing model** (every duration multiplied by ``--time-scale``):
+- P has one accelerator: prefills run one at a time, FIFO, ``prefill_us_per_token * prompt_tokens`` each.
+- D runs an engine loop of steps of ``tpot_ms``; each step emits one token to every running request.
+  Requests are scheduled (and push registrations sent) at step boundaries, and a request whose KV arrived
+  joins the batch at the next boundary. Work that vLLM does inline in D's loop stalls the step for
+  everyone: pull's descriptor prep + transfer submission, ``descriptor_prep_us_per_block * blocks``
+  (blocks of ``block_size`` tokens), and local (re)compute of a prompt, ``prefill_us_per_token *
+  prompt_tokens``. Push preps descriptors in P's background writer thread, which merges contiguous blocks
+  into larger transfer regions (the AWS article): one region's prep, on the request's path, stalling nobody.
+- KV transfer: ``prompt_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)`` seconds (P's background
+  writer in push, D's read in pull); each side-channel message costs half of ``registration_rtt_ms``.
+- P notices a notification at its next engine step: at the end of the prefill it is computing, or,
+  when idle, at the next multiple of ``step_ms``. This is the engine step boundary that push pays when
+  the legs are sequential (the registration reaches an idle P after the prefill); concurrent push hides
+  it behind the prefill.
+Defaults approximate Qwen3-32B (256 KiB of KV per token), TP8 H200 prefill, 100 GB/s EFA.
+
+Test hooks: ``GET /sim/stats`` (counters), ``GET /sim/events`` (ordered event log),
+``GET /sim/body/{xid}`` (the exact bytes this engine sent for a request), all on the HTTP port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import math
+import re
+import secrets
+import signal
+import time
+import uuid
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+log = logging.getLogger("vllm_sim")
+
+PUSH_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size", "remote_request_id")
+PULL_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def strip_suffix(rid: str) -> str:
+    """vLLM's push matching fallback: drop the random ``-<8hex>`` the engine appends (nixl/utils.py)."""
+    return _SUFFIX.sub("", rid)
+
+
+def error_body(status: int, message: str, err_type: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+
+
+def error_response(status: int, message: str, err_type: str) -> web.Response:
+    return web.json_response(error_body(status, message, err_type), status=status)
+
+
+@dataclass
+class Timing:
+    prefill_us_per_token: float = 6.0
+    tpot_ms: float = 7.0
+    kv_bytes_per_token: int = 262144
+    link_gbps: float = 800.0
+    registration_rtt_ms: float = 1.0
+    step_ms: float = 10.0
+    descriptor_prep_us_per_block: float = 400.0
+    block_size: int = 128
+    scale: float = 1.0
+
+    def prefill(self, n: int) -> float:
+        return n * self.prefill_us_per_token * 1e-6 * self.scale
+
+    def xfer(self, n: int) -> float:
+        return n * self.kv_bytes_per_token * 8 / (self.link_gbps * 1e9) * self.scale
+
+    def half_rtt(self) -> float:
+        return self.registration_rtt_ms / 2000 * self.scale
+
+    def tpot(self) -> float:
+        return self.tpot_ms / 1000 * self.scale
+
+    def step(self) -> float:
+        return self.step_ms / 1000 * self.scale
+
+    def blocks(self, n: int) -> int:
+        return max(1, math.ceil(n / self.block_size))
+
+    def descriptor_prep(self, n: int) -> float:
+        return self.blocks(n) * self.descriptor_prep_us_per_block * 1e-6 * self.scale
+
+
+class EngineDead(Exception):
+    pass
+
+
+@dataclass
+class Seq:
+    xid: str
+    rid: str
+    resp_id: str
+    kind: str
+    prompt_tokens: int
+    max_tokens: int
+    rank: int
+    params: dict[str, Any] | None
+    path: str = "local"  # local | push | pull | prefill
+    q: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    emitted: int = 0
+    done: bool = False
+    wrong: bool = False
+    notices: int = 0
+    expected: int = 1
+    kv_ready: bool = False
+
+
+@dataclass
+class Held:
+    seq: Seq
+    expiry: float
+
+
+class Engine:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.t = Timing(
+            a.prefill_us_per_token, a.tpot_ms, a.kv_bytes_per_token, a.link_gbps, a.registration_rtt_ms,
+            a.step_ms, a.descriptor_prep_us_per_block, a.block_size, a.time_scale,
+        )
+        self.compute = asyncio.Lock()
+        self.compute_until = 0.0
+        self.arrivals: deque[Seq] = deque()
+        self.ready: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.wake = asyncio.Event()
+        self.by_rid: dict[str, Seq] = {}
+        self.held: list[dict[str, Held]] = [{} for _ in range(a.dp_size)]
+        self.regs: list[dict[str, dict[str, Any]]] = [{} for _ in range(a.dp_size)]
+        self.counters: Counter[str] = Counter()
+        self.events: deque[dict[str, Any]] = deque(maxlen=20000)
+        self.bodies: dict[str, bytes] = {}
+        self.dead: str | None = None
+        self._rr = itertools.count()
+        self._ev = itertools.count()
+        self.session: aiohttp.ClientSession | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    # --- bookkeeping -------------------------------------------------------------------------------
+    def engine_id(self, rank: int) -> str:
+        return f"{self.a.engine_id}_dp{rank}" if self.a.dp_size > 1 else self.a.engine_id
+
+    def event(self, kind: str, **kw: Any) -> None:
+        ev = {"n": next(self._ev), "t": time.monotonic(), "kind": kind, **kw}
+        self.events.append(ev)
+        if self.a.log_events:
+            log.info("%s", json.dumps(ev, default=str))
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def post(self, host: str, port: int, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        assert self.session is not None
+        async with self.session.post(f"http://{host}:{port}{path}", json=body) as r:
+            return r.status, await r.json(content_type=None)
+
+    def die(self, why: str) -> None:
+        """An exception in vLLM's engine-core busy loop: the engine is dead, every request fails."""
+        if self.dead:
+            return
+        self.dead = why
+        self.counters["engine_dead"] += 1
+        self.event("engine_dead", why=why)
+        log.error("EngineCore failed: %s", why)
+        for seq in [*self.arrivals, *self.ready, *self.running, *self.by_rid.values()]:
+            self.fail(seq, "EngineCore encountered an issue. See stack trace for the root cause.")
+
+    def fail(self, seq: Seq, message: str) -> None:
+        if not seq.done:
+            seq.done = True
+            seq.q.put_nowait(EngineDead(message))
+            self.by_rid.pop(seq.rid, None)
+
+    # --- the engine loop (decode batch; also local generation) --------------------------------------
+    async def loop(self) -> None:
+        while not self.dead:
+            stall = 0.0
+            while self.arrivals:
+                seq = self.arrivals.popleft()
+                if not seq.done:
+                    stall += self.schedule(seq)
+            if self.dead:
+                return
+            while self.ready:
+                seq = self.ready.popleft()
+                if not seq.done:
+                    self.running.append(seq)
+            self.running = [s for s in self.running if not s.done]
+            if not self.running:
+                if stall:
+                    await asyncio.sleep(stall)
+                if not (self.arrivals or self.ready):
+                    self.wake.clear()
+                    await self.wake.wait()
+                continue
+            await asyncio.sleep(self.t.tpot() + stall)
+            for seq in self.running:
+                if not seq.done:
+                    self.emit(seq)
+
+    def emit(self, seq: Seq) -> None:
+        i = seq.emitted
+        seq.emitted += 1
+        if i == 0:
+            self.event("first_token", xid=seq.xid, rid=seq.rid)
+        seq.q.put_nowait(i)
+        if seq.emitted >= seq.max_tokens:
+            seq.done = True
+            seq.q.put_nowait(None)
+
+    def make_ready(self, seq: Seq) -> None:
+        seq.kv_ready = True
+        self.by_rid.pop(seq.rid, None)
+        self.ready.append(seq)
+        self.wake.set()
+
+    def schedule(self, seq: Seq) -> float:
+        """At a step boundary: allocate blocks and start what the request needs; returns inline work (s)."""
+        if seq.path == "local":
+            self.ready.append(seq)
+            return self.t.prefill(seq.prompt_tokens)
+        if seq.path == "push":
+            p = seq.params or {}
+            try:  # NixlPushScheduler reads these with [] (push_scheduler.py:177-189)
+                reg = {
+                    "request_id": seq.rid,
+                    "remote_engine_id": p["remote_engine_id"],
+                    "remote_host": p["remote_host"],
+                    "remote_port": p["remote_port"],
+                    "tp_size": p["tp_size"],
+                    "pp_size": p["pp_size"],
+                    "remote_request_id": p["remote_request_id"],
+                }
+            except KeyError as e:
+                self.fail(seq, "Internal server error")
+                self.die(f"KeyError: {e}")
+                return 0.0
+            reg.update(
+                decode_engine_id=self.engine_id(seq.rank),
+                decode_host=self.a.host,
+                decode_port=self.a.side_channel_port + seq.rank,
+                decode_tp=self.a.tp_size,
+                compat_hash=self.a.compat_hash,
+                num_tokens=seq.prompt_tokens,
+            )
+            seq.expected = int(reg["pp_size"]) * max(1, int(reg["tp_size"]) // self.a.tp_size)
+            self.by_rid[seq.rid] = seq
+            self.spawn(self.register(seq, reg))
+            return 0.0
+        # pull: descriptor prep and transfer submission happen inline in D's loop
+        setup = self.t.descriptor_prep(seq.prompt_tokens)
+        self.spawn(self.pull_read(seq, setup))
+        return setup
+
+    async def register(self, seq: Seq, reg: dict[str, Any]) -> None:
+        self.event("registration_sent", xid=seq.xid, rid=seq.rid, to=f"{reg['remote_host']}:{reg['remote_port']}")
+        self.counters["registrations_sent"] += 1
+        await asyncio.sleep(self.t.half_rtt())
+        try:
+            status, answer = await self.post(str(reg["remote_host"]), int(reg["remote_port"]), "/push_reg", reg)
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            status, answer = 0, {"error": f"{type(e).__name__}: {e}"}
+        if status != 200:
+            self.load_failed(seq, "push_reg_handshake_failed", str(answer.get("error")))
+            return
+        self.spawn(self.watchdog(seq))
+
+    async def watchdog(self, seq: Seq) -> None:
+        await asyncio.sleep(self.a.push_registration_timeout)
+        if not seq.done and not seq.kv_ready:
+            self.counters["registration_timeouts"] += 1
+            self.event("registration_timeout", xid=seq.xid, rid=seq.rid)
+            log.warning("NixlPushConnector: registration for request %s timed out", seq.rid)
+
+    async def pull_read(self, seq: Seq, setup: float) -> None:
+        p = seq.params or {}
+        await asyncio.sleep(setup + self.t.half_rtt())
+        body = {
+            "remote_engine_id": p["remote_engine_id"],
+            "remote_request_id": p["remote_request_id"],
+            "compat_hash": self.a.compat_hash,
+            "num_tokens": seq.prompt_tokens,
+        }
+        try:
+            status, answer = await self.post(str(p["remote_host"]), int(p["remote_port"]), "/pull_read", body)
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            status, answer = 0, {"error": f"{type(e).__name__}: {e}"}
+        await asyncio.sleep(self.t.half_rtt())
+        if seq.done:
+            return
+        if status != 200:
+            self.load_failed(seq, "pull_read_failed", str(answer.get("error")))
+            return
+        self.event("kv_received", xid=seq.xid, rid=seq.rid)
+        self.make_ready(seq)
+
+    def load_failed(self, seq: Seq, what: str, why: str) -> None:
+        self.counters["kv_load_failures"] += 1
+        self.event("kv_load_failed", xid=seq.xid, rid=seq.rid, what=what, why=why)
+        log.warning("NIXL transfer failure: %s | Context: {request_id: %s, error: %s}", what, seq.rid, why)
+        self.by_rid.pop(seq.rid, None)
+        if self.a.kv_load_failure_policy == "recompute" and not seq.done:
+            self.counters["recomputed"] += 1
+            seq.path = "local"
+            self.arrivals.append(seq)
+            self.wake.set()
+        else:
+            self.fail(seq, "Internal server error")
+
+    # --- prefill side ------------------------------------------------------------------------------
+    async def prefill(self, seq: Seq) -> None:
+        async with self.compute:
+            cost = self.t.prefill(seq.prompt_tokens)
+            self.compute_until = time.monotonic() + cost
+            self.event("prefill_start", xid=seq.xid, rid=seq.rid, rank=seq.rank)
+            await asyncio.sleep(cost)
+        regs = self.regs[seq.rank]
+        reg = regs.pop(seq.rid, None) or next(
+            (regs.pop(k) for k in list(regs) if strip_suffix(k) == strip_suffix(seq.rid)), None
+        )
+        self.counters["prefills"] += 1
+        self.event("prefill_done", xid=seq.xid, rid=seq.rid, rank=seq.rank, registration_waiting=reg is not None)
+        if reg is not None:
+            self.counters["registrations_before_prefill_done"] += 1
+            self.spawn(self.push_write(seq, reg))
+            return
+        held = Held(seq, time.monotonic() + self.a.lease_seconds)
+        self.held[seq.rank][seq.rid] = held
+        self.spawn(self.expire(seq.rank, seq.rid, held))
+
+    async def expire(self, rank: int, rid: str, held: Held) -> None:
+        await asyncio.sleep(self.a.lease_seconds)
+        if self.held[rank].get(rid) is held:
+            del self.held[rank][rid]
+            self.counters["expired"] += 1
+            self.event("expired", rid=rid, rank=rank)
+            log.info("Releasing expired KV blocks for request %s", rid)
+
+    def match_held(self, rank: int, rid: str) -> Held | None:
+        held = self.held[rank]
+        if rid in held:
+            return held.pop(rid)
+        key = next((k for k in held if strip_suffix(k) == strip_suffix(rid)), None)
+        return held.pop(key) if key is not None else None
+
+    async def step_boundary(self) -> None:
+        """Wait until P's engine loop looks at notifications: end of the current step or next idle tick."""
+        now = time.monotonic()
+        if self.compute.locked() and self.compute_until > now:
+            await asyncio.sleep(self.compute_until - now)
+        elif self.t.step() > 0:
+            period = self.t.step()
+            await asyncio.sleep(period - (now % period))
+
+    async def on_push_reg(self, rank: int, reg: dict[str, Any]) -> None:
+        await self.step_boundary()
+        held = self.match_held(rank, reg["request_id"])
+        self.event("registration_matched" if held else "registration_pending", rid=reg["request_id"], rank=rank)
+        if held is not None:
+            self.spawn(self.push_write(held.seq, reg))
+        else:
+            self.regs[rank][reg["request_id"]] = reg
+
+    async def push_write(self, seq: Seq, reg: dict[str, Any]) -> None:
+        """P's nixl-push-writer: WRITE the blocks to D, then the completion notices."""
+        self.counters["pushes"] += 1
+        # the writer merges contiguous blocks into one transfer region: one descriptor's prep, not one per block
+        await asyncio.sleep(self.t.descriptor_prep(1) + self.t.xfer(seq.prompt_tokens))
+        tp_router, pp_router = int(reg["tp_size"]), int(reg["pp_size"])
+        notices = self.a.pp_size * max(1, min(tp_router, self.a.tp_size) // int(reg["decode_tp"]))
+        wrong = (tp_router, pp_router) != (self.a.tp_size, self.a.pp_size)
+        await asyncio.sleep(self.t.half_rtt())
+        msg = {"request_id": reg["request_id"], "notices": notices, "wrong": wrong, "from": self.engine_id(seq.rank)}
+        try:
+            await self.post(reg["decode_host"], int(reg["decode_port"]), "/push_done", msg)
+            self.event("push_done", rid=reg["request_id"], notices=notices)
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            self.counters["failed_transfers"] += 1
+            self.event("push_failed", rid=reg["request_id"], why=str(e))
+
+    # --- side channel (one listener per DP rank) ------------------------------------------------------
+    def side_app(self, rank: int) -> web.Application:
+        async def push_reg(request: web.Request) -> web.Response:
+            reg = await request.json()
+            if self.dead:
+                return web.json_response({"error": "engine dead"}, status=503)
+            if reg.get("remote_engine_id") != self.engine_id(rank):
+                self.counters["handshake_failures"] += 1
+                return web.json_response({"error": "Remote NIXL agent engine ID mismatch"}, status=409)
+            if reg.get("compat_hash") != self.a.compat_hash or self.a.role != "prefill":
+                self.counters["handshake_failures"] += 1
+                return web.json_response({"error": "NIXL compatibility hash mismatch"}, status=409)
+            rid = reg["request_id"]
+            done = any(strip_suffix(k) == strip_suffix(rid) for k in self.held[rank])
+            self.counters["registrations_received"] += 1
+            self.event("registration_received", rid=rid, rank=rank, prefill_done=done, remote_engine_id=reg["remote_engine_id"])
+            self.spawn(self.on_push_reg(rank, reg))
+            return web.json_response({"ok": True})
+
+        async def push_done(request: web.Request) -> web.Response:
+            msg = await request.json()
+            seq = self.by_rid.get(msg["request_id"])
+            if seq is None or seq.done:
+                self.counters["notifications_unmatched"] += 1
+                return web.json_response({"ok": False})
+            seq.notices += int(msg["notices"])
+            seq.wrong |= bool(msg.get("wrong")) or seq.notices > seq.expected
+            if seq.notices >= seq.expected and not seq.kv_ready:
+                self.counters["kv_received"] += 1
+                if seq.wrong:
+                    self.counters["kv_wrong"] += 1
+                self.event("kv_received", xid=seq.xid, rid=seq.rid, wrong=seq.wrong)
+                self.make_ready(seq)
+            return web.json_response({"ok": True})
+
+        async def pull_read(request: web.Request) -> web.Response:
+            msg = await request.json()
+            if msg.get("remote_engine_id") != self.engine_id(rank):
+                self.counters["handshake_failures"] += 1
+                return web.json_response({"error": "Remote NIXL agent engine ID mismatch"}, status=409)
+            if msg.get("compat_hash") != self.a.compat_hash:
+                self.counters["handshake_failures"] += 1
+                return web.json_response({"error": "NIXL compatibility hash mismatch"}, status=409)
+            held = self.held[rank].pop(msg.get("remote_request_id"), None)
+            if held is None:
+                self.counters["reads_of_freed_blocks"] += 1
+                return web.json_response({"error": "blocks expired or unknown"}, status=410)
+            await asyncio.sleep(self.t.xfer(held.seq.prompt_tokens))
+            self.counters["reads"] += 1
+            self.event("read_done", rid=held.seq.rid, rank=rank)
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_post("/push_reg", push_reg)
+        app.router.add_post("/push_done", push_done)
+        app.router.add_post("/pull_read", pull_read)
+        return app
+
+    # --- OpenAI HTTP ----------------------------------------------------------------------------------
+    def http_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", lambda r: self.generate(r, "completions"))
+        app.router.add_post("/v1/chat/completions", lambda r: self.generate(r, "chat"))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/sim/stats", self.stats)
+        app.router.add_get("/sim/events", self.get_events)
+        app.router.add_get("/sim/body/{xid}", self.body)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.a.served_model_name, "object": "model", "owned_by": "vllm", "max_model_len": 131072}]}
+        )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=500 if self.dead else 200)
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "role": self.a.role,
+                "mode": self.a.mode,
+                "engine_ids": [self.engine_id(r) for r in range(self.a.dp_size)],
+                "dead": self.dead,
+                "counters": dict(self.counters),
+                "held": sum(len(h) for h in self.held),
+                "pending_registrations": sum(len(r) for r in self.regs),
+                "waiting_for_kv": len(self.by_rid),
+            }
+        )
+
+    async def get_events(self, request: web.Request) -> web.Response:
+        return web.json_response({"events": list(self.events)})
+
+    async def body(self, request: web.Request) -> web.Response:
+        data = self.bodies.get(request.match_info["xid"])
+        return web.Response(body=data) if data is not None else web.Response(status=404)
+
+    def _parse(self, body: Any, kind: str) -> tuple[int, int] | web.Response:
+        if not isinstance(body, dict):
+            return error_response(400, "The request body must be a JSON object", "BadRequestError")
+        if body.get("model") != self.a.served_model_name:
+            return error_response(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+        if kind == "completions":
+            prompt = body.get("prompt")
+            if prompt is None:
+                return error_response(400, "Field required: prompt", "BadRequestError")
+            if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
+                n = len(prompt)
+            else:
+                n = sum(len(str(p).split()) for p in (prompt if isinstance(prompt, list) else [prompt]))
+            max_tokens = body.get("max_tokens", 16)
+        else:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                return error_response(400, "Field required: messages", "BadRequestError")
+            n = sum(len(str(m.get("content", "")).split()) for m in msgs if isinstance(m, dict)) + 4
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return error_response(400, "max_tokens must be at least 1", "BadRequestError")
+        return max(1, n), max_tokens
+
+    async def generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        if self.dead:
+            return error_response(500, "EngineCore encountered an issue. See stack trace for the root cause.", "EngineDeadError")
+        try:
+            body = json.loads(await request.read())
+        except ValueError as e:
+            return error_response(400, f"Invalid JSON: {e}", "BadRequestError")
+        parsed = self._parse(body, kind)
+        if isinstance(parsed, web.Response):
+            return parsed
+        prompt_tokens, max_tokens = parsed
+        xid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        base = f"cmpl-{xid}-0" if kind == "completions" else f"chatcmpl-{xid}"
+        rid = base if self.a.disable_request_id_randomization else f"{base}-{secrets.token_hex(4)}"
+        resp_id = f"cmpl-{xid}" if kind == "completions" else base
+        rank_header = request.headers.get("X-data-parallel-rank")
+        rank = int(rank_header) if rank_header is not None else next(self._rr) % self.a.dp_size
+        if not 0 <= rank < self.a.dp_size:
+            return error_response(400, f"data parallel rank {rank} out of range", "BadRequestError")
+        params = body.get("kv_transfer_params")
+        params = params if isinstance(params, dict) else None
+        stream = bool(body.get("stream", False))
+        seq = Seq(xid, rid, resp_id, kind, prompt_tokens, max_tokens, rank, params)
+        self.counters["requests"] += 1
+        self.event(
+            "leg_received", xid=xid, rid=rid, endpoint=kind, rank=rank, rank_header=rank_header, stream=stream,
+            kv_transfer_params=params, prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+        )
+        try:
+            if params and params.get("do_remote_decode") and self.a.role == "prefill":
+                seq.path = "prefill"
+                seq.max_tokens = 1
+                await self.prefill(seq)
+                seq.done = True
+                return await self.respond(request, body, seq, stream, [0], self.returned_params(seq))
+            if params and params.get("do_remote_prefill"):
+                if self.a.mode == "push":
+                    seq.path = "push"
+                elif all(params.get(k) is not None for k in PULL_KEYS):
+                    seq.path = "pull"
+                else:
+                    log.warning("Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", params)
+                    self.counters["invalid_kv_params"] += 1
+                    self.counters["recomputed"] += 1
+            self.arrivals.append(seq)
+            self.wake.set()
+            return await self.respond(request, body, seq, stream, None, None)
+        except asyncio.CancelledError:
+            if not seq.done:
+                self.counters["cancelled"] += 1
+                self.event("cancelled", xid=xid, rid=rid, path=seq.path)
+            seq.done = True
+            self.by_rid.pop(seq.rid, None)
+            raise
+
+    def returned_params(self, seq: Seq) -> dict[str, Any]:
+        """What P returns in kv_transfer_params (pull_scheduler.py:278-293, push_scheduler.py:281-294)."""
+        d: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(range(self.t.blocks(seq.prompt_tokens))),
+            "remote_engine_id": self.engine_id(seq.rank),
+            "remote_request_id": seq.rid,
+            "remote_host": self.a.host,
+            "remote_port": self.a.side_channel_port + seq.rank,
+            "tp_size": self.a.tp_size,
+            "dcp_size": 1,
+            "pp_size": self.a.pp_size,
+            "remote_num_tokens": seq.prompt_tokens,
+        }
+        if self.a.mode == "pull":
+            d["remote_blocks_expiry_time"] = time.time() + self.a.lease_seconds
+            d["remote_registration_generation"] = 0
+        d["transfer_mode"] = self.a.mode
+        return d
+
+    def _text(self, seq: Seq, i: int) -> str:
+        return f" ??{i}" if seq.wrong else f" tok{i}"
+
+    def _chunk(self, seq: Seq, created: int, i: int | None, final: bool, first: bool) -> dict[str, Any]:
+        fr = "length" if final else None
+        if seq.kind == "completions":
+            choice = {"index": 0, "text": "" if i is None else self._text(seq, i), "logprobs": None, "finish_reason": fr, "stop_reason": None}
+            return {"id": seq.resp_id, "object": "text_completion", "created": created, "model": self.a.served_model_name, "choices": [choice]}
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {"content": self._text(seq, i or 0)}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fr}
+        return {"id": seq.resp_id, "object": "chat.completion.chunk", "created": created, "model": self.a.served_model_name, "choices": [choice]}
+
+    async def respond(
+        self, request: web.Request, body: dict[str, Any], seq: Seq, stream: bool, tokens: list[int] | None, kvp: dict[str, Any] | None
+    ) -> web.StreamResponse:
+        created = int(time.time())
+        usage = lambda n: {"prompt_tokens": seq.prompt_tokens, "total_tokens": seq.prompt_tokens + n, "completion_tokens": n}  # noqa: E731
+        if not stream:
+            got: list[int] = []
+            if tokens is not None:
+                got = tokens
+            else:
+                while (item := await seq.q.get()) is not None:
+                    if isinstance(item, EngineDead):
+                        return self._record(seq, error_response(500, str(item), "InternalServerError"))
+                    got.append(item)
+            text = "".join(self._text(seq, i) for i in got)
+            if seq.kind == "completions":
+                choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None, "prompt_logprobs": None}
+                out = {"id": seq.resp_id, "object": "text_completion", "created": created, "model": self.a.served_model_name, "choices": [choice]}
+            else:
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+                out = {"id": seq.resp_id, "object": "chat.completion", "created": created, "model": self.a.served_model_name, "choices": [choice]}
+            out["usage"] = usage(len(got))
+            out["kv_transfer_params"] = kvp
+            self.counters["completed"] += 1
+            self.event("finished", xid=seq.xid, rid=seq.rid, tokens=len(got), wrong=seq.wrong)
+            return self._record(seq, web.json_response(out))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        sent = bytearray()
+
+        async def send(obj: Any) -> None:
+            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+            sent.extend(data)
+            await resp.write(data)
+
+        n = 0
+        it = iter(tokens) if tokens is not None else None
+        while True:
+            item = (next(it, None) if it is not None else await seq.q.get())
+            if item is None:
+                break
+            if isinstance(item, EngineDead):
+                await send(error_body(500, str(item), "InternalServerError"))
+                break
+            if n == 0 and seq.kind == "chat":
+                await send(self._chunk(seq, created, None, False, True))
+            n += 1
+            await send(self._chunk(seq, created, item, n >= seq.max_tokens, False))
+        opts = body.get("stream_options") or {}
+        if n and isinstance(opts, dict) and opts.get("include_usage"):
+            await send({"id": seq.resp_id, "object": "text_completion" if seq.kind == "completions" else "chat.completion.chunk",
+                        "created": created, "model": self.a.served_model_name, "choices": [], "usage": usage(n)})
+        await send(b"[DONE]")
+        await resp.write_eof()
+        if self.a.record_bodies:
+            self.bodies[seq.xid] = bytes(sent)
+        self.counters["completed"] += 1
+        self.event("finished", xid=seq.xid, rid=seq.rid, tokens=n, wrong=seq.wrong)
+        return resp
+
+    def _record(self, seq: Seq, resp: web.Response) -> web.Response:
+        if self.a.record_bodies and resp.body is not None:
+            self.bodies[seq.xid] = bytes(resp.body)  # type: ignore[arg-type]
+        return resp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm_sim", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--mode", choices=("push", "pull"), default="push")
+    p.add_argument("--host", default="127.0.0.1", help="listen address, also the advertised side-channel host")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--side-channel-port", type=int, default=5600, help="base port; rank r listens on base+r")
+    p.add_argument("--engine-id", required=True)
+    p.add_argument("--served-model-name", default="sim-model")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--pp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--lease-seconds", type=float, default=30.0, help="kv_lease_duration")
+    p.add_argument("--push-registration-timeout", type=float, default=480.0)
+    p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail")
+    p.add_argument("--compat-hash", default="sim", help="stands for vLLM's NIXL compatibility hash (one per revision)")
+    p.add_argument("--disable-request-id-randomization", action="store_true")
+    t = Timing()
+    p.add_argument("--prefill-us-per-token", type=float, default=t.prefill_us_per_token)
+    p.add_argument("--tpot-ms", type=float, default=t.tpot_ms, help="decode engine step = time per output token")
+    p.add_argument("--kv-bytes-per-token", type=int, default=t.kv_bytes_per_token)
+    p.add_argument("--link-gbps", type=float, default=t.link_gbps)
+    p.add_argument("--registration-rtt-ms", type=float, default=t.registration_rtt_ms)
+    p.add_argument("--step-ms", type=float, default=t.step_ms, help="P's idle engine step (notification pick-up)")
+    p.add_argument("--descriptor-prep-us-per-block", type=float, default=t.descriptor_prep_us_per_block)
+    p.add_argument("--block-size", type=int, default=t.block_size)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--record-bodies", action="store_true", help="keep every response's bytes for /sim/body")
+    p.add_argument("--log-events", action="store_true")
+    return p
+
+
+async def serve(a: argparse.Namespace) -> None:
+    engine = Engine(a)
+    engine.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+    runners = []
+    main = web.AppRunner(engine.http_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1)
+    await main.setup()
+    await web.TCPSite(main, a.host, a.port, reuse_address=True, backlog=1024).start()
+    runners.append(main)
+    for rank in range(a.dp_size):
+        r = web.AppRunner(engine.side_app(rank), access_log=None, shutdown_timeout=1)
+        await r.setup()
+        await web.TCPSite(r, a.host, a.side_channel_port + rank, reuse_address=True).start()
+        runners.append(r)
+    loop_task = asyncio.create_task(engine.loop())
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    log.info("vllm_sim %s/%s %s listening on %s:%d (side channel %d)", a.role, a.mode, a.engine_id, a.host, a.port, a.side_channel_port)
+    await stop.wait()
+    loop_task.cancel()
+    for r in runners:
+        await r.cleanup()
+    await engine.session.close()
+
+
+def main() -> None:
+    a = build_parser().parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s vllm_sim: %(message)s")
+    try:
+        import uvloop
+
+        uvloop.run(serve(a))
+    except ImportError:
+        asyncio.run(serve(a))
