@@ -12,7 +12,7 @@ SAFE_EXTRA_ARGS = [
     ["--max-num-batched-tokens", "16384"],
     ["--enforce-eager"],
     ["--disable-log-stats"],
-    ["--swap-space", "8"],
+    ["--seed", "0"],
     [],
 ]
 

@@ -1,0 +1,550 @@
+#!/usr/bin/env bash
+# Local Kubernetes control plane for development and e2e tests.
+#
+#   hack/cluster.sh build    build the binaries from Go modules (cached by version)
+#   hack/cluster.sh up       build if needed, start etcd, kube-apiserver,
+#                            kube-controller-manager, kube-scheduler and kwok on
+#                            127.0.0.1, create the fake GPU/EFA nodes, wait until healthy
+#   hack/cluster.sh down     stop everything and remove the state directory
+#   hack/cluster.sh env      print `export KUBECONFIG=...` / PATH / DISAGG_AUDIT_LOG
+#   hack/cluster.sh status   show what is running (exit 0 only if all are up and /readyz is ok)
+#
+# Everything is built from Go modules through the Go module proxy with the
+# machine's Go (see hack/k8s-tools/): nothing else has to be installed by hand
+# apart from Go and openssl.
+#
+# Environment:
+#   DISAGG_CACHE   binary cache root (default ~/.cache/disagg-operator);
+#                  binaries live in $DISAGG_CACHE/bin/<component>-<version>/
+#   DISAGG_STATE   cluster state dir (default $DISAGG_CACHE/cluster): kubeconfig,
+#                  certs, etcd data, logs/<component>.log, pids/, audit.log
+#   DISAGG_BUILD_JOBS   go build -p (default 2)
+#   DISAGG_PORT_BASE    first of the fixed loopback ports (default 16443):
+#                  apiserver=BASE, etcd client=BASE+1, etcd peer=BASE+2,
+#                  controller-manager=BASE+3, scheduler=BASE+4, kwok=BASE+5
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="$ROOT/hack/k8s-tools"
+CACHE="${DISAGG_CACHE:-$HOME/.cache/disagg-operator}"
+BIN_ROOT="$CACHE/bin"
+STATE="${DISAGG_STATE:-$CACHE/cluster}"
+JOBS="${DISAGG_BUILD_JOBS:-2}"
+PORT_BASE="${DISAGG_PORT_BASE:-16443}"
+HOST=127.0.0.1
+
+APISERVER_PORT=$PORT_BASE
+ETCD_PORT=$((PORT_BASE + 1))
+ETCD_PEER_PORT=$((PORT_BASE + 2))
+KCM_PORT=$((PORT_BASE + 3))
+SCHED_PORT=$((PORT_BASE + 4))
+KWOK_PORT=$((PORT_BASE + 5))
+
+SERVICE_CIDR=10.96.0.0/16   # virtual only: nothing ever routes to it (no kube-proxy)
+
+# ---------------------------------------------------------------------------
+# Components: name, version, tools module dir (relative to hack/k8s-tools, or
+# "-" for `go install pkg@version` of a module without replace directives),
+# main package. Add a component with one line, e.g.
+#   "helm v3.22.0 - helm.sh/helm/v3/cmd/helm"
+# ---------------------------------------------------------------------------
+K8S_VERSION=v1.37.2
+COMPONENTS=(
+  "etcd v3.6.16 etcd go.etcd.io/etcd/server/v3"
+  "kwok v0.8.0 kwok sigs.k8s.io/kwok/cmd/kwok"
+  "kube-apiserver $K8S_VERSION . k8s.io/kubernetes/cmd/kube-apiserver"
+  "kube-controller-manager $K8S_VERSION . k8s.io/kubernetes/cmd/kube-controller-manager"
+  "kube-scheduler $K8S_VERSION . k8s.io/kubernetes/cmd/kube-scheduler"
+  "kubectl $K8S_VERSION . k8s.io/kubernetes/cmd/kubectl"
+)
+
+log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+component_field() { # name field-index (1=version 2=moddir 3=package)
+  local want=$1 idx=$2 line
+  for line in "${COMPONENTS[@]}"; do
+    local -a arr
+    read -r -a arr <<<"$line"
+    if [ "${arr[0]}" = "$want" ]; then echo "${arr[$idx]}"; return 0; fi
+  done
+  die "unknown component $want"
+}
+
+# path of a component's binary (may not exist yet)
+bin_path() {
+  local name=$1 ver
+  ver="$(component_field "$name" 1)"
+  echo "$BIN_ROOT/$name-$ver/$name"
+}
+
+# ldflags: strip symbols; stamp the Kubernetes version like upstream's
+# hack/lib/version.sh does (otherwise the binaries report v0.0.0-master).
+ldflags_for() {
+  local name=$1 ver=$2 flags="-s -w"
+  case "$name" in
+    kube-*|kubectl)
+      local major minor pkg
+      major="${ver#v}"; major="${major%%.*}"
+      minor="${ver#v*.}"; minor="${minor%%.*}"
+      for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        flags+=" -X $pkg.gitVersion=$ver -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
+        flags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+      done
+      ;;
+  esac
+  echo "$flags"
+}
+
+build_one() { # name version moddir pkg
+  local name=$1 ver=$2 moddir=$3 pkg=$4
+  local dest="$BIN_ROOT/$name-$ver"
+  if [ -x "$dest/$name" ]; then
+    return 0
+  fi
+  command -v go >/dev/null || die "go is not installed (needed to build $name)"
+  local tmp start ticker rc=0
+  tmp="$(mktemp -d "$BIN_ROOT/.build-$name.XXXXXX")"
+  start=$SECONDS
+  log "build: $name $ver from $pkg (go build -p $JOBS) ..."
+  ( while sleep 30 && kill -0 $$ 2>/dev/null; do
+      log "build: $name still building, $((SECONDS - start))s elapsed"; done ) &
+  ticker=$!
+  local ldflags; ldflags="$(ldflags_for "$name" "$ver")"
+  if [ "$moddir" = "-" ]; then
+    GOBIN="$tmp" CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -p=$JOBS" \
+      go install -trimpath -ldflags="$ldflags" "$pkg@$ver" || rc=$?
+  else
+    local mdir="$TOOLS/$moddir"
+    local modver
+    modver="$(cd "$mdir" && go list -f '{{.Module.Version}}' "$pkg" 2>/dev/null || true)"
+    if [ "$modver" != "$ver" ]; then
+      kill "$ticker" 2>/dev/null || true
+      die "build: $mdir/go.mod gives $pkg at '${modver}', expected $ver (regenerate the tools module)"
+    fi
+    (cd "$mdir" && CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -p=$JOBS" \
+      go build -trimpath -ldflags="$ldflags" -o "$tmp/$name" "$pkg") || rc=$?
+  fi
+  kill "$ticker" 2>/dev/null || true; wait "$ticker" 2>/dev/null || true
+  if [ "$rc" -ne 0 ] || [ ! -x "$tmp/$name" ]; then
+    rm -rf "$tmp"
+    die "build: $name $ver failed (rc=$rc) after $((SECONDS - start))s"
+  fi
+  rm -rf "$dest"; mkdir -p "$(dirname "$dest")"
+  mv "$tmp" "$dest"
+  log "build: $name $ver done in $((SECONDS - start))s ($(du -h "$dest/$name" | cut -f1))"
+}
+
+cmd_build() {
+  mkdir -p "$BIN_ROOT"
+  local line total=$SECONDS summary=""
+  for line in "${COMPONENTS[@]}"; do
+    # shellcheck disable=SC2086
+    build_one $line
+    local -a f; read -r -a f <<<"$line"
+    summary+="${summary:+, }${f[0]} ${f[1]}"
+  done
+  log "build: ready in $((SECONDS - total))s under $BIN_ROOT: $summary"
+}
+
+# ---------------------------------------------------------------------------
+# up / down / env / status
+# ---------------------------------------------------------------------------
+PKI="$STATE/pki"
+LOGS="$STATE/logs"
+PIDS="$STATE/pids"
+KUBECONFIG_PATH="$STATE/kubeconfig"
+AUDIT_LOG="$STATE/audit.log"
+MARKER="$STATE/.disagg-operator-cluster"
+# start order (`down` stops the clients first, then the apiserver, then etcd)
+RUN_ORDER=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+
+kubectl_bin() { bin_path kubectl; }
+kc() { "$(kubectl_bin)" --kubeconfig="$KUBECONFIG_PATH" "$@"; }
+
+port_busy() { (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; }
+
+pid_of() { # component -> pid if alive and really that binary
+  local f="$PIDS/$1.pid" pid exe
+  [ -f "$f" ] || return 1
+  pid="$(cat "$f")"
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 1
+  exe="$(readlink "/proc/$pid/exe" 2>/dev/null || true)"
+  case "$exe" in */"$1"|*/"$1"\ \(deleted\)) echo "$pid"; return 0 ;; esac
+  return 1
+}
+
+gen_pki() {
+  command -v openssl >/dev/null || die "openssl is needed to generate the cluster certificates"
+  [ -f "$PKI/ca.crt" ] && return 0
+  log "pki: generating CA, serving, client and service-account keys in $PKI"
+  local o="$PKI.tmp"   # generated aside and renamed: never half a PKI
+  rm -rf "$o"; mkdir -p "$o"
+  # explicit config: do not depend on the system openssl.cnf for the CA extensions
+  printf '%s\n' '[req]' 'distinguished_name=dn' 'x509_extensions=v3' 'prompt=no' \
+    '[dn]' 'CN=disagg-local-ca' '[v3]' 'basicConstraints=critical,CA:TRUE' \
+    'keyUsage=critical,keyCertSign,cRLSign,digitalSignature' 'subjectKeyIdentifier=hash' > "$o/ca.cnf"
+  openssl req -x509 -newkey rsa:2048 -nodes -sha256 -days 3650 -config "$o/ca.cnf" \
+    -keyout "$o/ca.key" -out "$o/ca.crt" 2>/dev/null
+  rm -f "$o/ca.cnf"
+  cert() { # name subject [extfile-content]
+    local name=$1 subj=$2 ext=$3
+    openssl req -newkey rsa:2048 -nodes -sha256 -subj "$subj" \
+      -keyout "$o/$name.key" -out "$o/$name.csr" 2>/dev/null
+    printf '%s\n' "$ext" > "$o/$name.ext"
+    openssl x509 -req -in "$o/$name.csr" -CA "$o/ca.crt" -CAkey "$o/ca.key" -CAcreateserial \
+      -days 3650 -sha256 -extfile "$o/$name.ext" -out "$o/$name.crt" 2>/dev/null
+    rm -f "$o/$name.csr" "$o/$name.ext"
+  }
+  local client="basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
+  cert apiserver "/CN=kube-apiserver" "basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=serverAuth
+subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+  cert admin "/O=system:masters/CN=kubernetes-admin" "$client"
+  cert controller-manager "/CN=system:kube-controller-manager" "$client"
+  cert scheduler "/CN=system:kube-scheduler" "$client"
+  # kwok plays every kubelet: give it full access under its own user name so
+  # the audit log can tell its writes apart from everyone else's.
+  cert kwok "/O=system:masters/CN=kwok-controller" "$client"
+  # the apiserver's client for aggregated APIs (request-header authentication)
+  cert front-proxy-client "/CN=front-proxy-client" "$client"
+  openssl genrsa -out "$o/sa.key" 2048 2>/dev/null
+  openssl rsa -in "$o/sa.key" -pubout -out "$o/sa.pub" 2>/dev/null
+  chmod 600 "$o"/*.key
+  rm -rf "$PKI"; mv "$o" "$PKI"
+}
+
+write_kubeconfig() { # file user
+  local file=$1 user=$2
+  cat > "$file" <<KCFG
+apiVersion: v1
+kind: Config
+clusters:
+- name: disagg-local
+  cluster:
+    server: https://$HOST:$APISERVER_PORT
+    certificate-authority-data: $(base64 -w0 < "$PKI/ca.crt")
+users:
+- name: $user
+  user:
+    client-certificate-data: $(base64 -w0 < "$PKI/$user.crt")
+    client-key-data: $(base64 -w0 < "$PKI/$user.key")
+contexts:
+- name: disagg-local
+  context:
+    cluster: disagg-local
+    user: $user
+current-context: disagg-local
+KCFG
+  chmod 600 "$file"
+}
+
+write_audit_policy() {
+  cat > "$STATE/audit-policy.yaml" <<'POLICY'
+# Metadata for every write; nothing for reads. Tests count writes per user from
+# $STATE/audit.log (one JSON event per line, stage ResponseComplete).
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: ["RequestReceived"]
+rules:
+- level: Metadata
+  verbs: ["create", "update", "patch", "delete", "deletecollection"]
+- level: None
+POLICY
+}
+
+# Notes on flags:
+# - kube-apiserver --endpoint-reconciler-type=none: the apiserver refuses to publish
+#   a loopback advertise address in the `kubernetes` Service endpoints; nothing
+#   in this cluster dials that Service (no kubelet, no kube-proxy), so it has none.
+# - Pod IPs are loopback addresses (hack/nodes/ podCIDRs) so simulated engines can
+#   bind them here. The apiserver refuses loopback addresses in Endpoints and
+#   EndpointSlices, so the endpoints/endpointslice controllers could only fail (and
+#   retry, and emit warning events) for every Service: they are disabled. Services
+#   exist but have no endpoints: address pods by status.podIP, not through Services.
+component_args() { # component -> prints args one per line
+  case "$1" in
+    etcd) printf '%s\n' \
+      --name=disagg --data-dir="$STATE/etcd" \
+      --listen-client-urls="http://$HOST:$ETCD_PORT" --advertise-client-urls="http://$HOST:$ETCD_PORT" \
+      --listen-peer-urls="http://$HOST:$ETCD_PEER_PORT" --initial-advertise-peer-urls="http://$HOST:$ETCD_PEER_PORT" \
+      --initial-cluster="disagg=http://$HOST:$ETCD_PEER_PORT" \
+      --unsafe-no-fsync=true --quota-backend-bytes=4294967296 --log-level=warn ;;
+    kube-apiserver) printf '%s\n' \
+      --etcd-servers="http://$HOST:$ETCD_PORT" \
+      --bind-address=$HOST --advertise-address=$HOST --secure-port="$APISERVER_PORT" \
+      --endpoint-reconciler-type=none \
+      --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
+      --client-ca-file="$PKI/ca.crt" \
+      --authorization-mode=Node,RBAC \
+      --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+      --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
+      --service-cluster-ip-range="$SERVICE_CIDR" \
+      --allow-privileged=true \
+      --requestheader-client-ca-file="$PKI/ca.crt" --requestheader-allowed-names=front-proxy-client \
+      --requestheader-username-headers=X-Remote-User --requestheader-group-headers=X-Remote-Group \
+      --requestheader-extra-headers-prefix=X-Remote-Extra- \
+      --proxy-client-cert-file="$PKI/front-proxy-client.crt" --proxy-client-key-file="$PKI/front-proxy-client.key" \
+      --audit-policy-file="$STATE/audit-policy.yaml" --audit-log-path="$AUDIT_LOG" \
+      --audit-log-format=json --audit-log-maxsize=500 --audit-log-maxbackup=1 ;;
+    kube-controller-manager) printf '%s\n' \
+      --kubeconfig="$STATE/kubeconfigs/controller-manager.kubeconfig" \
+      --authentication-kubeconfig="$STATE/kubeconfigs/controller-manager.kubeconfig" \
+      --authorization-kubeconfig="$STATE/kubeconfigs/controller-manager.kubeconfig" \
+      --bind-address=$HOST --secure-port="$KCM_PORT" --cert-dir="$PKI/controller-manager-serving" \
+      --leader-elect=false --controllers='*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller' \
+      --use-service-account-credentials=true \
+      --root-ca-file="$PKI/ca.crt" --service-account-private-key-file="$PKI/sa.key" \
+      --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
+      --service-cluster-ip-range="$SERVICE_CIDR" --allocate-node-cidrs=false ;;
+    kube-scheduler) printf '%s\n' \
+      --kubeconfig="$STATE/kubeconfigs/scheduler.kubeconfig" \
+      --authentication-kubeconfig="$STATE/kubeconfigs/scheduler.kubeconfig" \
+      --authorization-kubeconfig="$STATE/kubeconfigs/scheduler.kubeconfig" \
+      --bind-address=$HOST --secure-port="$SCHED_PORT" --cert-dir="$PKI/scheduler-serving" \
+      --leader-elect=false ;;
+    kwok) printf '%s\n' \
+      --kubeconfig="$STATE/kubeconfigs/kwok.kubeconfig" \
+      --config="$ROOT/hack/kwok/stages.yaml" \
+      --manage-nodes-with-label-selector=type=kwok \
+      --node-lease-duration-seconds=40 \
+      --node-ip=$HOST --cidr=127.0.250.0/24 \
+      --server-address="$HOST:$KWOK_PORT" ;;
+  esac
+}
+
+component_port() {
+  case "$1" in
+    etcd) echo "$ETCD_PORT" ;; kube-apiserver) echo "$APISERVER_PORT" ;;
+    kube-controller-manager) echo "$KCM_PORT" ;; kube-scheduler) echo "$SCHED_PORT" ;;
+    kwok) echo "$KWOK_PORT" ;;
+  esac
+}
+
+start_component() {
+  local name=$1 bin pid port
+  if pid="$(pid_of "$name")"; then
+    log "up: $name already running (pid $pid)"; return 0
+  fi
+  port="$(component_port "$name")"
+  if port_busy "$port"; then
+    die "port $HOST:$port (for $name) is taken by another process; set DISAGG_PORT_BASE to move all ports"
+  fi
+  bin="$(bin_path "$name")"
+  local -a args
+  mapfile -t args < <(component_args "$name")
+  mkdir -p "$LOGS" "$PIDS"
+  printf '\n=== %s start %s: %s %s\n' "$(date -u +%FT%TZ)" "$name" "$bin" "${args[*]}" >> "$LOGS/$name.log"
+  setsid "$bin" "${args[@]}" >> "$LOGS/$name.log" 2>&1 < /dev/null 9>&- &
+  echo $! > "$PIDS/$name.pid"
+  log "up: started $name (pid $!, port $port, log $LOGS/$name.log)"
+}
+
+# wait_until <what> <timeout-s> <component-or-""> cmd... : retry cmd until it succeeds
+wait_until() {
+  local what=$1 timeout=$2 comp=$3; shift 3
+  local start=$SECONDS
+  until "$@" >/dev/null 2>&1; do
+    if [ -n "$comp" ] && ! pid_of "$comp" >/dev/null; then
+      tail -n 30 "$LOGS/$comp.log" >&2 || true
+      die "$comp exited while waiting for $what (log: $LOGS/$comp.log)"
+    fi
+    if [ $((SECONDS - start)) -ge "$timeout" ]; then
+      [ -n "$comp" ] && { tail -n 30 "$LOGS/$comp.log" >&2 || true; }
+      die "timed out after ${timeout}s waiting for $what"
+    fi
+    sleep 0.5
+  done
+  log "up: $what ok ($((SECONDS - start))s)"
+}
+
+# http_body <url>: body of an unauthenticated GET (health endpoints are always
+# allowed); curl when there is one, else openssl s_client / bash /dev/tcp.
+http_body() {
+  local url=$1
+  if command -v curl >/dev/null; then
+    curl -fsk --max-time 5 "$url"; return
+  fi
+  local scheme=${url%%://*} rest=${url#*://}
+  local hostport=${rest%%/*} path="/${rest#*/}"
+  local req
+  req="$(printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$path" "$hostport")"
+  if [ "$scheme" = https ]; then
+    printf '%s' "$req" | timeout 5 openssl s_client -quiet -connect "$hostport" 2>/dev/null | tail -n 1
+  else
+    (exec 3<>"/dev/tcp/${hostport%:*}/${hostport##*:}" && printf '%s' "$req" >&3 && timeout 5 cat <&3 | tail -n 1)
+  fi
+}
+health_ok() {
+  local out
+  out="$(http_body "$1" 2>/dev/null)" || return 1
+  case "$out" in ok|*'"health":"true"'*) return 0 ;; *) return 1 ;; esac
+}
+etcd_healthy() { health_ok "http://$HOST:$ETCD_PORT/health"; }
+apiserver_ready() { [ "$(kc get --raw /readyz 2>/dev/null)" = ok ]; }
+kcm_healthy() { health_ok "https://$HOST:$KCM_PORT/healthz"; }
+sched_healthy() { health_ok "https://$HOST:$SCHED_PORT/healthz"; }
+kwok_healthy() { health_ok "http://$HOST:$KWOK_PORT/healthz"; }
+default_sa_exists() { kc -n default get serviceaccount default; }
+
+node_names() { sed -n 's/^  name: \(.*\)$/\1/p' "$ROOT"/hack/nodes/*.yaml; }
+
+nodes_ready() {
+  local want got
+  want="$(node_names | wc -l)"
+  got="$(kc get nodes -l type=kwok -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' 2>/dev/null | grep -c '^True$' || true)"
+  [ "$got" -ge "$want" ]
+}
+
+create_nodes() {
+  local f out
+  for f in "$ROOT"/hack/nodes/*.yaml; do
+    if ! out="$(kc create -f "$f" 2>&1)"; then
+      if printf '%s\n' "$out" | grep -v 'AlreadyExists' | grep -q .; then
+        printf '%s\n' "$out" >&2; die "creating nodes from $f failed"
+      fi
+    fi
+  done
+  log "up: nodes from hack/nodes/ present ($(node_names | tr '\n' ' '))"
+}
+
+all_healthy() {
+  local c
+  for c in "${RUN_ORDER[@]}"; do pid_of "$c" >/dev/null || return 1; done
+  apiserver_ready && nodes_ready
+}
+
+cmd_up() {
+  local start=$SECONDS
+  cmd_build
+  if [ -f "$MARKER" ] && all_healthy; then
+    log "up: cluster already up and healthy ($STATE)"
+    cmd_env
+    return 0
+  fi
+  if [ -d "$STATE" ] && [ ! -f "$MARKER" ] && [ -n "$(ls -A "$STATE")" ]; then
+    die "$STATE exists, is not empty and was not made by this script; refusing to use it (DISAGG_STATE)"
+  fi
+  mkdir -p "$STATE" "$LOGS" "$PIDS" "$STATE/kubeconfigs"
+  touch "$MARKER"
+  gen_pki
+  write_audit_policy
+  write_kubeconfig "$KUBECONFIG_PATH" admin
+  local u
+  for u in controller-manager scheduler kwok; do
+    write_kubeconfig "$STATE/kubeconfigs/$u.kubeconfig" "$u"
+  done
+
+  start_component etcd
+  wait_until "etcd health" 60 etcd etcd_healthy
+  start_component kube-apiserver
+  wait_until "kube-apiserver /readyz" 180 kube-apiserver apiserver_ready
+  start_component kube-controller-manager
+  start_component kube-scheduler
+  start_component kwok
+  wait_until "kube-controller-manager /healthz" 120 kube-controller-manager kcm_healthy
+  wait_until "kube-scheduler /healthz" 120 kube-scheduler sched_healthy
+  wait_until "kwok /healthz" 120 kwok kwok_healthy
+  create_nodes
+  wait_until "nodes Ready" 120 kwok nodes_ready
+  wait_until "default ServiceAccount" 120 kube-controller-manager default_sa_exists
+  log "up: cluster ready in $((SECONDS - start))s; kubeconfig $KUBECONFIG_PATH, audit log $AUDIT_LOG"
+  cmd_env
+}
+
+stop_components() { # names...: SIGTERM them together, wait up to 20s, then SIGKILL
+  local name pid i
+  local -a names=() pids=()
+  for name in "$@"; do
+    if pid="$(pid_of "$name")"; then
+      names+=("$name"); pids+=("$pid")
+      kill -TERM "$pid" 2>/dev/null || true
+    fi
+    rm -f "$PIDS/$name.pid"
+  done
+  for i in "${!pids[@]}"; do
+    local n
+    pid=${pids[$i]}
+    for ((n = 0; n < 100; n++)); do
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.2
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+      log "down: ${names[$i]} (pid $pid) did not stop in 20s, killing"
+      kill -KILL "$pid" 2>/dev/null || true
+      while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
+    fi
+    log "down: stopped ${names[$i]} (pid $pid)"
+  done
+}
+
+cmd_down() {
+  # clients first (in parallel), then the apiserver, then etcd
+  stop_components kwok kube-scheduler kube-controller-manager
+  stop_components kube-apiserver
+  stop_components etcd
+  if [ -d "$STATE" ]; then
+    if [ -f "$MARKER" ]; then
+      rm -rf -- "$STATE"
+      log "down: removed $STATE"
+    else
+      log "down: $STATE has no $(basename "$MARKER") marker; not removing it"
+    fi
+  fi
+}
+
+cmd_env() {
+  echo "export KUBECONFIG=$KUBECONFIG_PATH"
+  echo "export PATH=$(dirname "$(kubectl_bin)"):\$PATH"
+  echo "export DISAGG_AUDIT_LOG=$AUDIT_LOG"
+}
+
+cmd_status() {
+  local c pid ok=0
+  echo "state:      $STATE"
+  echo "kubeconfig: $KUBECONFIG_PATH"
+  echo "audit log:  $AUDIT_LOG"
+  for c in "${RUN_ORDER[@]}"; do
+    if pid="$(pid_of "$c")"; then
+      printf '%-24s running  pid %-8s port %s\n' "$c" "$pid" "$(component_port "$c")"
+    else
+      printf '%-24s stopped\n' "$c"; ok=1
+    fi
+  done
+  if [ -x "$(kubectl_bin)" ] && [ -f "$KUBECONFIG_PATH" ] && apiserver_ready; then
+    echo "apiserver:  /readyz ok at https://$HOST:$APISERVER_PORT"
+    kc get nodes -L node.kubernetes.io/instance-type,topology.kubernetes.io/zone 2>/dev/null || ok=1
+    nodes_ready || ok=1
+  else
+    echo "apiserver:  not ready"; ok=1
+  fi
+  return $ok
+}
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2; }
+
+# build/up/down take a lock so that concurrent callers (several test sessions)
+# do not build or start things twice. Daemons are started with fd 9 closed.
+take_lock() {
+  mkdir -p "$CACHE"
+  if command -v flock >/dev/null; then
+    exec 9>"$CACHE/.cluster.lock"
+    if ! flock -n 9; then
+      log "waiting for another hack/cluster.sh (lock $CACHE/.cluster.lock)"
+      flock 9
+    fi
+  fi
+}
+
+case "${1:-}" in
+  build) take_lock; cmd_build ;;
+  up) take_lock; cmd_up ;;
+  down) take_lock; cmd_down ;;
+  env) cmd_env ;;
+  status) cmd_status ;;
+  -h|--help|help) usage ;;
+  *) usage; exit 2 ;;
+esac

@@ -1,0 +1,80 @@
+"""vLLM 0.33.0's own argument parser and KVTransferConfig judge every command line we render.
+
+The lines are checked after Kubernetes' $(VAR) expansion with sample Downward API values, i.e. as the
+container really receives them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from disagg_connector import contract
+from disagg_operator.api.validation import parse
+from disagg_operator.render import render
+
+from ..conftest import EXAMPLES, load_example
+from ..strategies import models
+from ..support.vllm_cli import check_command_lines
+
+pytestmark = pytest.mark.vllm
+
+POD_UID = "0f8e4a52-7d1c-4c43-9d55-3c2d7a1b9e10"
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of $(VAR) in command and args (unknown references stay as written)."""
+    return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """{"id", "argv", "expect"} for the prefill and decode containers of one rendered model."""
+    items = []
+    for child in render(parse(obj)).objects:
+        role = child["metadata"]["labels"].get(contract.LABEL_ROLE)
+        if child["kind"] != "Deployment" or role not in contract.ENGINE_ROLES:
+            continue
+        container = child["spec"]["template"]["spec"]["containers"][0]
+        pod_name = f"{child['metadata']['name']}-6d4cf56db6-x2x7k"
+        env = {contract.ENV_POD_NAME: pod_name, contract.ENV_POD_UID: POD_UID, contract.ENV_POD_IP: "10.1.2.3"}
+        argv = [expand(a, env) for a in container["command"] + container["args"]]
+        items.append({
+            "id": f"{obj['metadata']['name']}/{role}",
+            "argv": argv,
+            "expect": {"engine_id": contract.engine_id(pod_name, POD_UID),
+                       "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"},
+        })  # fmt: skip
+    return items
+
+
+def judge(items: list[dict[str, Any]]) -> None:
+    results = check_command_lines([{"id": i["id"], "argv": i["argv"]} for i in items])
+    for item, result in zip(items, results):
+        assert result["ok"], f"{item['id']}: vLLM refused {item['argv']}: {result['error']}"
+        parsed = result["parsed"]
+        assert parsed["engine_id"] == item["expect"]["engine_id"], item["id"]
+        assert parsed["kv_role"] == item["expect"]["kv_role"], item["id"]
+        config = json.loads(item["argv"][item["argv"].index("--kv-transfer-config") + 1])
+        assert parsed["kv_connector"] == config["kv_connector"]
+        assert parsed["kv_connector_extra_config"] == config["kv_connector_extra_config"]
+
+
+def test_examples_parse_with_vllm() -> None:
+    items = [i for path in EXAMPLES for i in command_lines(load_example(path))]
+    assert len(items) == 2 * len(EXAMPLES)
+    judge(items)
+
+
+# No shrinking: each example costs a vLLM import (~20 s); the failure message names the refused line.
+@settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(models(), min_size=20, max_size=20))
+def test_any_accepted_spec_renders_lines_vllm_accepts(objs: list[dict[str, Any]]) -> None:
+    # One vLLM process per batch: importing vLLM costs seconds, parsing a line costs milliseconds.
+    judge([i for n, obj in enumerate(objs) for i in command_lines({**obj, "metadata": {**obj["metadata"], "name": f"m{n}"}})])
