@@ -18,8 +18,8 @@ from disagg_connector.preflight import parse_termination_message
 
 from .render import Rendered
 
-# Scheduler messages name resources as "Insufficient <resource>".
-_INSUFFICIENT = re.compile(r"Insufficient ([\w./-]+)")
+# Scheduler messages count nodes per cause: "0/8 nodes are available: 6 Insufficient vpc.amazonaws.com/efa, ...".
+_INSUFFICIENT = re.compile(r"(\d+) Insufficient ([\w./-]*\w)")
 CAPACITY_REASONS = {
     "nvidia.com/gpu": ("InsufficientGPUs", "GPUs"),
     "aws.amazon.com/neuron": ("InsufficientNeuronDevices", "Neuron devices"),
@@ -98,8 +98,9 @@ def _unschedulable(pod: dict[str, Any]) -> Problem | None:
     for cond in pod.get("status", {}).get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
             text = cond.get("message", "")
-            missing = list(dict.fromkeys(_INSUFFICIENT.findall(text)))
-            known = [m for m in missing if m in CAPACITY_REASONS]
+            # The resource that rules out the most nodes first: that is what to add (or ask less of).
+            counted = sorted(((int(n), r) for n, r in _INSUFFICIENT.findall(text)), key=lambda c: -c[0])
+            known = [r for _, r in counted if r in CAPACITY_REASONS]
             name = pod["metadata"]["name"]
             if known:
                 reason = CAPACITY_REASONS[known[0]][0]

@@ -225,3 +225,62 @@ def namespace(cluster: Cluster) -> Iterator[str]:
         except client.ApiException as e:  # pragma: no cover - already gone
             if e.status != 404:
                 raise
+
+
+# --- the operator under test ------------------------------------------------------------------------
+
+import yaml  # noqa: E402
+
+from disagg_connector import contract  # noqa: E402
+from disagg_operator.api.crd import CRD_FILE  # noqa: E402
+
+from .operator_process import OperatorProcess  # noqa: E402
+
+@pytest.fixture(scope="session")
+def crd_installed(cluster) -> None:
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.PLURAL}.{contract.API_GROUP}")
+
+
+OPERATOR_NAMESPACE = "disagg-system"
+OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{contract.OPERATOR_NAME}"
+
+
+def service_account_kubeconfig(cluster, path: Path) -> Path:
+    """A kubeconfig holding only a token of the operator's ServiceAccount, bound to the ClusterRole
+    of disagg_operator.rbac: the operator runs with exactly the permissions it documents."""
+    from disagg_operator.rbac import cluster_role
+
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": contract.OPERATOR_NAME, "namespace": OPERATOR_NAMESPACE}}
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": contract.OPERATOR_NAME},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": contract.OPERATOR_NAME},
+        "subjects": [{"kind": "ServiceAccount", "name": contract.OPERATOR_NAME, "namespace": OPERATOR_NAMESPACE}],
+    }  # fmt: skip
+    manifests = path.parent / "operator-rbac.yaml"
+    manifests.write_text(yaml.safe_dump_all([
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}, sa, cluster_role(), binding,
+    ]))  # fmt: skip
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(manifests))
+    token = cluster.kubectl("create", "token", contract.OPERATOR_NAME, "-n", OPERATOR_NAMESPACE, "--duration=2h").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    server = admin["clusters"][0]["cluster"]
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "operator",
+        "clusters": [{"name": "local", "cluster": server}],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
+    }))  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="session")
+def operator(cluster, crd_installed, tmp_path_factory) -> Iterator[OperatorProcess]:
+    workdir = tmp_path_factory.mktemp("operator")
+    proc = OperatorProcess(str(service_account_kubeconfig(cluster, workdir / "kubeconfig")), workdir)
+    proc.start()
+    yield proc
+    proc.stop()
+
+

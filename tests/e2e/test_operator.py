@@ -21,7 +21,7 @@ from disagg_operator.api.crd import CRD_FILE
 
 from ..conftest import REPO, load_example, merge
 from ..unit.test_api import INVALID, VALID_EDGES
-from .operator_process import OperatorProcess
+from .conftest import OPERATOR_USER
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
@@ -40,54 +40,6 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 90, interval:
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-@pytest.fixture(scope="module")
-def crd_installed(cluster) -> None:
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{PLURAL}.{GROUP}")
-
-
-OPERATOR_NAMESPACE = "disagg-system"
-OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{contract.OPERATOR_NAME}"
-
-
-def service_account_kubeconfig(cluster, path: Path) -> Path:
-    """A kubeconfig holding only a token of the operator's ServiceAccount, bound to the ClusterRole
-    of disagg_operator.rbac: the operator runs with exactly the permissions it documents."""
-    from disagg_operator.rbac import cluster_role
-
-    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": contract.OPERATOR_NAME, "namespace": OPERATOR_NAMESPACE}}
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": contract.OPERATOR_NAME},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": contract.OPERATOR_NAME},
-        "subjects": [{"kind": "ServiceAccount", "name": contract.OPERATOR_NAME, "namespace": OPERATOR_NAMESPACE}],
-    }  # fmt: skip
-    manifests = path.parent / "operator-rbac.yaml"
-    manifests.write_text(yaml.safe_dump_all([
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}, sa, cluster_role(), binding,
-    ]))  # fmt: skip
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(manifests))
-    token = cluster.kubectl("create", "token", contract.OPERATOR_NAME, "-n", OPERATOR_NAMESPACE, "--duration=2h").stdout.strip()
-    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-    server = admin["clusters"][0]["cluster"]
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "operator",
-        "clusters": [{"name": "local", "cluster": server}],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
-    }))  # fmt: skip
-    return path
-
-
-@pytest.fixture(scope="module")
-def operator(cluster, crd_installed, tmp_path_factory) -> Iterator[OperatorProcess]:
-    workdir = tmp_path_factory.mktemp("operator")
-    proc = OperatorProcess(str(service_account_kubeconfig(cluster, workdir / "kubeconfig")), workdir)
-    proc.start()
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture
@@ -215,8 +167,8 @@ def test_delete_garbage_collects_every_child(operator, api_client, custom, names
 SCHEMA_PHRASES = {
     "negative-replicas": "should be greater than or equal to 0",
     "decode-no-accelerator": "should be greater than or equal to 1",
-    "unknown-field": 'unknown field "spec.kvTransfer.leaseSecond"',
-    "wrong-type": "must be of type integer",
+    "unknown-field": ".spec.kvTransfer.leaseSecond: field not declared in schema",
+    "wrong-type": ".spec.prefill.replicas: expected numeric",
     "bad-mode": 'Unsupported value: "Sideways"',
     "bad-block-size": "Unsupported value: 100",
     "bad-quantity": "spec.prefill.resources.requests.memory",

@@ -66,7 +66,8 @@ def test_old_revision_pods_never_count_as_ready() -> None:
 
 
 def test_unschedulable_pod_names_the_missing_resource() -> None:
-    message = "0/7 nodes are available: 4 Insufficient vpc.amazonaws.com/efa, 3 node(s) had untolerated taint."
+    message = ("0/8 nodes are available: 2 Insufficient hugepages-2Mi, 2 Insufficient nvidia.com/gpu, "
+               "2 node(s) had untolerated taint(s), 6 Insufficient vpc.amazonaws.com/efa.")
     pending = pod("decode", "d1", ready=False)
     pending["status"]["conditions"].append(
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
