@@ -204,7 +204,14 @@ def test_admission_accepts_valid_edge_cases(crd_installed, cluster, namespace, t
 
 def test_unsatisfiable_spec_reports_capacity_and_disturbs_nothing(operator, api_client, custom, namespace) -> None:
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("fits"))
-    fits = wait_ready(custom, namespace, "fits")
+    wait_ready(custom, namespace, "fits")
+    apps = client.AppsV1Api(api_client)
+
+    def fits_deployments() -> dict[str, tuple[str, int]]:
+        return {d.metadata.name: (d.metadata.uid, d.metadata.generation)
+                for d in apps.list_namespaced_deployment(namespace, label_selector=f"{contract.LABEL_MODEL}=fits").items}
+
+    before = fits_deployments()
     too_big = {"prefill": {"efa": {"count": 32}}, "decode": {"efa": {"count": 32}}}  # p5en has 16
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("huge", too_big))
 
@@ -215,9 +222,8 @@ def test_unsatisfiable_spec_reports_capacity_and_disturbs_nothing(operator, api_
     ready = wait_for("capacity condition", capacity)
     assert ready["status"] == "False" and "vpc.amazonaws.com/efa" in ready["message"]
     assert operator.alive()
-    again = get_model(custom, namespace, "fits")
-    assert condition(again, "Ready")["status"] == "True"
-    assert again["metadata"]["resourceVersion"] == fits["metadata"]["resourceVersion"]
+    assert condition(get_model(custom, namespace, "fits"), "Ready")["status"] == "True"
+    assert fits_deployments() == before, "the other model's workloads were not touched"
 
 
 def _operator_writes(cluster, since: str) -> list[dict]:
