@@ -56,6 +56,7 @@ COMPONENTS=(
   "kube-controller-manager $K8S_VERSION . k8s.io/kubernetes/cmd/kube-controller-manager"
   "kube-scheduler $K8S_VERSION . k8s.io/kubernetes/cmd/kube-scheduler"
   "kubectl $K8S_VERSION . k8s.io/kubernetes/cmd/kubectl"
+  "helm v3.22.0 - helm.sh/helm/v3/cmd/helm"
 )
 
 log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -250,6 +251,9 @@ apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: ["RequestReceived"]
 rules:
+# tests/bench/operator_scale.py counts every request (reads and watches too) of its ServiceAccounts.
+- level: Metadata
+  userGroups: ["system:serviceaccounts:disagg-bench"]
 - level: Metadata
   verbs: ["create", "update", "patch", "delete", "deletecollection"]
 - level: None
