@@ -18,6 +18,8 @@ from .vllm import served_model_name
 
 DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
 SHUTDOWN_MARGIN_SECONDS = 15
+# The router stops accepting at SIGTERM; this keeps it listening until Service endpoints drop it.
+PRE_STOP_SECONDS = 5
 
 
 def router_args(dm: DisaggregatedModel, plan: TransferPlan) -> list[str]:
@@ -82,6 +84,7 @@ def deployment(dm: DisaggregatedModel, plan: TransferPlan, defaults: RenderDefau
         "readinessProbe": {**probe, "failureThreshold": 2},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},
         "resources": resources,
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}},
         "securityContext": {
             "runAsNonRoot": True,
             "allowPrivilegeEscalation": False,
@@ -92,7 +95,7 @@ def deployment(dm: DisaggregatedModel, plan: TransferPlan, defaults: RenderDefau
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": contract.router_name(model),
-        "terminationGracePeriodSeconds": router.request_deadline_seconds + SHUTDOWN_MARGIN_SECONDS,
+        "terminationGracePeriodSeconds": PRE_STOP_SECONDS + router.request_deadline_seconds + SHUTDOWN_MARGIN_SECONDS,
         "containers": [container],
     }
     if router.node_selector:
