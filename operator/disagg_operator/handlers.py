@@ -71,8 +71,8 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.resume(*MODEL)
 @kopf.on.create(*MODEL)
 @kopf.on.update(*MODEL)
-def reconcile_model(body: kopf.Body, **_: Any) -> None:
-    reconciler().reconcile(dict(body))
+def reconcile_model(namespace: str, name: str, **_: Any) -> None:
+    reconciler().trigger(namespace, name)
 
 
 def _owner(labels: dict[str, str], meta: dict[str, Any]) -> str | None:
