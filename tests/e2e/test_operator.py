@@ -7,6 +7,7 @@ nodes, or against KUBECONFIG with DISAGG_E2E_USE_KUBECONFIG=1.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -118,6 +119,46 @@ def test_apply_creates_children_and_reports_ready(operator, api_client, custom, 
     assert core.read_node(decode.spec.node_name).metadata.labels[zone] == node.metadata.labels[zone]
 
 
+class PodTimeline:
+    """Every pod event of a namespace, in order (a watch misses no transition, unlike polling)."""
+
+    def __init__(self, api_client, namespace: str):
+        from kubernetes import watch
+
+        self.states: list[dict[str, tuple[str, str, bool]]] = []  # after each event: pod -> (role, revision, serving)
+        self._watch = watch.Watch()
+        self._core = client.CoreV1Api(api_client)
+        self._namespace = namespace
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _entry(pod: Any) -> tuple[str, str, bool] | None:
+        labels = pod.metadata.labels or {}
+        if labels.get(contract.LABEL_ROLE) not in contract.ENGINE_ROLES:
+            return None
+        return labels[contract.LABEL_ROLE], labels[contract.LABEL_REVISION], is_ready(pod)
+
+    def _run(self) -> None:
+        listed = self._core.list_namespaced_pod(self._namespace)
+        pods = {p.metadata.name: e for p in listed.items if (e := self._entry(p))}
+        self.states.append(dict(pods))
+        for event in self._watch.stream(self._core.list_namespaced_pod, self._namespace,
+                                        resource_version=listed.metadata.resource_version, timeout_seconds=300):
+            entry = self._entry(event["object"])
+            if entry is None:
+                continue
+            if event["type"] == "DELETED":
+                pods.pop(event["object"].metadata.name, None)
+            else:
+                pods[event["object"].metadata.name] = entry
+            self.states.append(dict(pods))
+
+    def stop(self) -> None:
+        self._watch.stop()
+        self._thread.join(timeout=10)
+
+
 def test_scale_and_revision_rollout_never_mixes_revisions(operator, api_client, custom, namespace) -> None:
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("roll"))
     first = wait_ready(custom, namespace, "roll")["status"]["revision"]
@@ -127,30 +168,40 @@ def test_scale_and_revision_rollout_never_mixes_revisions(operator, api_client, 
     assert scaled["status"]["revision"] == first, "scaling is not a new revision"
     wait_for("2 prefill ready", lambda: sum(is_ready(p) for p in pods_of(api_client, namespace, "roll", "prefill")) == 2)
 
+    timeline = PodTimeline(api_client, namespace)
+    wait_for("the watch to list the pods", lambda: timeline.states)
     custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "roll", {"spec": {"kvTransfer": {"mode": "Pull"}}})
-    deadline = time.monotonic() + 120
-    seen_both = False
-    while time.monotonic() < deadline:
-        ready_p = {p.metadata.labels[contract.LABEL_REVISION] for p in pods_of(api_client, namespace, "roll", "prefill") if is_ready(p)}
-        ready_d = {p.metadata.labels[contract.LABEL_REVISION] for p in pods_of(api_client, namespace, "roll", "decode") if is_ready(p)}
-        # Whatever serves, some revision has a ready prefill *and* a ready decode: the router can pair.
-        if ready_p and ready_d:
-            assert ready_p & ready_d, (ready_p, ready_d)
-        seen_both |= len(ready_p | ready_d) > 1
+
+    def rolled_out() -> dict | None:
         obj = get_model(custom, namespace, "roll")
-        status = obj.get("status", {})
-        if status.get("revision") != first and condition(obj, "Ready").get("status") == "True" and \
-                condition(obj, "Progressing").get("status") == "False":
-            break
-        time.sleep(0.3)
-    else:
-        raise AssertionError(f"rollout did not finish: {get_model(custom, namespace, 'roll').get('status')}")
-    assert status["transferMode"] == "Pull" and status["prefill"]["readyReplicas"] == 2
+        done = obj["status"].get("revision") != first and condition(obj, "Ready").get("status") == "True" \
+            and condition(obj, "Progressing").get("status") == "False"
+        return obj if done else None
+
+    status = wait_for("rollout to finish", rolled_out, 120)["status"]
     apps = client.AppsV1Api(api_client)
     wait_for("old revision retired", lambda: not [
-        d for d in apps.list_namespaced_deployment(namespace).items if d.metadata.labels.get(contract.LABEL_REVISION) == first
+        p for p in pods_of(api_client, namespace, "roll", "prefill") + pods_of(api_client, namespace, "roll", "decode")
+        if p.metadata.labels[contract.LABEL_REVISION] == first
     ])  # fmt: skip
-    assert seen_both, "the old revision should keep serving while the new one comes up"
+    time.sleep(1)
+    timeline.stop()
+    assert status["transferMode"] == "Pull" and status["prefill"]["readyReplicas"] == 2
+    assert not [d for d in apps.list_namespaced_deployment(namespace).items if d.metadata.labels.get(contract.LABEL_REVISION) == first]
+
+    new = status["revision"]
+    serving_revisions_seen = set()
+    for pods in timeline.states:
+        serving = {(role, rev) for role, rev, ready in pods.values() if ready}
+        revisions_p = {rev for role, rev in serving if role == "prefill"}
+        revisions_d = {rev for role, rev in serving if role == "decode"}
+        # At every moment some revision that has a ready prefill also has a ready decode.
+        if revisions_p and revisions_d:
+            assert revisions_p & revisions_d, pods
+        # And the model never went dark: the old pair served until the new pair was ready.
+        assert revisions_p and revisions_d, f"no servable pair at some point: {pods}"
+        serving_revisions_seen |= revisions_p & revisions_d
+    assert serving_revisions_seen == {first, new}
 
 
 def test_delete_garbage_collects_every_child(operator, api_client, custom, namespace) -> None:
@@ -239,10 +290,11 @@ def test_restart_and_steady_state_make_no_writes(operator, cluster, api_client, 
     if not cluster.audit_log:
         pytest.fail("this test counts writes in the API server's audit log: set DISAGG_AUDIT_LOG", pytrace=False)
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("steady"))
-    before = wait_ready(custom, namespace, "steady")
+    wait_ready(custom, namespace, "steady")
+    time.sleep(5)  # let trailing events (pods turning Ready, Deployment status) settle
     apps = client.AppsV1Api(api_client)
     uids = {d.metadata.name: (d.metadata.uid, d.metadata.resource_version) for d in apps.list_namespaced_deployment(namespace).items}
-    time.sleep(5)  # let trailing events (pods turning Ready) settle
+    before = get_model(custom, namespace, "steady")
     mark = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
 
     operator.stop()
