@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+import urllib3
 import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
@@ -129,6 +130,7 @@ class PodTimeline:
         self._watch = watch.Watch()
         self._core = client.CoreV1Api(api_client)
         self._namespace = namespace
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -143,18 +145,24 @@ class PodTimeline:
         listed = self._core.list_namespaced_pod(self._namespace)
         pods = {p.metadata.name: e for p in listed.items if (e := self._entry(p))}
         self.states.append(dict(pods))
-        for event in self._watch.stream(self._core.list_namespaced_pod, self._namespace,
-                                        resource_version=listed.metadata.resource_version, timeout_seconds=300):
-            entry = self._entry(event["object"])
-            if entry is None:
-                continue
-            if event["type"] == "DELETED":
-                pods.pop(event["object"].metadata.name, None)
-            else:
-                pods[event["object"].metadata.name] = entry
-            self.states.append(dict(pods))
+        stream = self._watch.stream(self._core.list_namespaced_pod, self._namespace,
+                                    resource_version=listed.metadata.resource_version, timeout_seconds=300)
+        try:
+            for event in stream:
+                entry = self._entry(event["object"])
+                if entry is None:
+                    continue
+                if event["type"] == "DELETED":
+                    pods.pop(event["object"].metadata.name, None)
+                else:
+                    pods[event["object"].metadata.name] = entry
+                self.states.append(dict(pods))
+        except urllib3.exceptions.ProtocolError:
+            if not self._stopped:
+                raise  # only stop() may cut the stream
 
     def stop(self) -> None:
+        self._stopped = True
         self._watch.stop()
         self._thread.join(timeout=10)
 
