@@ -181,6 +181,18 @@ def test_least_outstanding_exclusion_and_ejection():
     assert {bal.choose_prefill(t.snapshot()).pod for _ in range(4)} == {"p1", "p2"}
 
 
+def test_idle_pairs_rotate_over_every_prefill_and_decode():
+    """Sequential requests (nothing in flight) spread over all engines of both roles."""
+    t = EndpointTable()
+    t.replace([pod("p1"), pod("p2"), pod("d1", "decode"), pod("d2", "decode")])
+    bal = Balancer("newest")
+    chosen = [bal.choose_pair(t.snapshot()) for _ in range(100)]
+    assert {p.pod for p, _ in chosen} == {"p1", "p2"} and {d.pod for _, d in chosen} == {"d1", "d2"}
+    prefills = [bal.choose_prefill(t.snapshot()).pod for _ in range(10)]
+    decodes = [bal.choose_decode(t.snapshot(), "rev1").pod for _ in range(10)]
+    assert set(prefills) == {"p1", "p2"} and set(decodes) == {"d1", "d2"}
+
+
 def test_no_pair_without_both_roles():
     t = EndpointTable()
     t.replace([pod("p1"), pod("d2", "decode", revision="rev2")])

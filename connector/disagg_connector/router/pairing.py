@@ -36,7 +36,9 @@ class Balancer:
         self.clock = clock
         self.inflight: dict[str, int] = defaultdict(int)
         self._ejected: dict[str, float] = {}
-        self._rr = itertools.count()
+        # One round-robin counter per role: a shared one alternates between the roles and pins
+        # every sequential request to the same pair.
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._on_inflight = on_inflight
 
     # --- load accounting -----------------------------------------------------------------------------
@@ -75,12 +77,12 @@ class Balancer:
         return False
 
     # --- selection -----------------------------------------------------------------------------------
-    def _least(self, candidates: Sequence[Backend]) -> Backend | None:
+    def _least(self, candidates: Sequence[Backend], role: str) -> Backend | None:
         if not candidates:
             return None
         low = min(self.inflight.get(b.key, 0) for b in candidates)
         best = [b for b in candidates if self.inflight.get(b.key, 0) == low]
-        return best[next(self._rr) % len(best)]
+        return best[next(self._rr[role]) % len(best)]
 
     def _filtered(self, r: RevisionView, exclude: set[str]) -> tuple[list[Backend], list[Backend]]:
         return [b for b in r.prefill if self._usable(b, exclude)], [b for b in r.decode if self._usable(b, exclude)]
@@ -100,15 +102,15 @@ class Balancer:
         if not eligible:
             return None
         if self.policy == "newest":
-            return self._least(eligible[0][1])
-        return self._least([p for _, ps, _ in eligible for p in ps])
+            return self._least(eligible[0][1], "prefill")
+        return self._least([p for _, ps, _ in eligible for p in ps], "prefill")
 
     def choose_decode(self, snap: Snapshot, revision: str, exclude: set[str] | None = None) -> Backend | None:
         r = snap.revision(revision)
         if r is None or not r.decode:
             return None
         usable = [b for b in r.decode if self._usable(b, exclude or set())]
-        return self._least(usable or list(r.decode))
+        return self._least(usable or list(r.decode), "decode")
 
     def choose_pair(self, snap: Snapshot, exclude: set[str] | None = None) -> tuple[Backend, Backend] | None:
         exclude = exclude or set()

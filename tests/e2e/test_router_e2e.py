@@ -1,0 +1,548 @@
+"""The router end to end: discovery of a DisaggregatedModel's kwok pods through the real API server,
+requests to simulated vLLM engines that listen on those pods' own (loopback) IPs, scaling under load.
+
+- The operator (session fixture, its own ServiceAccount) reconciles a model of 2 prefill + 2 decode
+  replicas (examples/minimal.yaml) until Ready.
+- For every Ready P/D pod, a simulated engine (tests/vllm_sim) listens on the pod's IP at the ports of
+  its annotations (HTTP 8000, NIXL side channel 5600) with ``--engine-id`` = ``contract.engine_id(pod
+  name, pod UID)`` and tp/pp/dp from its annotations: exactly the identity a real vLLM pod gets from the
+  Downward API. A pod watch starts engines for pods that appear later and notes pods that go away.
+- The router runs as a local process with the args the operator rendered into the router Deployment
+  (only ``--port`` replaced, ``--host`` and ``--kubeconfig`` added), authenticated with a token of the
+  router's own ServiceAccount: the rendered Role and RoleBinding are what lets it list and watch pods.
+- Requests (completions and chat, streamed and not) succeed and both legs of each reach engines of the
+  model: the simulators' own event logs show the request id on a prefill and a decode engine, and the
+  decode leg names the prefill engine's NIXL identity (push) or carries the prefill's params (pull).
+- Scaling (prefill 2 -> 3, decode 2 -> 3, then both -> 1) while a background client keeps sending
+  requests: the router's /health table follows, and no request fails.
+
+On kwok a pod is Ready the moment it is bound (no readiness probe runs), before its simulated engine
+listens; a real engine pod turns Ready only after vLLM answers its probe. The router copes with a
+backend that refuses connections (ejects it and retries another pair with a fresh id) as long as one
+attempt's retry has somewhere else to go, so the test adds one pod of one role at a time.
+
+Waits are event-based with generous deadlines; nothing asserts on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+from disagg_connector import contract
+from tests.vllm_sim.harness import FAST, Proc, free_port, get_json, http_get
+
+from ..conftest import REPO, load_example, merge
+
+GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
+MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
+DEADLINE = 120.0
+
+
+# --- small helpers ----------------------------------------------------------------------------------
+def wait_for(what: str, check: Callable[[], Any], timeout: float = DEADLINE, interval: float = 0.2) -> Any:
+    """Poll check() until it returns something truthy; fail naming `what` (and the last value) after timeout."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (ApiException, OSError, ValueError) as error:
+            last = error
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def model_manifest(name: str, mode: str) -> dict[str, Any]:
+    obj = copy.deepcopy(MINIMAL)
+    obj["metadata"] = {"name": name}
+    merge(obj["spec"], {"kvTransfer": {"mode": mode}, "prefill": {"replicas": 2}, "decode": {"replicas": 2}})
+    return obj
+
+
+def wait_model_ready(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+        status = obj.get("status") or {}
+        current = status.get("observedGeneration") == obj["metadata"]["generation"]
+        return obj if current and condition(obj, "Ready").get("status") == "True" else None
+
+    return wait_for(f"{ns}/{name} Ready", ready)
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
+def router_kubeconfig(cluster: Any, namespace: str, model: str, path: Path) -> Path:
+    """A kubeconfig with nothing but a token of the router's own ServiceAccount (rendered by the operator)."""
+    sa = contract.router_name(model)
+    token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
+    server = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "router",
+        "clusters": [{"name": "local", "cluster": server}],
+        "users": [{"name": "router", "user": {"token": token}}],
+        "contexts": [{"name": "router", "context": {"cluster": "local", "user": "router", "namespace": namespace}}],
+    }))  # fmt: skip
+    return path
+
+
+def replace_flag(args: list[str], flag: str, value: str) -> list[str]:
+    out = list(args)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
+# --- simulated engines on the pods' own addresses ---------------------------------------------------
+@dataclass
+class PodEngine:
+    proc: Proc
+    pod: str
+    uid: str
+    role: str
+    revision: str
+    ip: str
+    http_port: int
+    engine_id: str
+    final: tuple[dict[str, Any], dict[str, int]] | None = None  # (legs, counters) when it was stopped
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{self.http_port}"
+
+    def ready(self) -> bool:
+        if not self.proc.alive():
+            raise RuntimeError(f"engine for {self.pod} exited:\n{self.proc.log_text()[-3000:]}")
+        return http_get(self.url + "/health", timeout=2)[0] == 200
+
+    def counters(self) -> dict[str, int]:
+        if self.final is not None:
+            return self.final[1]
+        return get_json(self.url + "/sim/stats")["counters"]
+
+    def legs(self) -> dict[str, dict[str, Any]]:
+        """xid -> the leg_received event of every leg this engine got."""
+        if self.final is not None:
+            return self.final[0]
+        events = get_json(self.url + "/sim/events")["events"]
+        return {e["xid"]: e for e in events if e["kind"] == "leg_received"}
+
+    def stop(self) -> None:
+        """Keep what it saw, then stop it."""
+        if self.final is None and self.proc.alive():
+            self.final = (self.legs(), self.counters())
+        self.proc.stop()
+
+
+class PodEngines:
+    """Watches a model's P/D pods and runs one simulated engine per Ready pod, on that pod's IP.
+
+    Engines of deleted pods keep running (in ``gone``) until the test retires them, once the router no
+    longer routes to them and nothing in flight can still need them.
+    """
+
+    def __init__(self, api_client: Any, namespace: str, model: str, served_name: str, mode: str, log_dir: Path):
+        self.core = client.CoreV1Api(api_client)
+        self.namespace, self.model, self.served_name, self.mode = namespace, model, served_name, mode
+        self.log_dir = log_dir
+        self.engines: dict[str, PodEngine] = {}  # pod uid -> engine
+        self.gone: set[str] = set()  # uids of deleted pods whose engine still runs
+        self.lock = threading.Lock()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._selector = f"{contract.LABEL_MODEL}={contract.model_label_value(model)},{contract.LABEL_ROLE} in (prefill,decode)"
+
+    # one pod event
+    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        with self.lock:
+            known = uid in self.engines
+            if kind == "DELETED" or meta.get("deletionTimestamp"):
+                if known:
+                    self.gone.add(uid)
+                return
+            ip = (pod.get("status") or {}).get("podIP")
+            if known or not ip or not pod_ready(pod):
+                return
+            self.engines[uid] = self._launch(pod, ip)
+
+    def _launch(self, pod: dict[str, Any], ip: str) -> PodEngine:
+        meta = pod["metadata"]
+        ann = meta.get("annotations") or {}
+        labels = meta["labels"]
+        name, uid, role = meta["name"], meta["uid"], labels[contract.LABEL_ROLE]
+        http_port = int(ann.get(contract.ANNOTATION_HTTP_PORT, contract.HTTP_PORT))
+        side_port = int(ann.get(contract.ANNOTATION_SIDE_CHANNEL_PORT, contract.NIXL_SIDE_CHANNEL_PORT))
+        assert http_port == contract.HTTP_PORT and side_port == contract.NIXL_SIDE_CHANNEL_PORT, ann
+        engine_id = contract.engine_id(name, uid)
+        revision = labels[contract.LABEL_REVISION]
+        argv = [
+            sys.executable, "-m", "tests.vllm_sim", "--role", role, "--mode", self.mode,
+            "--host", ip, "--port", str(http_port), "--side-channel-port", str(side_port), "--engine-id", engine_id,
+            "--served-model-name", self.served_name,
+            "--tp-size", ann.get(contract.ANNOTATION_TP_SIZE, "1"), "--pp-size", ann.get(contract.ANNOTATION_PP_SIZE, "1"),
+            "--dp-size", ann.get(contract.ANNOTATION_DP_SIZE, "1"),
+            "--compat-hash", f"hash-{revision}",  # one NIXL compatibility hash per revision, as in vLLM
+        ]  # fmt: skip
+        for k, v in FAST.items():
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+        proc = Proc(f"engine-{name}", argv, self.log_dir)
+        return PodEngine(proc, name, uid, role, revision, ip, http_port, engine_id)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                listed = self.core.list_namespaced_pod(self.namespace, label_selector=self._selector, _preload_content=False)
+                doc = json.loads(listed.data)
+                for pod in doc["items"]:
+                    self._on_pod("ADDED", pod)
+                with self.lock:  # pods deleted while no watch ran
+                    live = {p["metadata"]["uid"] for p in doc["items"]}
+                    self.gone |= set(self.engines) - live
+                w = watch.Watch()
+                for ev in w.stream(
+                    self.core.list_namespaced_pod, self.namespace, label_selector=self._selector,
+                    resource_version=doc["metadata"]["resourceVersion"], timeout_seconds=2, _request_timeout=30,
+                ):  # fmt: skip
+                    self._on_pod(ev["type"], ev["raw_object"])
+                    if self._stop.is_set():
+                        break
+            except Exception as e:  # noqa: BLE001 - surfaced by check()
+                self.errors.append(f"{type(e).__name__}: {e}")
+                self._stop.wait(0.5)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pod-engines", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        assert len(self.errors) < 5, self.errors
+
+    def live(self, role: str | None = None) -> list[PodEngine]:
+        with self.lock:
+            return [e for uid, e in self.engines.items() if uid not in self.gone and (role is None or e.role == role)]
+
+    def all(self) -> list[PodEngine]:
+        with self.lock:
+            return list(self.engines.values())
+
+    def wait_serving(self, prefill: int, decode: int) -> list[PodEngine]:
+        """Wait until exactly this many live engines per role listen (their pods Ready)."""
+
+        def serving() -> list[PodEngine] | None:
+            self.check()
+            engines = self.live()
+            counts = (len([e for e in engines if e.role == "prefill"]), len([e for e in engines if e.role == "decode"]))
+            return engines if counts == (prefill, decode) and all(e.ready() for e in engines) else None
+
+        return wait_for(f"{prefill} prefill + {decode} decode engines listening", serving)
+
+    def retire_gone(self) -> list[PodEngine]:
+        with self.lock:
+            retired = [self.engines[uid] for uid in self.gone]
+            self.gone.clear()
+        for e in retired:
+            e.stop()
+        return retired
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for e in self.all():
+            e.proc.stop()
+
+
+# --- the router as a local process ------------------------------------------------------------------
+@dataclass
+class LocalRouter:
+    proc: Proc
+    port: int
+    argv: list[str]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def health(self) -> dict[str, Any]:
+        if not self.proc.alive():
+            raise RuntimeError(f"router exited:\n{self.proc.log_text()[-3000:]}")
+        status, body = http_get(self.url + "/health", timeout=2)
+        assert status == 200, (status, body[:300])
+        return json.loads(body)
+
+    def table(self) -> dict[str, tuple[int, int]]:
+        """revision -> (prefill, decode) backends, as the router's /health pairing table shows it."""
+        return {r["revision"]: (r["prefill"], r["decode"]) for r in self.health()["revisions"]}
+
+    def wait_table(self, expected: dict[str, tuple[int, int]]) -> None:
+        wait_for(f"router table {expected}", lambda: self.table() == expected)
+
+
+def start_router(apps: client.AppsV1Api, namespace: str, model: str, kubeconfig: Path, log_dir: Path) -> LocalRouter:
+    deploy = apps.read_namespaced_deployment(contract.router_name(model), namespace)
+    (container,) = deploy.spec.template.spec.containers
+    assert container.command == ["disagg-router"], container.command
+    rendered = list(container.args)
+    assert rendered[rendered.index("--namespace") + 1] == namespace
+    port = free_port()
+    args = replace_flag(rendered, "--port", str(port)) + ["--host", "127.0.0.1", "--kubeconfig", str(kubeconfig)]
+    argv = [sys.executable, "-m", "disagg_connector.router", *args]
+    return LocalRouter(Proc("router", argv, log_dir), port, rendered)
+
+
+# --- clients ------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    xid: str | None
+    status: int
+    ok: bool
+    detail: str
+    started: float
+    finished: float
+
+
+def _payload(served: str, i: int, stream: bool) -> tuple[str, dict[str, Any]]:
+    words = " ".join(["word"] * (8 + i % 24))
+    if i % 3 == 2:
+        return "/v1/chat/completions", {"model": served, "messages": [{"role": "user", "content": words}], "max_tokens": 4, "stream": stream}
+    return "/v1/completions", {"model": served, "prompt": words, "max_tokens": 4, "stream": stream}
+
+
+async def send(session: Any, base: str, served: str, i: int, stream: bool) -> Result:
+    """One request through the router; ok means HTTP 200 and a complete answer (a stream ends in [DONE]
+    and carries no error event)."""
+    path, body = _payload(served, i, stream)
+    started = time.monotonic()
+    try:
+        async with session.post(base + path, json=body) as r:
+            data = await r.read()
+            xid = r.headers.get("X-Request-Id")
+            status = r.status
+    except Exception as e:  # noqa: BLE001 - a transport failure is a failed request
+        return Result(None, 0, False, f"{type(e).__name__}: {e}", started, time.monotonic())
+    text = data.decode(errors="replace")
+    if status != 200:
+        ok = False
+    elif stream:
+        events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+        ok = bool(events) and events[-1] == "[DONE]" and not any('"error"' in e for e in events[:-1]) and len(events) > 1
+    else:
+        try:
+            doc = json.loads(text)
+            ok = bool(doc.get("choices")) and "error" not in doc
+        except ValueError:
+            ok = False
+    return Result(xid, status, ok, text[:300], started, time.monotonic())
+
+
+def run_batch(base: str, served: str, n: int, *, concurrency: int, first: int = 0) -> list[Result]:
+    import aiohttp
+
+    async def main() -> list[Result]:
+        sem = asyncio.Semaphore(concurrency)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+
+            async def one(i: int) -> Result:
+                async with sem:
+                    return await send(session, base, served, i, stream=i % 2 == 1)
+
+            return await asyncio.gather(*(one(first + i) for i in range(n)))
+
+    return asyncio.run(main())
+
+
+class BackgroundClient:
+    """Workers that each send one request after another (alternating streaming and not) until stopped."""
+
+    def __init__(self, base: str, served: str, workers: int = 2):
+        self.base, self.served, self.workers = base, served, workers
+        self.results: list[Result] = []
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="bg-client", daemon=True)
+        self.last_done: list[float] = [0.0] * workers  # per worker: start time of its last finished request
+
+    async def _main(self) -> None:
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+
+            async def worker(w: int) -> None:
+                i = w
+                while not self._stop.is_set():
+                    r = await send(session, self.base, self.served, 1000 + i, stream=(i // self.workers) % 2 == 1)
+                    with self.lock:
+                        self.results.append(r)
+                        self.last_done[w] = r.started
+                    i += self.workers
+
+            await asyncio.gather(*(worker(w) for w in range(self.workers)))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> list[Result]:
+        self._stop.set()
+        self._thread.join(timeout=200)
+        assert not self._thread.is_alive(), "background client did not finish"
+        return list(self.results)
+
+    def failures(self) -> list[Result]:
+        with self.lock:
+            return [r for r in self.results if not r.ok]
+
+    def wait_past(self, mark: float, what: str) -> None:
+        """Wait until every worker finished a request it started after `mark`: every request in flight at
+        `mark` is over by then (each worker has one request at a time)."""
+
+        def past() -> bool:
+            with self.lock:
+                return all(t > mark for t in self.last_done)
+
+        assert self._thread.is_alive()
+        wait_for(f"client requests started after {what}", past)
+
+
+# --- assertions on where legs went --------------------------------------------------------------------
+def check_legs(results: list[Result], engines: list[PodEngine], mode: str) -> dict[str, tuple[int, int]]:
+    """Both legs of every request reached engines of this model, with the right NIXL identity.
+
+    Returns engine id -> (legs, completed legs) for a look at the spread."""
+    legs = {e.engine_id: e.legs() for e in engines}
+    by_id = {e.engine_id: e for e in engines}
+    for r in results:
+        assert r.xid, r
+        prefill = [eid for eid, got in legs.items() if r.xid in got and by_id[eid].role == "prefill"]
+        decode = [eid for eid, got in legs.items() if r.xid in got and by_id[eid].role == "decode"]
+        assert len(prefill) == 1 and len(decode) == 1, (r.xid, prefill, decode)
+        p_leg, d_leg = legs[prefill[0]][r.xid], legs[decode[0]][r.xid]
+        assert p_leg["kv_transfer_params"]["do_remote_decode"] is True, p_leg
+        params = d_leg["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True, d_leg
+        p_engine = by_id[prefill[0]]
+        # the identity the router read from the pod (name, UID, IP, annotations) is the engine's own
+        assert params["remote_engine_id"] == p_engine.engine_id, (params, p_engine)
+        assert params["remote_host"] == p_engine.ip and params["remote_port"] == contract.NIXL_SIDE_CHANNEL_PORT, params
+        assert by_id[decode[0]].revision == p_engine.revision
+        if mode == "pull":
+            assert params.get("transfer_mode") == "pull" and params.get("remote_block_ids") is not None, params
+    counters = {e.engine_id: e.counters() for e in engines}
+    n = len(results)
+    p_count = sum(c.get("prefills", 0) for eid, c in counters.items() if by_id[eid].role == "prefill")
+    d_done = sum(c.get("completed", 0) for eid, c in counters.items() if by_id[eid].role == "decode")
+    assert p_count >= n and d_done >= n, (n, counters)
+    if mode == "push":
+        assert sum(c.get("kv_received", 0) for eid, c in counters.items() if by_id[eid].role == "decode") >= n, counters
+    else:
+        assert sum(c.get("reads", 0) for eid, c in counters.items() if by_id[eid].role == "prefill") >= n, counters
+    for eid, c in counters.items():
+        assert not c.get("kv_wrong") and not c.get("handshake_failures") and not c.get("engine_dead"), (eid, c)
+    return {eid: (len(got), counters[eid].get("completed", 0)) for eid, got in legs.items()}
+
+
+# --- the test -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+def test_router_discovers_kwok_pods_serves_and_follows_scaling(
+    operator, cluster, api_client, namespace, tmp_path: Path, mode: str
+) -> None:
+    custom, apps = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client)
+    name = f"rt-{mode.lower()}"
+    sim_mode = mode.lower()
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, mode))
+    obj = wait_model_ready(custom, namespace, name)
+    status = obj["status"]
+    assert status["transferMode"] == mode
+    assert status["prefill"]["readyReplicas"] == 2 and status["decode"]["readyReplicas"] == 2
+    revision = status["revision"]
+
+    router_deploy = apps.read_namespaced_deployment(contract.router_name(name), namespace)
+    args = list(router_deploy.spec.template.spec.containers[0].args)
+    served = args[args.index("--served-model-name") + 1]
+    assert args[args.index("--mode") + 1] == sim_mode
+    assert args[args.index("--selector") + 1] == f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"
+
+    engines = PodEngines(cluster.api_client(), namespace, name, served, sim_mode, tmp_path)
+    router: LocalRouter | None = None
+    background: BackgroundClient | None = None
+    try:
+        engines.start()
+        first = engines.wait_serving(2, 2)
+        router = start_router(apps, namespace, name, router_kubeconfig(cluster, namespace, name, tmp_path / "router.kubeconfig"), tmp_path)
+        wait_for("router synced", lambda: router.health()["synced"])
+        router.wait_table({revision: (2, 2)})
+
+        # --- requests: sequential then concurrent, completions and chat, streamed and not ------------
+        results = run_batch(router.url, served, 12, concurrency=1)
+        results += run_batch(router.url, served, 16, concurrency=8, first=12)
+        bad = [r for r in results if not r.ok]
+        assert not bad, bad[:3]
+        spread = check_legs(results, first, sim_mode)
+        # Not asserted: how evenly legs spread. Sequential requests all go to one P and one D (the
+        # balancer's round-robin tie-break shares one counter between the P and the D choice).
+        print(f"\n[{mode}] legs per engine after {len(results)} requests: {spread}")
+
+        # --- scaling under load ------------------------------------------------------------------------
+        background = BackgroundClient(router.url, served)
+        background.start()
+        wait_for("background client running", lambda: len(background.results) >= 4)
+        table_seen: list[dict[str, tuple[int, int]]] = [router.table()]
+
+        def scale(prefill: int, decode: int) -> None:
+            patch = {"spec": {"prefill": {"replicas": prefill}, "decode": {"replicas": decode}}}
+            custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, patch)
+            engines.wait_serving(prefill, decode)
+            router.wait_table({revision: (prefill, decode)})
+            table_seen.append(router.table())
+            background.wait_past(time.monotonic(), f"the table showed {prefill}P/{decode}D")
+            assert not background.failures(), background.failures()[:3]
+
+        scale(3, 2)  # one pod at a time: see the module docstring
+        scale(3, 3)
+        scale(1, 1)
+        assert {e.pod for e in engines.retire_gone()}, "scaling down removed pods"
+        obj = wait_model_ready(custom, namespace, name)
+        assert obj["status"]["revision"] == revision, "scaling is not a new revision"
+        wait_for("the rest of the client's requests", lambda: len(background.results) >= 40)
+        results = background.stop()
+        background = None
+        bad = [r for r in results if not r.ok]
+        assert not bad, (len(bad), len(results), bad[:3])
+        assert table_seen == [{revision: (2, 2)}, {revision: (3, 2)}, {revision: (3, 3)}, {revision: (1, 1)}]
+        # every request of the background client also reached engines of the model, on either side of a change
+        check_legs(results, engines.all(), sim_mode)
+        assert router.proc.alive() and operator.alive()
+    finally:
+        if background is not None:
+            background.stop()
+        if router is not None:
+            code = router.proc.stop()
+            print(f"router exited with {code}; log tail:\n{router.proc.log_text()[-2000:]}")
+        engines.stop()
