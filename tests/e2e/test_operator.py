@@ -10,38 +10,23 @@ import copy
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import urllib3
 import yaml
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
-from disagg_operator.api.crd import CRD_FILE
 
 from ..conftest import REPO, load_example, merge
 from ..unit.test_api import INVALID, VALID_EDGES
 from .conftest import OPERATOR_USER
+from .waiting import condition, pod_ready as is_ready, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 90, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except ApiException as error:
-            last = error
-        if last and not isinstance(last, ApiException):
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 @pytest.fixture
@@ -60,10 +45,6 @@ def get_model(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, 
     return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
 
 
-def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
-
-
 def wait_ready(custom, ns: str, name: str, timeout: float = 120) -> dict[str, Any]:
     def ready() -> dict[str, Any] | None:
         obj = get_model(custom, ns, name)
@@ -76,12 +57,6 @@ def wait_ready(custom, ns: str, name: str, timeout: float = 120) -> dict[str, An
 def pods_of(api_client, ns: str, name: str, role: str) -> list[Any]:
     selector = ",".join(f"{k}={v}" for k, v in contract.selector_labels(name, role).items())
     return client.CoreV1Api(api_client).list_namespaced_pod(ns, label_selector=selector).items
-
-
-def is_ready(pod: Any) -> bool:
-    return pod.metadata.deletion_timestamp is None and any(
-        c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []
-    )
 
 
 def test_apply_creates_children_and_reports_ready(operator, api_client, custom, namespace) -> None:

@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 import pytest
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
 from disagg_connector.preflight import REASONS, format_termination_message, parse_termination_message
 
 from ..conftest import REPO, load_example
 from .conftest import OPERATOR_USER
+from .waiting import condition, pod_ready, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
@@ -41,37 +40,11 @@ ANNOTATION = f"{contract.API_GROUP}/simulate-preflight-failure"
 FAULT_MANAGER = "e2e-fault-injector"
 REASON = "EfaDevicesMissing"
 TEXT = "expected 2 EFA devices (vpc.amazonaws.com/efa) under /dev/infiniband, found 0"
-DEADLINE = 120.0
 STALE_KWOK = (
     "the running kwok does not have the pod-preflight-failed stage of hack/kwok/stages.yaml "
     "(kwok reads its stages only at start): restart kwok, e.g. "
     "`kill $(cat ${DISAGG_STATE:-$HOME/.cache/disagg-operator/cluster}/pids/kwok.pid) && hack/cluster.sh up`"
 )
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = DEADLINE, interval: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except ApiException as error:
-            last = error
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
-
-
-def pod_ready(pod: Any) -> bool:
-    return pod.metadata.deletion_timestamp is None and any(
-        c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []
-    )
 
 
 def preflight_status(pod: Any) -> Any:

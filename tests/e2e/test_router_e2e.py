@@ -45,31 +45,17 @@ from disagg_connector import contract
 from tests.vllm_sim.harness import FAST, Proc, free_port, get_json, http_get
 
 from ..conftest import REPO, load_example, merge
+from . import waiting
+from .waiting import DEADLINE, condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
-DEADLINE = 120.0
 
 
 # --- small helpers ----------------------------------------------------------------------------------
 def wait_for(what: str, check: Callable[[], Any], timeout: float = DEADLINE, interval: float = 0.2) -> Any:
-    """Poll check() until it returns something truthy; fail naming `what` (and the last value) after timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (ApiException, OSError, ValueError) as error:
-            last = error
-        else:
-            if last:
-                return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {})
+    """Also polls HTTP endpoints of the router and the simulators, which may not listen yet."""
+    return waiting.wait_for(what, check, timeout, interval, retry_on=(ApiException, OSError, ValueError))
 
 
 def model_manifest(name: str, mode: str) -> dict[str, Any]:

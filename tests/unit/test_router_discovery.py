@@ -92,7 +92,7 @@ def test_no_conditions_is_not_ready():
 def test_data_parallel_prefill_is_one_backend_per_rank_and_decode_one():
     ann = {contract.ANNOTATION_DP_SIZE: "2", contract.ANNOTATION_SIDE_CHANNEL_PORT: "5600"}
     ps = backends_from_pod(pod("p0", annotations=ann))
-    assert [b.identity.engine_id for b in ps] == [f"p0.uid-p0_dp0", f"p0.uid-p0_dp1"]
+    assert [b.identity.engine_id for b in ps] == ["p0.uid-p0_dp0", "p0.uid-p0_dp1"]
     assert [b.identity.side_channel_port for b in ps] == [5600, 5601]
     assert len({b.key for b in ps}) == 2
     [d] = backends_from_pod(pod("d0", role="decode", annotations=ann))
