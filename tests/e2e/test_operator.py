@@ -142,7 +142,15 @@ class PodTimeline:
         self._thread.join(timeout=10)
 
 
-def test_scale_and_revision_rollout_never_mixes_revisions(operator, api_client, custom, namespace) -> None:
+@pytest.mark.parametrize(
+    ("change", "check"),
+    [
+        ({"kvTransfer": {"mode": "Pull"}}, lambda s: s["transferMode"] == "Pull"),
+        ({"engine": {"image": "registry.example/vllm-runtime:0.33.0-patched"}}, lambda s: s["transferMode"] == "Push"),
+    ],
+    ids=["mode", "image"],
+)
+def test_scale_and_revision_rollout_never_mixes_revisions(operator, api_client, custom, namespace, change, check) -> None:
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("roll"))
     first = wait_ready(custom, namespace, "roll")["status"]["revision"]
 
@@ -153,7 +161,7 @@ def test_scale_and_revision_rollout_never_mixes_revisions(operator, api_client, 
 
     timeline = PodTimeline(api_client, namespace)
     wait_for("the watch to list the pods", lambda: timeline.states)
-    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "roll", {"spec": {"kvTransfer": {"mode": "Pull"}}})
+    custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "roll", {"spec": change})
 
     def rolled_out() -> dict | None:
         obj = get_model(custom, namespace, "roll")
@@ -169,7 +177,7 @@ def test_scale_and_revision_rollout_never_mixes_revisions(operator, api_client, 
     ])  # fmt: skip
     time.sleep(1)
     timeline.stop()
-    assert status["transferMode"] == "Pull" and status["prefill"]["readyReplicas"] == 2
+    assert check(status) and status["prefill"]["readyReplicas"] == 2
     assert not [d for d in apps.list_namespaced_deployment(namespace).items if d.metadata.labels.get(contract.LABEL_REVISION) == first]
 
     new = status["revision"]
