@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import re
+
 import yaml
 
 
 class _NoAliasDumper(yaml.SafeDumper):
     def ignore_aliases(self, data: Any) -> bool:
         return True
+
+
+# YAML 1.2 parsers (kubectl, helm, Argo CD) read "1e10" as a number; PyYAML (YAML 1.1) does not and so
+# would leave such a string unquoted. A revision hash like "8132e40521" must stay a string label.
+_NoAliasDumper.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def dump_all(objects: Iterable[dict[str, Any]]) -> str:

@@ -175,3 +175,9 @@ def test_data_parallel_ports_and_identity() -> None:
     assert [(i.engine_id, i.side_channel_port) for i in identities] == [
         (f"m-decode-x.u_dp{r}", 5600 + r) for r in range(4)
     ]
+
+
+def test_printed_manifests_keep_hash_labels_strings_for_yaml_1_2_readers() -> None:
+    """kubectl reads an unquoted 8132e40521 as a number (YAML 1.2); PyYAML would not quote it."""
+    text = dump_all([{"metadata": {"labels": {contract.LABEL_REVISION: "8132e40521", "other": "0231f32d94"}}}])
+    assert "'8132e40521'" in text
