@@ -93,6 +93,17 @@ ldflags_for() {
         flags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
       done
       ;;
+    helm)
+      # Like helm's Makefile: its version, and the Kubernetes version `helm template`/`lint` assume
+      # (unstamped it is v1.20, which charts with kubeVersion >=1.29 refuse).
+      local kmajor kminor
+      kmajor="${K8S_VERSION#v}"; kmajor="${kmajor%%.*}"
+      kminor="${K8S_VERSION#v*.}"; kminor="${kminor%%.*}"
+      flags+=" -X helm.sh/helm/v3/internal/version.version=$ver"
+      for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+        flags+=" -X $pkg.k8sVersionMajor=$kmajor -X $pkg.k8sVersionMinor=$kminor"
+      done
+      ;;
   esac
   echo "$flags"
 }

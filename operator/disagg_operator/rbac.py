@@ -2,7 +2,8 @@
 
 Least privilege: the operator reads and writes only the kinds it renders, reads pods for status,
 writes Events (kopf posts warnings) and its peering objects (HA). Creating the router's Role requires
-holding its permissions (pods get/list/watch), which the operator has for status anyway. No Secrets.
+holding its permissions (pods get/list/watch), which the operator has for status anyway. kopf reads
+CRDs and namespaces at start-up. No Secrets.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def rules() -> list[dict[str, Any]]:
         {"apiGroups": [""], "resources": ["pods"], "verbs": READ},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
+        # kopf's own discovery at start-up: without these it retries for ~55 s before falling back.
+        {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]},
     ]
 
 
