@@ -100,4 +100,4 @@ def deployment_event(meta: kopf.Meta, namespace: str, labels: dict[str, str], **
 def pod_event(namespace: str, labels: dict[str, str], model_by_label: kopf.Index, **_: Any) -> None:
     names = model_by_label.get((namespace, labels.get(contract.LABEL_MODEL, "")), [])
     for name in names:
-        reconciler().trigger(namespace, name)
+        reconciler().trigger(namespace, name, full=False)

@@ -78,12 +78,14 @@ class Cluster:
         )
         return result.to_dict()
 
-    def owned_children(self, namespace: str, model: str, owner_uid: str) -> dict[Key, dict[str, Any]]:
+    def owned_children(
+        self, namespace: str, model: str, owner_uid: str, kinds: Iterable[tuple[str, str]] = MANAGED_KINDS
+    ) -> dict[Key, dict[str, Any]]:
         """Children of one CR: our labels *and* its uid as controller (a same-named object that some
         other CR or person owns is never ours to change)."""
         found: dict[Key, dict[str, Any]] = {}
         selector = _selector(contract.owned_selector(model))
-        for api_version, kind in MANAGED_KINDS:
+        for api_version, kind in kinds:
             items = self._resource(api_version, kind).get(namespace=namespace, label_selector=selector).to_dict()
             for item in items.get("items") or []:
                 owners = item.get("metadata", {}).get("ownerReferences") or []
