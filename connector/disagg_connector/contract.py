@@ -121,10 +121,6 @@ def selector_labels(model: str, role: Role) -> dict[str, str]:
     return {LABEL_MODEL: model_label_value(model), LABEL_ROLE: role}
 
 
-def model_selector(model: str) -> dict[str, str]:
-    return {LABEL_MODEL: model_label_value(model)}
-
-
 def owned_selector(model: str) -> dict[str, str]:
     """Every child of one DisaggregatedModel carries these: how the operator finds stale children."""
     return {LABEL_MANAGED_BY: OPERATOR_NAME, LABEL_MODEL: model_label_value(model)}

@@ -41,7 +41,7 @@ def reconciler() -> Reconciler:
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
-    """Kopf settings, on purpose (see docs/operator.md for the reasoning)."""
+    """Kopf settings, on purpose (see docs/design.md, "Kopf, on purpose")."""
     # Our own annotation prefix: no collision with other kopf operators, one GitOps ignore rule.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
