@@ -16,6 +16,7 @@ from typing import Any, Callable
 from disagg_connector import contract
 
 from . import status as status_mod
+from .api.models import DisaggregatedModel
 from .api.validation import SpecError, parse
 from .config import RenderDefaults
 from .drift import needs_apply, stamped
@@ -100,7 +101,7 @@ class Reconciler:
             deployments=[o for k, o in live.items() if (k[0] == "Deployment" and k not in stale) or k in old_engines],
             pods=self.cluster.pods(namespace, name),
         )
-        new_status = self._status(rendered, observed, body)
+        new_status = self._status(dm, rendered, observed, body)
         ready = next(c for c in new_status["conditions"] if c["type"] == "Ready")["status"] == "True"
         if ready and old_engines:
             # The new revision serves on its own now: retire the old pairs (never earlier, never mixed).
@@ -110,14 +111,13 @@ class Reconciler:
                 deployments=[d for d in observed.deployments if key_of(d) not in old_engines],
                 pods=[p for p in observed.pods if p["metadata"].get("labels", {}).get(contract.LABEL_REVISION) not in retired],
             )
-            new_status = self._status(rendered, observed, body)
+            new_status = self._status(dm, rendered, observed, body)
         self._write_if_changed(body, new_status)
 
-    def _status(self, rendered: Any, observed: status_mod.Observed, body: dict[str, Any]) -> dict[str, Any]:
+    def _status(self, dm: DisaggregatedModel, rendered: Any, observed: status_mod.Observed, body: dict[str, Any]) -> dict[str, Any]:
         meta = body["metadata"]
-        router_port = ((body.get("spec") or {}).get("router") or {}).get("service", {}).get("port", contract.ROUTER_PORT)
         return status_mod.compute(
-            rendered, observed, name=meta["name"], namespace=meta["namespace"], router_port=router_port,
+            rendered, observed, name=meta["name"], namespace=meta["namespace"], router_port=dm.spec.router.service.port,
             generation=meta.get("generation"), previous_status=body.get("status"), now=self.now(),
         )  # fmt: skip
 
