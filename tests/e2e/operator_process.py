@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,35 +20,47 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def default_command(liveness_url: str) -> list[str]:
+    return [sys.executable, "-m", "disagg_operator.cli", "run", "--standalone", "--liveness", liveness_url]
+
+
 class OperatorProcess:
-    def __init__(self, kubeconfig: str, log_dir: Path, extra_env: dict[str, str] | None = None):
+    """`command` gets the liveness URL to serve and returns the argv (default: a standalone operator);
+    the chart's e2e passes the chart Deployment's own command line instead."""
+
+    def __init__(
+        self,
+        kubeconfig: str,
+        log_dir: Path,
+        extra_env: dict[str, str] | None = None,
+        command: Callable[[str], list[str]] = default_command,
+    ):
         self.kubeconfig = kubeconfig
         self.log_dir = log_dir
         self.extra_env = extra_env or {}
+        self.command = command
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
     @property
     def log_path(self) -> Path:
-        return self.log_dir / f"operator-{self.starts}.log"
+        return self.log_dir / f"operator-{id(self):x}-{self.starts}.log"
 
-    def start(self) -> None:
+    def start(self) -> "OperatorProcess":
         self.starts += 1
-        port = free_port()
-        env = {**os.environ, "KUBECONFIG": self.kubeconfig, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        url = f"http://127.0.0.1:{free_port()}/healthz"
+        venv_bin = str(Path(sys.executable).parent)  # console scripts (disagg-operator) of this venv
+        env = {**os.environ, **self.extra_env, "KUBECONFIG": self.kubeconfig, "PYTHONUNBUFFERED": "1",
+               "PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"}  # fmt: skip
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "disagg_operator.cli", "run", "--standalone",
-             "--liveness", f"http://127.0.0.1:{port}/healthz"],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        self.proc = subprocess.Popen(self.command(url), cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2):
-                    return
+                with urllib.request.urlopen(url, timeout=2):
+                    return self
             except OSError:
                 time.sleep(0.5)
         raise RuntimeError(f"operator not live after 60 s:\n{self.log()}")

@@ -14,12 +14,8 @@ The control plane is shared: the operator started here watches only this test's 
 from __future__ import annotations
 
 import copy
-import os
 import re
-import subprocess
-import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,7 +31,7 @@ from tests.support import chart_sync
 from tests.support.helm import CHART, helm, values_args
 
 from ..conftest import REPO, load_example
-from .operator_process import free_port
+from .operator_process import OperatorProcess
 from .waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
@@ -71,50 +67,17 @@ def can(api: client.ApiClient, verb: str, resource: str, namespace: str | None =
     return bool(client.AuthorizationV1Api(api).create_self_subject_access_review(review).status.allowed)
 
 
-class ChartOperator:
-    """The operator as the chart's container would run it, as a local process."""
+def chart_operator(deployment: client.V1Deployment, kubeconfig: Path, log_dir: Path, extra_args: list[str]) -> OperatorProcess:
+    """The operator as the chart's container would run it (its command, args and env), as a local process."""
+    (container,) = deployment.spec.template.spec.containers
+    env = {e.name: e.value for e in container.env or [] if e.value is not None}
 
-    def __init__(self, deployment: client.V1Deployment, kubeconfig: Path, log_dir: Path, extra_args: list[str]):
-        (container,) = deployment.spec.template.spec.containers
-        self.port = free_port()
+    def command(liveness_url: str) -> list[str]:
         args = list(container.args)
-        i = args.index("--liveness")
-        args[i + 1] = f"http://127.0.0.1:{self.port}/healthz"
-        self.argv = [*container.command, *args, *extra_args]
-        self.env = {e.name: e.value for e in container.env or [] if e.value is not None}
-        self.kubeconfig = kubeconfig
-        self.log_path = log_dir / f"operator-{uuid.uuid4().hex[:6]}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        args[args.index("--liveness") + 1] = liveness_url
+        return [*container.command, *args, *extra_args]
 
-    def start(self) -> "ChartOperator":
-        venv_bin = str(Path(sys.executable).parent)
-        env = {**os.environ, **self.env, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1",
-               "PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"}  # fmt: skip
-        self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"operator exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2):
-                    return self
-            except OSError:
-                time.sleep(0.5)
-        raise AssertionError(f"operator not live after 60 s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+    return OperatorProcess(str(kubeconfig), log_dir, extra_env=env, command=command)
 
 
 def kopf_objects(lister) -> list[dict[str, Any]]:
@@ -347,15 +310,15 @@ def test_install_run_upgrade_uninstall(cluster, helm_env) -> None:
     # The operator, as the chart runs it, with the chart's token (watching only this test's namespace).
     since = now_rfc3339()
     kubeconfig = token_kubeconfig(cluster, token, env["tmp"] / "sa-kubeconfig")
-    op = ChartOperator(dep, kubeconfig, env["tmp"], ["--namespace", a])
-    assert op.argv[:3] == ["disagg-operator", "run", "--standalone"] and op.env["DISAGG_ENGINE_IMAGE"]
+    op = chart_operator(dep, kubeconfig, env["tmp"], ["--namespace", a])
+    assert op.command("x")[:3] == ["disagg-operator", "run", "--standalone"] and op.extra_env["DISAGG_ENGINE_IMAGE"]
     env["operators"].append(op.start())
     custom.create_namespaced_custom_object(GROUP, VERSION, a, PLURAL, model("qwen"))
     try:
         first = wait_ready(custom, a, "qwen")
     except AssertionError:
         raise AssertionError(f"not Ready; operator log:\n{op.log()[-6000:]}") from None
-    assert engine_images(api, a, "qwen") == {op.env["DISAGG_ENGINE_IMAGE"]}, "the engine image default comes from the chart"
+    assert engine_images(api, a, "qwen") == {op.extra_env["DISAGG_ENGINE_IMAGE"]}, "the engine image default comes from the chart"
     if cluster.audit_log:
         writes = sa_writes(cluster, sa_user, since)
         denied = [e for e in writes if (e.get("responseStatus") or {}).get("code", 200) in (401, 403)]
@@ -405,8 +368,9 @@ def test_install_run_upgrade_uninstall(cluster, helm_env) -> None:
     # Run the HA command line exactly (random priority wrapper, peering, --namespace a): the model moves to
     # a new revision with the new engine image, and the operator keeps the KopfPeering alive.
     since = now_rfc3339()
-    op = ChartOperator(dep, kubeconfig, env["tmp"], [])
-    assert op.argv[:2] == ["/bin/sh", "-c"] and "--peering" in op.argv and "--standalone" not in op.argv
+    op = chart_operator(dep, kubeconfig, env["tmp"], [])
+    argv = op.command("x")
+    assert argv[:2] == ["/bin/sh", "-c"] and "--peering" in argv and "--standalone" not in argv
     env["operators"].append(op.start())
 
     def rolled() -> dict[str, Any] | None:
