@@ -26,6 +26,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
+from disagg_operator.manifests import dump_all
 from disagg_operator.rbac import rules
 from tests.support import chart_sync
 from tests.support.helm import CHART, helm, values_args
@@ -179,7 +180,7 @@ def fence(cluster, api: client.ApiClient, name: str, label: str, allowed_user: s
          "spec": {"policyName": name, "validationActions": ["Deny"]}},
     ]  # fmt: skip
     path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump_all(manifests))
+    path.write_text(dump_all(manifests))  # quotes label values such as "3e2461" that kubectl reads as numbers
     applied = cluster.kubectl("apply", "--server-side", "-f", str(path), check=False)
     assert applied.returncode == 0, applied.stderr
     namespace = next(n.metadata.name for n in client.CoreV1Api(api).list_namespace(label_selector=label).items)
