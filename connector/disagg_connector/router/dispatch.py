@@ -27,12 +27,13 @@ failure ends the stream with an SSE error event. A client disconnect cancels bot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -168,25 +169,31 @@ class Dispatcher:
         self.balancer.eject(b)
         return LegFailure(f"{leg}_connection", f"{leg} engine {b.key} failed: {type(e).__name__}: {e}", 502, (b,))
 
+    @contextlib.asynccontextmanager
+    async def _leg(self, role: str, backend: Backend, deadline: float) -> AsyncIterator[None]:
+        """One leg's deadline, and its transport errors turned into a LegFailure naming the engine."""
+        try:
+            async with asyncio.timeout(deadline):
+                yield
+        except TimeoutError:
+            raise LegFailure(f"{role}_timeout", f"{role} engine {backend.key} missed the {deadline:g}s deadline", 504, (backend,)) from None
+        except aiohttp.ClientConnectionError as e:
+            raise self._connection_failure(role, backend, e) from None
+        except aiohttp.ClientError as e:
+            raise LegFailure(f"{role}_error", f"{role} engine {backend.key}: {e}", 502, (backend,)) from None
+
     async def _prefill_leg(self, ctx: RequestContext, p: Backend, xid: str) -> dict[str, Any]:
         """The prefill leg to completion; returns P's JSON answer."""
         assert self.session is not None
         payload = json.dumps(prefill_body(ctx.kind, ctx.body)).encode()
         with self.balancer.track(p):
-            try:
-                async with asyncio.timeout(self.cfg.leg_timeout):
-                    resp = await self.session.post(p.base_url + ctx.path, data=payload, headers=self._headers(ctx, xid, p, True))
-                    try:
-                        data = await resp.read()
-                    except BaseException:
-                        resp.close()
-                        raise
-            except TimeoutError:
-                raise LegFailure("prefill_timeout", f"prefill engine {p.key} missed the {self.cfg.leg_timeout:g}s deadline", 504, (p,)) from None
-            except aiohttp.ClientConnectionError as e:
-                raise self._connection_failure("prefill", p, e) from None
-            except aiohttp.ClientError as e:
-                raise LegFailure("prefill_error", f"prefill engine {p.key}: {e}", 502, (p,)) from None
+            async with self._leg("prefill", p, self.cfg.leg_timeout):
+                resp = await self.session.post(p.base_url + ctx.path, data=payload, headers=self._headers(ctx, xid, p, True))
+                try:
+                    data = await resp.read()
+                except BaseException:
+                    resp.close()
+                    raise
         ctype = resp.headers.get("Content-Type", "application/json")
         if 400 <= resp.status < 500:
             raise LegFailure("prefill_rejected", "prefill engine rejected the request", resp.status, (p,), False, (resp.status, data, ctype))
@@ -212,29 +219,22 @@ class Dispatcher:
         deadline = self.cfg.leg_timeout if ctx.stream else self.cfg.request_timeout
         self.balancer.acquire(d)
         try:
-            try:
-                async with asyncio.timeout(deadline):
-                    resp = await self.session.post(d.base_url + ctx.path, data=payload, headers=self._headers(ctx, xid, d, False))
-                    ctype = resp.headers.get("Content-Type", "application/json")
-                    try:
-                        if ctx.stream and resp.status == 200:
-                            first = await resp.content.readany()
-                            if not first:
-                                raise LegFailure("decode_error", f"decode engine {d.key} closed an empty stream", 502, (d,))
-                            if _is_sse_error(first):
-                                msg = _sse_error_message(first)
-                                raise LegFailure("decode_error", f"decode engine {d.key} failed the request: {msg}", 502, (d,))
-                            return Opened(xid, d, resp.status, ctype, first, resp)
-                        data = await resp.read()
-                    except BaseException:
-                        resp.close()
-                        raise
-            except TimeoutError:
-                raise LegFailure("decode_timeout", f"decode engine {d.key} missed the {deadline:g}s deadline", 504, (d,)) from None
-            except aiohttp.ClientConnectionError as e:
-                raise self._connection_failure("decode", d, e) from None
-            except aiohttp.ClientError as e:
-                raise LegFailure("decode_error", f"decode engine {d.key}: {e}", 502, (d,)) from None
+            async with self._leg("decode", d, deadline):
+                resp = await self.session.post(d.base_url + ctx.path, data=payload, headers=self._headers(ctx, xid, d, False))
+                ctype = resp.headers.get("Content-Type", "application/json")
+                try:
+                    if ctx.stream and resp.status == 200:
+                        first = await resp.content.readany()
+                        if not first:
+                            raise LegFailure("decode_error", f"decode engine {d.key} closed an empty stream", 502, (d,))
+                        if _is_sse_error(first):
+                            msg = _sse_error_message(first)
+                            raise LegFailure("decode_error", f"decode engine {d.key} failed the request: {msg}", 502, (d,))
+                        return Opened(xid, d, resp.status, ctype, first, resp)
+                    data = await resp.read()
+                except BaseException:
+                    resp.close()
+                    raise
             if 400 <= resp.status < 500:
                 raise LegFailure("decode_rejected", "decode engine rejected the request", resp.status, (d,), False, (resp.status, data, ctype))
             if resp.status >= 500:
