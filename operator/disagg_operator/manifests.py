@@ -14,10 +14,14 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
-# YAML 1.2 parsers (kubectl, helm, Argo CD) read "1e10" as a number; PyYAML (YAML 1.1) does not and so
-# would leave such a string unquoted. A revision hash like "8132e40521" must stay a string label.
+# YAML 1.2 parsers (kubectl, helm, Argo CD) read "1e10", "0123" and "0o17" as numbers; PyYAML (YAML 1.1)
+# does not, and so would leave such strings unquoted. A hash like "8132e40521" or "0109345567" must stay a
+# string label.
 _NoAliasDumper.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+_NoAliasDumper.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+)$"), list("-+0123456789")
 )
 
 

@@ -179,5 +179,6 @@ def test_data_parallel_ports_and_identity() -> None:
 
 def test_printed_manifests_keep_hash_labels_strings_for_yaml_1_2_readers() -> None:
     """kubectl reads an unquoted 8132e40521 as a number (YAML 1.2); PyYAML would not quote it."""
-    text = dump_all([{"metadata": {"labels": {contract.LABEL_REVISION: "8132e40521", "other": "0231f32d94"}}}])
-    assert "'8132e40521'" in text
+    labels = {contract.LABEL_REVISION: "8132e40521", "zero": "0109345567", "octal": "0o17", "other": "0231f32d94"}
+    text = dump_all([{"metadata": {"labels": labels}}])
+    assert "'8132e40521'" in text and "'0109345567'" in text and "'0o17'" in text
