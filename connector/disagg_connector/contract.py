@@ -41,6 +41,10 @@ ANNOTATION_DP_SIZE = f"{API_GROUP}/data-parallel-size"
 ANNOTATION_SIDE_CHANNEL_PORT = f"{API_GROUP}/nixl-side-channel-port"
 ANNOTATION_HTTP_PORT = f"{API_GROUP}/http-port"
 ANNOTATION_TRANSFER_MODE = f"{API_GROUP}/transfer-mode"
+# Set by the operator on a P or D pod it is about to remove (value: RFC 3339 time it was marked). The
+# router sends such a pod no new request and reports its in-flight count; the operator deletes the pod
+# once every router reports zero, or once the leg deadline plus the KV lease has passed since the mark.
+ANNOTATION_DRAINING = f"{API_GROUP}/draining"
 
 # --- ports ----------------------------------------------------------------------------------------
 HTTP_PORT = 8000
