@@ -183,8 +183,13 @@ class EngineIdentity:
     dp_rank: int = 0
     http_port: int = HTTP_PORT
 
-    def push_decode_params(self, remote_request_id: str) -> dict[str, object]:
-        """kv_transfer_params of a push decode leg (every key is read with [] by vLLM's push scheduler)."""
+    def push_decode_params(self, remote_request_id: str, transfer_id: str) -> dict[str, object]:
+        """kv_transfer_params of a push decode leg.
+
+        vLLM 0.33.0 reads the identity keys with [] (a missing one is a KeyError in the engine core);
+        vLLM main matches the two legs on ``transfer_id`` (the same value in the prefill leg), released
+        versions on the request id and ignore the extra key.
+        """
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -194,6 +199,7 @@ class EngineIdentity:
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
             "remote_request_id": remote_request_id,
+            "transfer_id": transfer_id,
         }
 
 

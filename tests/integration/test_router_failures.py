@@ -61,8 +61,13 @@ def test_prefill_dies_mid_request_retries_on_another_pair(log_dir):
         assert reply.body.endswith(b"data: [DONE]\n\n")
         # served by the other pair with a fresh id; the first id died with its prefill
         assert [e["xid"] for e in survivor.events("leg_received")] == [reply.xid]
-        decode_ids = [e["xid"] for e in D.events("leg_received")]
+        decode_legs = D.events("leg_received")
+        decode_ids = [e["xid"] for e in decode_legs]
         assert len(decode_ids) == 2 and decode_ids[-1] == reply.xid and decode_ids[0] != reply.xid
+        # each dispatch minted its own transfer_id, the same on both of its legs (the victim's log died with it)
+        first_tid, retry_tid = (e["kv_transfer_params"]["transfer_id"] for e in decode_legs)
+        assert first_tid != retry_tid
+        assert survivor.events("leg_received")[0]["kv_transfer_params"]["transfer_id"] == retry_tid
         h.wait_until(lambda: D.counter("cancelled") == 1, 20, what="abandoned decode leg cancelled")
         assert 'disagg_router_retries_total{mode="push"} 1.0' in R.metrics()
 

@@ -53,15 +53,17 @@ def test_pull_is_sequential_with_params_verbatim(env, kind, stream):
         "remote_block_ids": None,
         "remote_host": None,
         "remote_port": None,
+        "transfer_id": f"xfer-{xid}",
     }
     returned = json.loads(P.body(xid))["kv_transfer_params"]
     assert returned["transfer_mode"] == "pull" and returned["tp_size"] == 2
 
-    # The decode leg carries exactly what P returned; it can only have been sent after P answered,
-    # since it contains P's internal request id (with P's random suffix) and block ids.
+    # The decode leg carries exactly what P returned (and the dispatch's transfer_id); it can only have
+    # been sent after P answered, since it contains P's internal request id (with P's random suffix).
     d_legs = [e for D in (D1, D2) for e in D.events("leg_received") if e["xid"] == xid]
     assert len(d_legs) == 1
-    assert d_legs[0]["kv_transfer_params"] == returned
+    assert "transfer_id" not in returned
+    assert d_legs[0]["kv_transfer_params"] == {**returned, "transfer_id": f"xfer-{xid}"}
     assert returned["remote_request_id"].startswith(("cmpl-" if kind == "completions" else "chatcmpl-") + xid + "-")
     D = D1 if any(e["xid"] == xid for e in D1.events("leg_received")) else D2
     assert reply.body == D.body(xid)

@@ -23,19 +23,25 @@ def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("router-push")
     P = h.launch_sim(d, "prefill", "push", **SLOW_PREFILL)
     D = h.launch_sim(d, "decode", "push")
+    main = ["--push-match", "transfer-id"]  # vLLM main: P pairs the legs by transfer_id
+    Pmain = h.launch_sim(d, "prefill", "push", revision="main", extra=main, **SLOW_PREFILL)
+    Dmain = h.launch_sim(d, "decode", "push", revision="main", extra=main)
     Pdp = h.launch_sim(d, "prefill", "push", revision="dp", dp=2)
     Ddp = h.launch_sim(d, "decode", "push", revision="dp")
     static = d / "endpoints.json"
     h.write_static(static, [P.static_entry(), D.static_entry()])
     static_dp = d / "endpoints-dp.json"
     h.write_static(static_dp, [Pdp.static_entry(), Ddp.static_entry()])
+    static_main = d / "endpoints-main.json"
+    h.write_static(static_main, [Pmain.static_entry(), Dmain.static_entry()])
     R = h.launch_router(d, static, "push")
     Rdp = h.launch_router(d, static_dp, "push", name="router-dp")
+    Rmain = h.launch_router(d, static_main, "push", name="router-main")
     try:
-        h.wait_ready(P, D, Pdp, Ddp, R, Rdp)
-        yield {"P": P, "D": D, "R": R, "Pdp": Pdp, "Ddp": Ddp, "Rdp": Rdp}
+        h.wait_ready(P, D, Pdp, Ddp, Pmain, Dmain, R, Rdp, Rmain)
+        yield {"P": P, "D": D, "R": R, "Pdp": Pdp, "Ddp": Ddp, "Rdp": Rdp, "Pmain": Pmain, "Dmain": Dmain, "Rmain": Rmain}
     finally:
-        h.stop_all(R, Rdp, P, D, Pdp, Ddp)
+        h.stop_all(R, Rdp, Rmain, P, D, Pdp, Ddp, Pmain, Dmain)
 
 
 def _leg(sim: h.Sim, xid: str) -> dict:
@@ -50,10 +56,12 @@ def test_push_legs_are_concurrent_and_carry_p_identity(env):
     xid = reply.xid
     assert reply.json()["choices"][0]["text"] == " tok0 tok1 tok2"
 
-    # Both legs carried the same X-Request-Id and hit the same endpoint type.
+    # Both legs carried the same X-Request-Id, hit the same endpoint type, and carry one transfer_id.
     p_leg, d_leg = _leg(P, xid), _leg(D, xid)
     assert p_leg["endpoint"] == d_leg["endpoint"] == "completions"
     assert p_leg["kv_transfer_params"]["do_remote_decode"] is True and p_leg["max_tokens"] == 1
+    transfer_id = p_leg["kv_transfer_params"]["transfer_id"]
+    assert transfer_id == f"xfer-{xid}"
     # The decode leg carried P's identity per the contract, every key vLLM reads with [].
     assert d_leg["kv_transfer_params"] == {
         "do_remote_prefill": True,
@@ -64,6 +72,7 @@ def test_push_legs_are_concurrent_and_carry_p_identity(env):
         "tp_size": 1,
         "pp_size": 1,
         "remote_request_id": f"cmpl-{xid}-0",
+        "transfer_id": transfer_id,
     }
     # Concurrency, observed by P itself: D's registration (sent only once D had the decode leg) reached P
     # while P was still computing this request's prefill.
@@ -71,7 +80,20 @@ def test_push_legs_are_concurrent_and_carry_p_identity(env):
     assert reg["prefill_done"] is False
     [done] = [e for e in P.events("prefill_done") if e["xid"] == xid]
     assert reg["n"] < done["n"]
-    assert done["registration_waiting"] in (True, False)
+    # ... and P wrote this request's KV into D's registered blocks exactly once.
+    assert len([e for e in P.events("push_done") if e["rid"] == reg["rid"]]) == 1
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_vllm_main_pairs_the_legs_by_the_routers_transfer_id(env, kind):
+    P, D, R = env["Pmain"], env["Dmain"], env["Rmain"]
+    path, body = ("/v1/completions", h.completion(max_tokens=2)) if kind == "completions" else ("/v1/chat/completions", h.chat(max_tokens=2))
+    reply = asyncio.run(h.post(R.url + path, body))
+    assert reply.status == 200, reply.body
+    transfer_id = _leg(P, reply.xid)["kv_transfer_params"]["transfer_id"]
+    assert _leg(D, reply.xid)["kv_transfer_params"]["transfer_id"] == transfer_id
+    [push] = [e for e in P.events("push_done") if reply.xid in e["rid"]]
+    assert push["matched_by"] == "transfer_id"
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])

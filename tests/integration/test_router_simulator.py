@@ -23,6 +23,8 @@ def sims(tmp_path_factory):
     s = {
         "P": h.launch_sim(d, "prefill", "push", pp=2),
         "D": h.launch_sim(d, "decode", "push"),
+        "Pmain": h.launch_sim(d, "prefill", "push", extra=["--push-match", "transfer-id"]),
+        "Dmain": h.launch_sim(d, "decode", "push", extra=["--push-match", "transfer-id"]),
         "Dkey": h.launch_sim(d, "decode", "push"),
         "Ppull": h.launch_sim(d, "prefill", "pull", lease_seconds=0.5),
         "Dpull": h.launch_sim(d, "decode", "pull"),
@@ -87,6 +89,30 @@ def test_mismatched_request_ids_never_complete(sims):
     assert isinstance(d_reply, asyncio.TimeoutError)  # nothing but the client's own deadline ends it
     h.wait_until(lambda: D.counter("cancelled") == cancelled + 1, 20, what="abort on disconnect")
     assert P.stats()["pending_registrations"] >= 1  # D's registration is still waiting at P
+
+
+def test_vllm_main_matches_push_legs_by_transfer_id(sims):
+    """vLLM main pairs the legs by the router's transfer_id, whatever their request ids."""
+    P, D = sims["Pmain"], sims["Dmain"]
+
+    async def legs(p_xid: str, d_xid: str, p_tid: str, d_tid: str, timeout: float = 60.0):
+        return await asyncio.gather(
+            _post(P, h.completion(max_tokens=1, kv_transfer_params={**PREFILL, "transfer_id": p_tid}), p_xid),
+            _post(D, h.completion(max_tokens=2, kv_transfer_params=_push_params(P, d_xid, transfer_id=d_tid)), d_xid, timeout),
+            return_exceptions=True,
+        )
+
+    # different request ids, one transfer_id: they rendezvous
+    xa, xb = uuid.uuid4().hex, uuid.uuid4().hex
+    _, d_reply = asyncio.run(legs(xa, xb, "xfer-1", "xfer-1"))
+    assert d_reply.json()["choices"][0]["text"] == " tok0 tok1"
+    [push] = [e for e in P.events("push_done") if e["rid"].startswith(f"cmpl-{xb}-0")]
+    assert push["matched_by"] == "transfer_id"
+
+    # one request id, two transfer_ids (a retry's legs meeting a stale one): they never rendezvous
+    xid = uuid.uuid4().hex
+    _, d_reply = asyncio.run(legs(xid, xid, "xfer-2", "xfer-3", timeout=2.0))
+    assert isinstance(d_reply, asyncio.TimeoutError)
 
 
 def test_push_decode_missing_a_key_kills_the_engine(sims):

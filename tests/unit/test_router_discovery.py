@@ -63,7 +63,7 @@ def test_ready_pod_gives_contract_identity():
     assert b.identity.engine_id == contract.engine_id("p0", "uid-p0")
     assert (b.identity.host, b.identity.side_channel_port, b.identity.tp_size, b.identity.pp_size) == ("10.0.0.1", 5700, 8, 2)
     assert b.base_url == "http://10.0.0.1:9000"
-    params = b.identity.push_decode_params("cmpl-x-0")
+    params = b.identity.push_decode_params("cmpl-x-0", "xfer-x")
     assert params["remote_engine_id"] == b.identity.engine_id and params["remote_port"] == 5700
 
 

@@ -16,7 +16,8 @@ is HTTP 500 "Internal server error" (non-streaming) or an error event (streaming
   ``remote_engine_id``, ``tp_size``, ``pp_size`` from the decode leg and a compatibility hash. P refuses a
   wrong ``remote_engine_id`` ("Remote NIXL agent engine ID mismatch") or hash (a revision mix): D's recv fails.
   P matches registration and finished blocks, whichever comes second, by request id: exact, then equal
-  after stripping the trailing ``-<8hex>`` of both. Then P "writes" the KV (sleeps the transfer time) and
+  after stripping the trailing ``-<8hex>`` of both (vLLM 0.26.0, 0.33.0); with ``--push-match transfer-id``
+  (vLLM main) by the router's ``transfer_id`` that both legs carry, falling back to the request id. Then P "writes" the KV (sleeps the transfer time) and
   sends completion notices (``POST /push_done`` on D's side channel). D completes after
   ``pp_size * max(1, tp_size // D_tp)`` notices (from the decode leg's params); P sends
   ``P_pp * max(1, min(tp_size, P_tp) // D_tp)`` (its real topology, limited to the ranks D addressed).
@@ -27,8 +28,8 @@ is HTTP 500 "Internal server error" (non-streaming) or an error event (streaming
   locally: slow but answers), then reads (``POST /pull_read``, exact request id, blocks not expired).
 
 **Failure semantics (reference §3, §5).**
-- Push decode leg missing one of ``remote_engine_id remote_host remote_port tp_size pp_size
-  remote_request_id``: vLLM's scheduler reads them with ``[]`` -> ``KeyError`` in the engine core. The sim
+- Push decode leg missing one of ``remote_engine_id remote_host remote_port tp_size remote_request_id``:
+  vLLM's scheduler reads them with ``[]`` (``pp_size`` defaults to 1) -> ``KeyError`` in the engine core. The sim
   treats it as fatal, like an exception in vLLM's busy loop: every in-flight request fails (500 / error
   event), later requests get 500 ``EngineDeadError``, ``/health`` returns 500.
 - Legs whose ids don't match never rendezvous: D waits in WAITING_FOR_REMOTE_KVS forever (after
@@ -80,7 +81,6 @@ from aiohttp import web
 
 log = logging.getLogger("vllm_sim")
 
-PUSH_KEYS = ("remote_engine_id", "remote_host", "remote_port", "tp_size", "pp_size", "remote_request_id")
 PULL_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
@@ -88,6 +88,18 @@ _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 def strip_suffix(rid: str) -> str:
     """vLLM's push matching fallback: drop the random ``-<8hex>`` the engine appends (nixl/utils.py)."""
     return _SUFFIX.sub("", rid)
+
+
+def match_basis(by_transfer_id: bool, a: tuple[str, str | None], b: tuple[str, str | None]) -> str | None:
+    """Do P's finished request and D's registration, each ``(request id, transfer_id)``, belong together,
+    and by which key ("transfer_id" / "request_id"; None: they don't)?
+
+    vLLM main (``--push-match transfer-id``) compares the router's ``transfer_id`` when both sides carry
+    one; otherwise, and always in 0.26.0/0.33.0, the request ids: exact, then without the random suffix.
+    """
+    if by_transfer_id and a[1] and b[1]:
+        return "transfer_id" if a[1] == b[1] else None
+    return "request_id" if a[0] == b[0] or strip_suffix(a[0]) == strip_suffix(b[0]) else None
 
 
 def error_body(status: int, message: str, err_type: str) -> dict[str, Any]:
@@ -154,6 +166,11 @@ class Seq:
     notices: int = 0
     expected: int = 1
     kv_ready: bool = False
+
+    @property
+    def transfer_id(self) -> str | None:
+        tid = (self.params or {}).get("transfer_id")
+        return tid if isinstance(tid, str) else None
 
 
 @dataclass
@@ -274,14 +291,15 @@ class Engine:
             return self.t.prefill(seq.prompt_tokens)
         if seq.path == "push":
             p = seq.params or {}
-            try:  # NixlPushScheduler reads these with [] (push_scheduler.py:177-189)
+            try:  # read with [] by NixlPushScheduler (push_scheduler.py:177-189) and metadata.py:333-337
                 reg = {
                     "request_id": seq.rid,
+                    "transfer_id": seq.transfer_id,
                     "remote_engine_id": p["remote_engine_id"],
                     "remote_host": p["remote_host"],
                     "remote_port": p["remote_port"],
                     "tp_size": p["tp_size"],
-                    "pp_size": p["pp_size"],
+                    "pp_size": p.get("pp_size", 1),
                     "remote_request_id": p["remote_request_id"],
                 }
             except KeyError as e:
@@ -368,9 +386,7 @@ class Engine:
             self.event("prefill_start", xid=seq.xid, rid=seq.rid, rank=seq.rank)
             await asyncio.sleep(cost)
         regs = self.regs[seq.rank]
-        reg = regs.pop(seq.rid, None) or next(
-            (regs.pop(k) for k in list(regs) if strip_suffix(k) == strip_suffix(seq.rid)), None
-        )
+        reg = next((regs.pop(k) for k, r in list(regs.items()) if self.matches(seq, r)), None)
         self.counters["prefills"] += 1
         self.event("prefill_done", xid=seq.xid, rid=seq.rid, rank=seq.rank, registration_waiting=reg is not None)
         if reg is not None:
@@ -389,11 +405,12 @@ class Engine:
             self.event("expired", rid=rid, rank=rank)
             log.info("Releasing expired KV blocks for request %s", rid)
 
-    def match_held(self, rank: int, rid: str) -> Held | None:
+    def matches(self, seq: Seq, reg: dict[str, Any]) -> str | None:
+        return match_basis(self.a.push_match == "transfer-id", (seq.rid, seq.transfer_id), (reg["request_id"], reg.get("transfer_id")))
+
+    def match_held(self, rank: int, reg: dict[str, Any]) -> Held | None:
         held = self.held[rank]
-        if rid in held:
-            return held.pop(rid)
-        key = next((k for k in held if strip_suffix(k) == strip_suffix(rid)), None)
+        key = next((k for k, h in held.items() if self.matches(h.seq, reg)), None)
         return held.pop(key) if key is not None else None
 
     async def step_boundary(self) -> None:
@@ -407,7 +424,7 @@ class Engine:
 
     async def on_push_reg(self, rank: int, reg: dict[str, Any]) -> None:
         await self.step_boundary()
-        held = self.match_held(rank, reg["request_id"])
+        held = self.match_held(rank, reg)
         self.event("registration_matched" if held else "registration_pending", rid=reg["request_id"], rank=rank)
         if held is not None:
             self.spawn(self.push_write(held.seq, reg))
@@ -426,7 +443,7 @@ class Engine:
         msg = {"request_id": reg["request_id"], "notices": notices, "wrong": wrong, "from": self.engine_id(seq.rank)}
         try:
             await self.post(reg["decode_host"], int(reg["decode_port"]), "/push_done", msg)
-            self.event("push_done", rid=reg["request_id"], notices=notices)
+            self.event("push_done", rid=reg["request_id"], notices=notices, matched_by=self.matches(seq, reg))
         except (aiohttp.ClientError, OSError, ValueError) as e:
             self.counters["failed_transfers"] += 1
             self.event("push_failed", rid=reg["request_id"], why=str(e))
@@ -444,7 +461,7 @@ class Engine:
                 self.counters["handshake_failures"] += 1
                 return web.json_response({"error": "NIXL compatibility hash mismatch"}, status=409)
             rid = reg["request_id"]
-            done = any(strip_suffix(k) == strip_suffix(rid) for k in self.held[rank])
+            done = any(self.matches(h.seq, reg) for h in self.held[rank].values())
             self.counters["registrations_received"] += 1
             self.event("registration_received", rid=rid, rank=rank, prefill_done=done, remote_engine_id=reg["remote_engine_id"])
             self.spawn(self.on_push_reg(rank, reg))
@@ -725,6 +742,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail")
     p.add_argument("--compat-hash", default="sim", help="stands for vLLM's NIXL compatibility hash (one per revision)")
     p.add_argument("--disable-request-id-randomization", action="store_true")
+    p.add_argument(
+        "--push-match",
+        choices=("request-id", "transfer-id"),
+        default="request-id",
+        help="how P pairs a registration with its finished blocks: request-id (vLLM 0.26.0, 0.33.0) or "
+        "transfer-id (vLLM main: the router's transfer_id, falling back to the request id)",
+    )
     t = Timing()
     p.add_argument("--prefill-us-per-token", type=float, default=t.prefill_us_per_token)
     p.add_argument("--tpot-ms", type=float, default=t.tpot_ms, help="decode engine step = time per output token")

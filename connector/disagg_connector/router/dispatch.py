@@ -1,7 +1,11 @@
 """Dispatch of one client request to a prefill/decode pair (vLLM 0.33.0 protocol, see the reference §3-§5).
 
-**Push** (``NixlPushConnector``): pick P and D up front (least outstanding), one fresh ``X-Request-Id`` for
-both legs, send both legs *concurrently*; the decode leg carries P's identity
+**Ids.** Every dispatch (every retry too) mints a fresh ``X-Request-Id``, identical on both legs (vLLM 0.26.0
+and 0.33.0 match push legs on the request id), and a fresh ``transfer_id`` in both legs' ``kv_transfer_params``
+(vLLM main matches on it; released versions ignore it). In pull, the decode leg carries P's answer verbatim
+with the ``transfer_id`` added unless P echoed one.
+
+**Push** (``NixlPushConnector``): pick P and D up front (least outstanding), send both legs *concurrently*; the decode leg carries P's identity
 (:meth:`EngineIdentity.push_decode_params`) so D registers its blocks with P while P is still prefilling.
 ``remote_request_id`` is ``cmpl-<id>-0`` / ``chatcmpl-<id>``: P's internal id without the random suffix, so it
 equals P's id exactly when the engines run with ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1`` (then D's
@@ -76,9 +80,16 @@ def engine_request_id(kind: str, xid: str) -> str:
     return f"cmpl-{xid}-0" if kind == "completions" else f"chatcmpl-{xid}"
 
 
-def prefill_body(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+def mint_ids() -> tuple[str, str]:
+    """A fresh (X-Request-Id, transfer_id) for one dispatch: never reused, not even by a retry (P may
+    still hold a registration or blocks under the old ones). The ``xfer-`` prefix is vLLM's demo's."""
+    xid = uuid.uuid4().hex
+    return xid, f"xfer-{xid}"
+
+
+def prefill_body(kind: str, body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
     b = {k: v for k, v in body.items() if k not in _DROP_ON_PREFILL}
-    b["kv_transfer_params"] = dict(PREFILL_LEG_PARAMS)
+    b["kv_transfer_params"] = {**PREFILL_LEG_PARAMS, "transfer_id": transfer_id}
     b["max_tokens"] = 1
     if kind == "chat" or "max_completion_tokens" in body:
         b["max_completion_tokens"] = 1
@@ -182,10 +193,10 @@ class Dispatcher:
         except aiohttp.ClientError as e:
             raise LegFailure(f"{role}_error", f"{role} engine {backend.key}: {e}", 502, (backend,)) from None
 
-    async def _prefill_leg(self, ctx: RequestContext, p: Backend, xid: str) -> dict[str, Any]:
+    async def _prefill_leg(self, ctx: RequestContext, p: Backend, xid: str, transfer_id: str) -> dict[str, Any]:
         """The prefill leg to completion; returns P's JSON answer."""
         assert self.session is not None
-        payload = json.dumps(prefill_body(ctx.kind, ctx.body)).encode()
+        payload = json.dumps(prefill_body(ctx.kind, ctx.body, transfer_id)).encode()
         with self.balancer.track(p):
             async with self._leg("prefill", p, self.cfg.leg_timeout):
                 resp = await self.session.post(p.base_url + ctx.path, data=payload, headers=self._headers(ctx, xid, p, True))
@@ -261,9 +272,9 @@ class Dispatcher:
         if pair is None:
             raise self._no_backend()
         p, d = pair
-        xid = uuid.uuid4().hex
-        params = p.identity.push_decode_params(engine_request_id(ctx.kind, xid))
-        p_task = asyncio.create_task(self._prefill_leg(ctx, p, xid))
+        xid, transfer_id = mint_ids()
+        params = p.identity.push_decode_params(engine_request_id(ctx.kind, xid), transfer_id)
+        p_task = asyncio.create_task(self._prefill_leg(ctx, p, xid, transfer_id))
         d_task = asyncio.create_task(self._open_decode(ctx, d, xid, params))
         try:
             pending: set[asyncio.Task[Any]] = {p_task, d_task}
@@ -286,17 +297,17 @@ class Dispatcher:
         p = self.balancer.choose_prefill(self.table.snapshot(), ctx.excluded)
         if p is None:
             raise self._no_backend()
-        xid = uuid.uuid4().hex
-        answer = await self._prefill_leg(ctx, p, xid)
+        xid, transfer_id = mint_ids()
+        answer = await self._prefill_leg(ctx, p, xid, transfer_id)
         returned = answer.get("kv_transfer_params")
         if self.cfg.mode == "pull":
-            params = returned if isinstance(returned, dict) else None
+            params = {"transfer_id": transfer_id, **returned} if isinstance(returned, dict) else None
             if params is None:
                 self.metrics.failures.labels(self.cfg.mode, "prefill_no_kv_params").inc()
                 log.warning("prefill %s returned no kv_transfer_params; decode will recompute", p.key)
         else:  # push-sequential: P's identity from discovery, P's internal request id from its answer
             rid = returned.get("remote_request_id") if isinstance(returned, dict) else None
-            params = p.identity.push_decode_params(rid or engine_request_id(ctx.kind, xid))
+            params = p.identity.push_decode_params(rid or engine_request_id(ctx.kind, xid), transfer_id)
         d = self.balancer.choose_decode(self.table.snapshot(), p.revision, ctx.excluded)
         if d is None:
             raise LegFailure("no_backend", f"revision {p.revision} lost its decode engines", 503, ())
