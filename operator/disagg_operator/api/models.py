@@ -47,9 +47,9 @@ class ApiModel(BaseModel):
         return schema
 
 
-def _sub(model: type[BaseModel]) -> Any:
+def _sub(model: type[BaseModel], description: str) -> Any:
     """A nested object that defaults to its own defaults, in Python and in the CRD."""
-    return Field(default_factory=model)
+    return Field(default_factory=model, description=description)
 
 
 # Kubernetes resource.Quantity, accepted as int or string like kubectl does.
@@ -151,23 +151,42 @@ ExtraArgs = Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_le
 
 
 class EnvVar(ApiModel):
-    name: Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")]
-    value: Annotated[str, Field(max_length=32768)] = ""
+    """One environment variable of the vLLM container."""
+
+    name: Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")] = Field(
+        description="Variable name; names the operator wires itself (NIXL side channel, pod identity) are refused."
+    )
+    value: Annotated[str, Field(max_length=32768)] = Field(
+        default="", description="Literal value; $(VAR) expands variables defined earlier in the container's env."
+    )
 
 
 EnvList = Annotated[list[EnvVar], Field(max_length=128)]
 
 
 class Toleration(ApiModel):
-    key: str | None = None
-    operator: Literal["Exists", "Equal"] = "Equal"
-    value: str | None = None
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
-    toleration_seconds: int | None = None
+    """A Kubernetes toleration, passed to the pods as written."""
+
+    key: str | None = Field(
+        default=None, description="Taint key to tolerate; unset with operator Exists tolerates every taint."
+    )
+    operator: Literal["Exists", "Equal"] = Field(
+        default="Equal", description="Equal matches key and value; Exists matches any value of the key."
+    )
+    value: str | None = Field(default=None, description="Taint value to match (operator Equal only).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; unset matches every effect."
+    )
+    toleration_seconds: int | None = Field(
+        default=None,
+        description="Effect NoExecute only: seconds the pod stays after the taint appears; unset: forever.",
+    )
 
 
 class SecretKeyRef(ApiModel):
-    name: Name
+    """A Secret in the model's namespace that holds the credentials of model.source."""
+
+    name: Name = Field(description="Name of the Secret (same namespace as the DisaggregatedModel).")
     key: str | None = Field(
         default=None,
         description="Key in the Secret. hf:// reads one key (default HF_TOKEN); s3:// loads the "
@@ -179,24 +198,48 @@ class SecretKeyRef(ApiModel):
 
 
 class ModelSource(ApiModel):
+    """Where the weights come from."""
+
     uri: Annotated[str, Field(pattern=r"^(hf|pvc|s3)://[^\s]+$", max_length=1024)] = Field(
-        description="hf://org/name, pvc://claim/path/in/claim or s3://bucket/prefix"
+        description="hf://org/name (downloaded from the Hugging Face hub), pvc://claim/path/in/claim "
+        "(the claim is mounted read-only under /models/<claim>) or s3://bucket/prefix (streamed by "
+        "vLLM's run:ai loader)."
     )
-    secret_ref: SecretKeyRef | None = None
+    secret_ref: SecretKeyRef | None = Field(
+        default=None, description="Credentials for the source; unset: anonymous (public hub models)."
+    )
 
 
 class ModelSpec(ApiModel):
+    """What vLLM serves."""
+
     name: Annotated[str, Field(min_length=1, max_length=512)] = Field(
         description="The model vLLM serves, e.g. Qwen/Qwen3-32B (also the default served name)."
     )
-    served_model_name: Annotated[str, Field(min_length=1, max_length=512)] | None = None
-    source: ModelSource | None = None
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    max_model_len: Annotated[int, Field(ge=1)] | None = None
+    served_model_name: Annotated[str, Field(min_length=1, max_length=512)] | None = Field(
+        default=None,
+        description="The name clients put in the OpenAI request's model field (vLLM --served-model-name, "
+        "and what the router answers to). Unset: model.name.",
+    )
+    source: ModelSource | None = Field(
+        default=None, description="Where the weights come from. Unset: vLLM loads model.name from the hub."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        default="auto", description="vLLM --dtype of weights and activations; auto takes the model's own."
+    )
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        default="auto",
+        description="vLLM --kv-cache-dtype, one value for both roles (KV moves between them byte for "
+        "byte); auto = the model dtype.",
+    )
+    max_model_len: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="vLLM --max-model-len in tokens (prompt + output). Unset: the model's own."
+    )
 
 
 class EngineSpec(ApiModel):
+    """vLLM settings shared by prefill and decode (they must agree for KV to move between them)."""
+
     cel_rules = (_NO_MANAGED_FLAGS, _NO_MANAGED_ENV)
 
     image: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
@@ -204,47 +247,89 @@ class EngineSpec(ApiModel):
         description="vLLM runtime image (vLLM + EFA + NIXL + disagg_connector). Unset: the "
         "operator's default, so one operator setting moves every model.",
     )
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Pull policy of the vLLM and preflight containers."
+    )
     block_size: Literal[16, 32, 64, 128, 256] = Field(
         default=128,
         description="KV block size in tokens, the same on prefill and decode (vLLM's push handshake "
         "asserts it). Small blocks split a transfer into many descriptors.",
     )
-    enable_prefix_caching: bool = True
-    enable_sleep_mode: bool = False
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
-    extra_args: ExtraArgs = Field(default_factory=list)
-    env: EnvList = Field(default_factory=list)
-    startup_timeout_seconds: Annotated[int, Field(ge=60, le=86400)] = Field(
-        default=3600, description="How long vLLM may take to load weights before it is restarted."
+    enable_prefix_caching: bool = Field(
+        default=True,
+        description="vLLM automatic prefix caching (--enable-prefix-caching or --no-enable-prefix-caching).",
     )
-    termination_grace_period_seconds: Annotated[int, Field(ge=0, le=3600)] = 120
+    enable_sleep_mode: bool = Field(
+        default=False,
+        description="vLLM --enable-sleep-mode. The push connector cannot sleep: mode Auto then picks "
+        "pull, and mode Push is refused.",
+    )
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        default=None,
+        description="vLLM --gpu-memory-utilization: the fraction of each accelerator's memory vLLM may "
+        "take (weights + KV cache). Unset: vLLM's default.",
+    )
+    extra_args: ExtraArgs = Field(
+        default_factory=list,
+        description="vLLM flags appended to both roles' command line, before the role's own extraArgs. "
+        "Flags the operator sets from other fields are refused.",
+    )
+    env: EnvList = Field(
+        default_factory=list,
+        description="Environment of both roles' vLLM containers; a role's env entry of the same name wins.",
+    )
+    startup_timeout_seconds: Annotated[int, Field(ge=60, le=86400)] = Field(
+        default=3600,
+        description="Seconds vLLM may take to load weights before the startup probe restarts it; the "
+        "engine Deployments' progress deadline is this plus 600.",
+    )
+    termination_grace_period_seconds: Annotated[int, Field(ge=0, le=3600)] = Field(
+        default=120,
+        description="Seconds a stopping vLLM pod gets before it is killed. Its preStop waits "
+        "min(router.requestDeadlineSeconds, this - 10) so requests already routed to it finish.",
+    )
 
 
 # --- KV transfer ------------------------------------------------------------------------------------
 
 
 class KvTransferSpec(ApiModel):
+    """How KV blocks move from prefill to decode (vLLM's NIXL connectors)."""
+
     mode: Literal["Auto", "Push", "Pull"] = Field(
         default="Auto",
-        description="Auto = Push unless the spec asks for something push cannot do "
-        "(bidirectional KV, decode pipeline or context parallel, sleep mode).",
+        description="Push (NixlPushConnector: prefill writes KV into decode, both legs sent at once) or "
+        "Pull (NixlConnector: decode reads KV from prefill). Auto = Push unless the spec asks for something "
+        "push cannot do (bidirectional KV, decode pipeline or context parallel, sleep mode). "
+        "status.transferMode says what was chosen and why.",
     )
     backend: Literal["Auto", "LIBFABRIC", "UCX"] = Field(
-        default="Auto", description="Auto = LIBFABRIC when EFA devices are requested, UCX otherwise."
+        default="Auto",
+        description="NIXL backend. Auto = LIBFABRIC when EFA devices are requested, UCX otherwise "
+        "(UCX over EFA runs at TCP speed, so it is refused with EFA).",
     )
-    side_channel_port: Port = contract.NIXL_SIDE_CHANNEL_PORT
+    side_channel_port: Port = Field(
+        default=contract.NIXL_SIDE_CHANNEL_PORT,
+        description="TCP port of the NIXL handshake (VLLM_NIXL_SIDE_CHANNEL_PORT); data-parallel rank r "
+        "listens on this + r. The ports must stay clear of vLLM's HTTP port 8000.",
+    )
     lease_seconds: Annotated[int, Field(ge=5, le=3600)] = Field(
         default=120,
         description="vLLM kv_lease_duration: how long prefill keeps finished KV blocks for decode. "
         "Must exceed the router's request deadline.",
     )
-    load_failure_policy: Literal["Fail", "Recompute"] = "Fail"
+    load_failure_policy: Literal["Fail", "Recompute"] = Field(
+        default="Fail",
+        description="vLLM kv_load_failure_policy, when decode cannot get a request's KV: Fail ends the "
+        "request with an error (HTTP 500); Recompute prefills it again on decode.",
+    )
     bidirectional: bool = Field(
         default=False, description="Multi-turn KV reuse (decode KV read back by prefill): pull only."
     )
     buffer_device: Literal["Auto", "cuda", "cpu"] = Field(
-        default="Auto", description="kv_buffer_device. Auto = cuda on nvidia, cpu on neuron."
+        default="Auto",
+        description="vLLM kv_buffer_device, where NIXL registers KV for transfer. Auto = cuda on "
+        "nvidia, cpu on neuron.",
     )
 
 
@@ -252,35 +337,67 @@ class KvTransferSpec(ApiModel):
 
 
 class Parallelism(ApiModel):
-    tensor: Annotated[int, Field(ge=1, le=64)] = 1
-    pipeline: Annotated[int, Field(ge=1, le=64)] = 1
-    data: Annotated[int, Field(ge=1, le=64)] = 1
+    """vLLM parallel sizes of one engine; one pod runs every rank of it."""
+
+    tensor: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=1,
+        description="vLLM --tensor-parallel-size. Prefill's and decode's must divide each other "
+        "(vLLM maps KV heads between them).",
+    )
+    pipeline: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=1, description="vLLM --pipeline-parallel-size. Above 1 on decode needs pull mode."
+    )
+    data: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=1,
+        description="vLLM --data-parallel-size: engine cores in one pod, each with its own NIXL port "
+        "(kvTransfer.sideChannelPort + rank).",
+    )
     context: Annotated[int, Field(ge=1, le=64)] = Field(
         default=1, description="Decode context parallel size (decode only; pull only)."
     )
 
 
 class AcceleratorSpec(ApiModel):
-    type: Literal["nvidia", "neuron"] = "nvidia"
+    """The accelerators of one pod."""
+
+    type: Literal["nvidia", "neuron"] = Field(
+        default="nvidia",
+        description="nvidia (GPUs) or neuron (AWS Trainium/Inferentia, the operator's Neuron image); "
+        "the same on both roles.",
+    )
     count: Annotated[int, Field(ge=1, le=64)] = Field(
         default=1,
         description="GPUs (nvidia.com/gpu) or Neuron devices (aws.amazon.com/neuron) per pod. "
-        "vLLM needs an accelerator on both roles.",
+        "vLLM needs an accelerator on both roles; on nvidia it must equal tensor x pipeline x data.",
     )
 
 
 class EfaSpec(ApiModel):
+    """AWS Elastic Fabric Adapter devices of one pod, which carry the KV transfer."""
+
     count: Annotated[int, Field(ge=0, le=32)] = Field(
-        default=0, description="vpc.amazonaws.com/efa devices per pod (p5en.48xlarge has 16)."
+        default=0,
+        description="vpc.amazonaws.com/efa devices per pod (p5en.48xlarge has 16). 0: no EFA, KV moves "
+        "over UCX (TCP). Above 0 on both roles or on neither.",
     )
 
 
 class ResourceRequirements(ApiModel):
-    requests: Annotated[dict[str, Quantity], Field(max_length=32)] = Field(default_factory=dict)
-    limits: Annotated[dict[str, Quantity], Field(max_length=32)] = Field(default_factory=dict)
+    """Kubernetes container resources."""
+
+    requests: Annotated[dict[str, Quantity], Field(max_length=32)] = Field(
+        default_factory=dict,
+        description="Resource requests (cpu, memory, ...). On engines the operator adds the accelerator, "
+        "EFA and hugepages from accelerator.count, efa.count and network.efa.hugepages.",
+    )
+    limits: Annotated[dict[str, Quantity], Field(max_length=32)] = Field(
+        default_factory=dict, description="Resource limits; the operator adds devices as for requests."
+    )
 
 
 class AutoscalingSpec(ApiModel):
+    """Marks a role as sized by an autoscaler you install (HPA, KEDA); the operator creates none."""
+
     cel_rules = (
         CelRule(
             rule="self.minReplicas <= self.maxReplicas",
@@ -289,11 +406,17 @@ class AutoscalingSpec(ApiModel):
         ),
     )
 
-    min_replicas: Annotated[int, Field(ge=0, le=1000)] = 1
-    max_replicas: Annotated[int, Field(ge=1, le=1000)]
+    min_replicas: Annotated[int, Field(ge=0, le=1000)] = Field(
+        default=1, description="The smallest size you give the autoscaler (checked against maxReplicas)."
+    )
+    max_replicas: Annotated[int, Field(ge=1, le=1000)] = Field(
+        description="The largest size you give the autoscaler."
+    )
 
 
 class RoleSpec(ApiModel):
+    """One engine role (prefill or decode): its size, devices and placement."""
+
     cel_rules = (
         CelRule(
             rule=(
@@ -308,43 +431,73 @@ class RoleSpec(ApiModel):
         _NO_MANAGED_ENV,
     )
 
-    replicas: Annotated[int, Field(ge=0, le=1000)] = 1
-    parallelism: Parallelism = _sub(Parallelism)
-    accelerator: AcceleratorSpec = _sub(AcceleratorSpec)
-    efa: EfaSpec = _sub(EfaSpec)
-    resources: ResourceRequirements = _sub(ResourceRequirements)
-    node_selector: LabelMap = Field(default_factory=dict)
-    tolerations: Annotated[list[Toleration], Field(max_length=32)] = Field(default_factory=list)
+    replicas: Annotated[int, Field(ge=0, le=1000)] = Field(
+        default=1, description="Pods of this role, each one vLLM engine. 0 stops the role (Ready turns False)."
+    )
+    parallelism: Parallelism = _sub(Parallelism, "vLLM parallel sizes of each pod's engine.")
+    accelerator: AcceleratorSpec = _sub(AcceleratorSpec, "Accelerators per pod.")
+    efa: EfaSpec = _sub(EfaSpec, "EFA devices per pod.")
+    resources: ResourceRequirements = _sub(
+        ResourceRequirements, "Resources of the vLLM container (devices are added from the fields above)."
+    )
+    node_selector: LabelMap = Field(
+        default_factory=dict, description="Node labels the pods must land on (Kubernetes nodeSelector)."
+    )
+    tolerations: Annotated[list[Toleration], Field(max_length=32)] = Field(
+        default_factory=list,
+        description="Tolerations added to the operator's own (NoSchedule on the accelerator and EFA resources).",
+    )
     affinity: FreeForm | None = Field(
         default=None,
         description="Kubernetes affinity; the operator adds its own P/D placement terms to it.",
     )
-    priority_class_name: Annotated[str, Field(max_length=253)] | None = None
-    scheduler_name: Annotated[str, Field(max_length=253)] | None = None
+    priority_class_name: Annotated[str, Field(max_length=253)] | None = Field(
+        default=None, description="PriorityClass of the pods. Unset: the cluster default."
+    )
+    scheduler_name: Annotated[str, Field(max_length=253)] | None = Field(
+        default=None, description="Scheduler of the pods (a gang scheduler, say). Unset: default-scheduler."
+    )
     autoscaling: AutoscalingSpec | None = Field(
         default=None,
         description="When set, the operator stops owning replicas so that an HPA or KEDA can; "
         "replicas is only the initial size.",
     )
-    extra_args: ExtraArgs = Field(default_factory=list)
-    env: EnvList = Field(default_factory=list)
+    extra_args: ExtraArgs = Field(
+        default_factory=list,
+        description="vLLM flags for this role only, appended after engine.extraArgs (argparse keeps the last).",
+    )
+    env: EnvList = Field(
+        default_factory=list, description="Environment for this role only; wins over engine.env of the same name."
+    )
 
 
 # --- router, network, rollout ----------------------------------------------------------------------
 
 
 class ServiceSpec(ApiModel):
-    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    port: Annotated[int, Field(ge=1, le=65535)] = contract.ROUTER_PORT
-    annotations: LabelMap = Field(default_factory=dict)
+    """The router's Service, the model's one endpoint for clients."""
+
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        default="ClusterIP", description="Kubernetes Service type."
+    )
+    port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        default=contract.ROUTER_PORT, description="Service port clients connect to (status.router.url)."
+    )
+    annotations: LabelMap = Field(
+        default_factory=dict, description="Annotations of the Service (load balancer settings, say)."
+    )
 
 
 class RouterSpec(ApiModel):
-    replicas: Annotated[int, Field(ge=0, le=100)] = 2
+    """The router: an OpenAI-compatible endpoint that sends each request's prefill and decode legs."""
+
+    replicas: Annotated[int, Field(ge=0, le=100)] = Field(
+        default=2, description="Router pods; two by default so one can restart while the other serves."
+    )
     image: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
         default=None, description="Router image. Unset: the operator's default."
     )
-    service: ServiceSpec = _sub(ServiceSpec)
+    service: ServiceSpec = _sub(ServiceSpec, "The router's Service.")
     request_deadline_seconds: Annotated[int, Field(ge=1, le=3600)] = Field(
         default=60,
         description="The router's deadline for each leg of a request; both legs are cancelled "
@@ -353,13 +506,25 @@ class RouterSpec(ApiModel):
     max_retries: Annotated[int, Field(ge=0, le=5)] = Field(
         default=1, description="Retries on another P/D pair, only while nothing reached the client."
     )
-    decode_selection: Literal["LeastOutstanding"] = "LeastOutstanding"
-    resources: ResourceRequirements = _sub(ResourceRequirements)
-    node_selector: LabelMap = Field(default_factory=dict)
-    tolerations: Annotated[list[Toleration], Field(max_length=32)] = Field(default_factory=list)
+    decode_selection: Literal["LeastOutstanding"] = Field(
+        default="LeastOutstanding",
+        description="How the router picks prefill and decode within a revision: fewest requests in "
+        "flight from this router, ties round robin (the only policy).",
+    )
+    resources: ResourceRequirements = _sub(
+        ResourceRequirements, "Router container resources. Empty: requests cpu 500m, memory 512Mi; limit memory 1Gi."
+    )
+    node_selector: LabelMap = Field(
+        default_factory=dict, description="Node labels the router pods must land on."
+    )
+    tolerations: Annotated[list[Toleration], Field(max_length=32)] = Field(
+        default_factory=list, description="Tolerations of the router pods."
+    )
 
 
 class EfaNetworkSpec(ApiModel):
+    """Pod settings for EFA; they apply to roles with efa.count above 0 (sharedMemory to every engine)."""
+
     hugepages: StrQuantity = Field(
         default="5120Mi",
         description="hugepages-2Mi per EFA pod (libfabric's FI_EFA_USE_HUGE_PAGE); '0' turns it off.",
@@ -375,14 +540,17 @@ class EfaNetworkSpec(ApiModel):
 
 
 class PlacementSpec(ApiModel):
+    """Where prefill and decode land relative to each other: KV crosses between them on every request."""
+
     zone: Literal["Required", "Preferred", "None"] = Field(
         default="Required", description="Keep prefill and decode pods in one availability zone."
     )
     spine: Literal["Required", "Preferred", "None"] = Field(
         default="Preferred", description="Keep prefill and decode pods under one network spine."
     )
-    spine_topology_key: Annotated[str, Field(min_length=1, max_length=316)] = (
-        "topology.k8s.aws/network-node-layer-3"
+    spine_topology_key: Annotated[str, Field(min_length=1, max_length=316)] = Field(
+        default="topology.k8s.aws/network-node-layer-3",
+        description="Node label that names a node's network spine (EC2 instance topology on EKS).",
     )
     separate_hosts: bool = Field(
         default=False,
@@ -392,7 +560,13 @@ class PlacementSpec(ApiModel):
 
 
 class NetworkPolicySpec(ApiModel):
-    enabled: bool = True
+    """The engines' NetworkPolicy."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Create NetworkPolicy <name>-engines: prefill and decode reach each other (on the "
+        "NIXL ports with LIBFABRIC, on all ports with UCX); only the router reaches vLLM's HTTP port.",
+    )
     metrics_from: Annotated[list[FreeForm], Field(max_length=16)] = Field(
         default_factory=list,
         description="NetworkPolicy peers (e.g. a Prometheus namespaceSelector) also allowed to "
@@ -401,9 +575,11 @@ class NetworkPolicySpec(ApiModel):
 
 
 class NetworkSpec(ApiModel):
-    efa: EfaNetworkSpec = _sub(EfaNetworkSpec)
-    placement: PlacementSpec = _sub(PlacementSpec)
-    network_policy: NetworkPolicySpec = _sub(NetworkPolicySpec)
+    """Fabric, placement and network policy of the engines."""
+
+    efa: EfaNetworkSpec = _sub(EfaNetworkSpec, "Hugepages, /dev/shm and privileges of the engine pods.")
+    placement: PlacementSpec = _sub(PlacementSpec, "Placement of prefill and decode relative to each other.")
+    network_policy: NetworkPolicySpec = _sub(NetworkPolicySpec, "The engines' NetworkPolicy.")
 
 
 def _int_or_percent(value: Any) -> int | str:
@@ -428,13 +604,24 @@ IntOrPercent = Annotated[
 
 
 class RoleRollout(ApiModel):
-    max_surge: IntOrPercent = Field(default="25%")
-    max_unavailable: IntOrPercent = 0
+    """The RollingUpdate strategy of one role's engine Deployment."""
+
+    max_surge: IntOrPercent = Field(
+        default="25%", description="Deployment maxSurge: extra pods allowed during an update (count or %)."
+    )
+    max_unavailable: IntOrPercent = Field(
+        default=0,
+        description="Deployment maxUnavailable: pods that may be missing during an update (count or %); "
+        "0 keeps full serving capacity.",
+    )
 
 
 class RolloutSpec(ApiModel):
-    prefill: RoleRollout = _sub(RoleRollout)
-    decode: RoleRollout = _sub(RoleRollout)
+    """Update strategy of the engine Deployments. A change of the pod template is not a rolling update
+    but a new revision: a new P/D pair beside the old one."""
+
+    prefill: RoleRollout = _sub(RoleRollout, "Rolling update of the prefill Deployment.")
+    decode: RoleRollout = _sub(RoleRollout, "Rolling update of the decode Deployment.")
 
 
 # --- spec -------------------------------------------------------------------------------------------
@@ -536,51 +723,81 @@ SPEC_RULES = (
 
 
 class DisaggregatedModelSpec(ApiModel):
+    """What to serve and how: one model on prefill and decode engines wired for NIXL KV transfer."""
+
     cel_rules = SPEC_RULES
 
-    model: ModelSpec
-    engine: EngineSpec = _sub(EngineSpec)
-    kv_transfer: KvTransferSpec = _sub(KvTransferSpec)
-    prefill: RoleSpec = _sub(RoleSpec)
-    decode: RoleSpec = _sub(RoleSpec)
-    router: RouterSpec = _sub(RouterSpec)
-    network: NetworkSpec = _sub(NetworkSpec)
-    rollout: RolloutSpec = _sub(RolloutSpec)
+    model: ModelSpec = Field(description="The model to serve.")
+    engine: EngineSpec = _sub(EngineSpec, "vLLM settings of both roles.")
+    kv_transfer: KvTransferSpec = _sub(KvTransferSpec, "KV transfer between prefill and decode.")
+    prefill: RoleSpec = _sub(RoleSpec, "The prefill engines (vLLM kv_producer).")
+    decode: RoleSpec = _sub(RoleSpec, "The decode engines (vLLM kv_consumer).")
+    router: RouterSpec = _sub(RouterSpec, "The router in front of the engines.")
+    network: NetworkSpec = _sub(NetworkSpec, "EFA pod settings, placement and network policy.")
+    rollout: RolloutSpec = _sub(RolloutSpec, "Update strategy of the engine Deployments.")
 
 
 # --- status -----------------------------------------------------------------------------------------
 
 class Condition(ApiModel):
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
+    """One observed condition, in the Kubernetes convention."""
+
+    type: str = Field(description="Ready, Progressing, Degraded or FabricReady.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds now.")
+    reason: str = Field(default="", description="CamelCase cause, stable for alerts (e.g. InsufficientEFADevices).")
+    message: str = Field(default="", description="What is wrong and what to change, for a human.")
+    last_transition_time: str | None = Field(
+        default=None, description="RFC 3339 time status last flipped (not when the message changed)."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation of the spec this condition was computed from."
+    )
 
 
 class RoleStatus(ApiModel):
-    replicas: int = 0
-    ready_replicas: int = 0
-    updated_replicas: int = 0
+    """Pod counts of one engine role."""
+
+    replicas: int = Field(default=0, description="Pods of the role in every revision, terminating ones excluded.")
+    ready_replicas: int = Field(default=0, description="Ready pods of the current revision (the ones that serve).")
+    updated_replicas: int = Field(default=0, description="Pods of the current revision, ready or not.")
 
 
 class RouterStatus(ApiModel):
-    ready_replicas: int = 0
-    url: str | None = None
+    """The router's state."""
+
+    ready_replicas: int = Field(default=0, description="Ready router pods.")
+    url: str | None = Field(default=None, description="In-cluster URL of the router's Service, for clients.")
 
 
 class DisaggregatedModelStatus(ApiModel):
-    observed_generation: int | None = None
-    phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"] | None = None
-    transfer_mode: Literal["Push", "Pull"] | None = None
-    transfer_mode_reason: str | None = None
-    backend: Literal["LIBFABRIC", "UCX"] | None = None
-    revision: str | None = None
-    prefill: RoleStatus = Field(default_factory=RoleStatus)
-    decode: RoleStatus = Field(default_factory=RoleStatus)
-    router: RouterStatus = Field(default_factory=RouterStatus)
-    conditions: list[Condition] = Field(default_factory=list)
+    """What is true now, written by the operator."""
+
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation of the spec this status describes."
+    )
+    phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"] | None = Field(
+        default=None,
+        description="One word for the conditions: Invalid (spec refused, see Ready's message), Ready, "
+        "Degraded, Progressing (pods of the current revision exist) or Pending.",
+    )
+    transfer_mode: Literal["Push", "Pull"] | None = Field(
+        default=None, description="The effective KV transfer mode (spec.kvTransfer.mode resolved)."
+    )
+    transfer_mode_reason: str | None = Field(default=None, description="Why that transfer mode was chosen.")
+    backend: Literal["LIBFABRIC", "UCX"] | None = Field(
+        default=None, description="The effective NIXL backend (spec.kvTransfer.backend resolved)."
+    )
+    revision: str | None = Field(
+        default=None,
+        description="Hash of everything prefill and decode must agree on; engine Deployments and pods "
+        "carry it, and the router pairs pods only within one revision.",
+    )
+    prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill pod counts.")
+    decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode pod counts.")
+    router: RouterStatus = Field(default_factory=RouterStatus, description="Router pods and URL.")
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing, Degraded and FabricReady, with reasons."
+    )
 
 
 class ObjectMeta(BaseModel):
