@@ -11,6 +11,9 @@ log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
+  if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    log "ERROR: '$PYTHON' is missing or older than Python 3.11: set PYTHON to a python3.11 or newer (README, \"Python\")"; exit 1
+  fi
   log "creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
 from typing import Any, Iterator
 
 from disagg_operator.api.crd import build_crd
+
+from ..conftest import REPO
+
+# The workspace beside a checkout, which a cloner does not have: facts the product needs live in docs/.
+OUTSIDE_REPO = re.compile(r"\.\./shared\b|/work/shared\b")
 
 
 def _properties(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -37,3 +44,22 @@ def test_every_crd_property_has_a_description() -> None:
     schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     missing = undocumented(schema)
     assert not missing, "write a description (spec and status: description= in api/models.py) for: " + ", ".join(missing)
+
+
+def _tracked_files() -> list[str]:
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
+    return [name for name in listed.stdout.split("\0") if name]
+
+
+def test_no_tracked_file_outside_tests_points_outside_the_repository() -> None:
+    """The repository stands alone: README, docs, code and chart cite docs/, never the workspace beside it."""
+    files = [name for name in _tracked_files() if not name.startswith("tests/")]
+    assert "README.md" in files and "docs/contracts.md" in files  # the listing really is this repository
+    offenders = []
+    for name in files:
+        path = REPO / name
+        if not path.is_file():  # deleted in the work tree but not yet in the index
+            continue
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        offenders += [f"{name}:{n}" for n, line in enumerate(text.splitlines(), 1) if OUTSIDE_REPO.search(line)]
+    assert not offenders, "cite docs/ (contracts.md, vllm-protocol.md) instead of ../shared in: " + ", ".join(offenders)

@@ -1,6 +1,6 @@
 """The vLLM 0.33.0 launch wiring of one prefill or decode engine: command line and environment.
 
-Facts from ../shared/reference/vllm-nixl-protocol.md: P and D run the same connector class (the
+Facts from docs/vllm-protocol.md: P and D run the same connector class (the
 compatibility hash includes the transfer mode), kv_role is kv_producer on P and kv_consumer on D, the
 engine_id is explicit so a router can address P before dispatch, VLLM_NIXL_SIDE_CHANNEL_HOST is both the
 bind and the advertised address (so it must be the pod IP), and the NIXL backend list comes only from
@@ -19,7 +19,7 @@ from ..resolve import TransferPlan
 
 MODEL_MOUNT_ROOT = "/models"
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
-# Env vars that make libfabric use EFA the way NIXL needs it (anchors-and-efa.md section 10).
+# Env vars that make libfabric use EFA the way NIXL needs it (docs/vllm-protocol.md, "EFA under NIXL").
 EFA_ENV = {
     "FI_PROVIDER": "efa",
     "FI_EFA_USE_DEVICE_RDMA": "1",
