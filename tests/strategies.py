@@ -51,8 +51,13 @@ def roles(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any], dict[str, An
 @st.composite
 def models(draw: st.DrawFn) -> dict[str, Any]:
     prefill, decode, info = draw(roles())
+    # A release other than the default image's comes with an image of that release.
+    vllm_version = draw(st.sampled_from([None, "0.24.0", "0.26.0", "0.33.0"]))
+    neuron = prefill["accelerator"]["type"] == "neuron"
+    effective_version = vllm_version or ("0.24.0" if neuron else "0.33.0")
     needs_pull = (
         decode["parallelism"]["pipeline"] > 1 or decode["parallelism"]["context"] > 1
+        or (effective_version == "0.24.0" and prefill["parallelism"]["pipeline"] > 1)
     )
     bidirectional = draw(st.booleans())
     mode = draw(st.sampled_from(["Auto", "Pull"] if needs_pull or bidirectional else ["Auto", "Push", "Pull"]))
@@ -75,17 +80,21 @@ def models(draw: st.DrawFn) -> dict[str, Any]:
         model["maxModelLen"] = draw(st.integers(1024, 131072))
     if draw(st.booleans()):
         model["servedModelName"] = "served"
+    engine: dict[str, Any] = {
+        "blockSize": draw(st.sampled_from([16, 32, 64, 128, 256])),
+        "enablePrefixCaching": draw(st.booleans()),
+        "enableSleepMode": draw(st.booleans()) if mode != "Push" else False,
+    }
+    if vllm_version:
+        engine["vllmVersion"] = vllm_version
+        engine["image"] = f"registry.example.com/vllm:{vllm_version}"
     return {
         "apiVersion": "disagg.dev/v1alpha1",
         "kind": "DisaggregatedModel",
         "metadata": {"name": draw(names), "namespace": draw(st.sampled_from(["default", "ml"])), "uid": "u-1"},
         "spec": {
             "model": model,
-            "engine": {
-                "blockSize": draw(st.sampled_from([16, 32, 64, 128, 256])),
-                "enablePrefixCaching": draw(st.booleans()),
-                "enableSleepMode": draw(st.booleans()) if mode != "Push" else False,
-            },
+            "engine": engine,
             "kvTransfer": {
                 "mode": mode,
                 "backend": backend,
@@ -126,4 +135,7 @@ BREAKERS = [
     ("no-accelerator", [_set("decode.accelerator.count", 0)], "spec.decode.accelerator.count"),
     ("managed-flag", [_set("engine.extraArgs", ["--block-size", "16"])], "spec.engine.extraArgs"),
     ("unknown-field", [_set("router.deadline", 5)], "spec.router.deadline"),
+    ("vllm-version-without-its-image", [_set("engine.vllmVersion", "0.26.0"), _set("engine.image", None),
+                                        _set("prefill.accelerator.type", "nvidia"), _set("decode.accelerator.type", "nvidia")],
+     "spec.engine.vllmVersion"),
 ]

@@ -41,6 +41,8 @@ ANNOTATION_DP_SIZE = f"{API_GROUP}/data-parallel-size"
 ANNOTATION_SIDE_CHANNEL_PORT = f"{API_GROUP}/nixl-side-channel-port"
 ANNOTATION_HTTP_PORT = f"{API_GROUP}/http-port"
 ANNOTATION_TRANSFER_MODE = f"{API_GROUP}/transfer-mode"
+# The vLLM release the engine runs (spec.engine.vllmVersion): what its NIXL protocol answers differ in.
+ANNOTATION_VLLM_VERSION = f"{API_GROUP}/vllm-version"
 # Set by the operator on a P or D pod it is about to remove (value: RFC 3339 time it was marked). The
 # router sends such a pod no new request and reports its in-flight count; the operator deletes the pod
 # once every router reports zero, or once the leg deadline plus the KV lease has passed since the mark.
@@ -53,6 +55,31 @@ NIXL_SIDE_CHANNEL_PORT = 5600
 NIXL_PORT_NAME = "nixl"
 ROUTER_PORT = 8000
 ROUTER_METRICS_PORT_NAME = "http"
+
+# --- vLLM releases the operator renders for --------------------------------------------------------
+VLLM_VERSIONS = ("0.24.0", "0.26.0", "0.33.0")
+
+
+@dataclass(frozen=True)
+class VllmProtocol:
+    """What a router or launcher must know of one vLLM release's P/D protocol (docs/vllm-versions.md)."""
+
+    version: str
+
+    @property
+    def returns_transfer_mode(self) -> bool:
+        """Prefill's kv_transfer_params carry `transfer_mode` ("push"/"pull") from 0.33.0 on."""
+        return _version_tuple(self.version) >= (0, 33, 0)
+
+    @property
+    def push_with_prefill_pipeline(self) -> bool:
+        """NixlPushConnector takes a pipeline-parallel prefill (and reads `pp_size`) from 0.26.0 on."""
+        return _version_tuple(self.version) >= (0, 26, 0)
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
 
 # Downward API env vars that the engine id is assembled from inside the pod ($(VAR) expansion).
 ENV_POD_NAME = "POD_NAME"

@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-ENGINE_IMAGE = "ghcr.io/disagg-dev/vllm-runtime:0.33.0-efa"
-NEURON_ENGINE_IMAGE = "ghcr.io/disagg-dev/vllm-runtime:0.33.0-neuron"
+from .api.models import DEFAULT_VLLM_VERSION
+
+# Tagged with the vLLM release inside: the neuron image is AWS's vLLM-Neuron DLC, an older vLLM.
+ENGINE_IMAGE = f"ghcr.io/disagg-dev/vllm-runtime:{DEFAULT_VLLM_VERSION['nvidia']}-efa"
+NEURON_ENGINE_IMAGE = f"ghcr.io/disagg-dev/vllm-runtime:{DEFAULT_VLLM_VERSION['neuron']}-neuron"
 ROUTER_IMAGE = "ghcr.io/disagg-dev/disagg-router:0.1.0"
 
 

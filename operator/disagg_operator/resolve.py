@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from .api.models import DisaggregatedModelSpec
+from disagg_connector.contract import VllmProtocol
+
+from .api.models import DEFAULT_VLLM_VERSION, DisaggregatedModelSpec
 
 TransferMode = Literal["Push", "Pull"]
 Backend = Literal["LIBFABRIC", "UCX"]
@@ -23,10 +25,16 @@ class TransferPlan:
     backend: Backend
     backend_reason: str
     buffer_device: Literal["cuda", "cpu"]
+    vllm_version: str
 
     @property
     def connector(self) -> str:
         return CONNECTOR[self.mode]
+
+
+def vllm_version(spec: DisaggregatedModelSpec) -> str:
+    """The release the engines run: the spec's, else the default image's for the accelerator."""
+    return spec.engine.vllm_version or DEFAULT_VLLM_VERSION[spec.prefill.accelerator.type]
 
 
 def _needs_pull(spec: DisaggregatedModelSpec) -> str | None:
@@ -39,6 +47,9 @@ def _needs_pull(spec: DisaggregatedModelSpec) -> str | None:
         return "decode context parallel > 1 is not supported by the push connector"
     if spec.engine.enable_sleep_mode:
         return "sleep mode is not supported by the push connector"
+    version = vllm_version(spec)
+    if spec.prefill.parallelism.pipeline > 1 and not VllmProtocol(version).push_with_prefill_pipeline:
+        return f"the push connector of vLLM {version} takes no pipeline-parallel prefill (0.26.0 and later do)"
     return None
 
 
@@ -72,4 +83,4 @@ def plan(spec: DisaggregatedModelSpec) -> TransferPlan:
     device = spec.kv_transfer.buffer_device
     if device == "Auto":
         device = "cuda" if spec.prefill.accelerator.type == "nvidia" else "cpu"
-    return TransferPlan(mode, reason, chosen_backend, backend_reason, device)
+    return TransferPlan(mode, reason, chosen_backend, backend_reason, device, vllm_version(spec))

@@ -216,6 +216,7 @@ SCHEMA_PHRASES = {
     "bad-quantity": "spec.prefill.resources.requests.memory",
     "bad-source": "spec.model.source.uri",
     "port-out-of-range": "should be greater than or equal to 1024",
+    "vllm-version-unknown": 'Unsupported value: "0.30.0"',
 }
 
 

@@ -1,14 +1,16 @@
-"""Ask vLLM 0.33.0 itself whether rendered `vllm serve` command lines are valid.
+"""Ask vLLM itself (0.33.0, or another release with pins in hack/) whether rendered `vllm serve`
+command lines are valid.
 
-Runs in the project venv. vLLM lives in its own cached CPU venv (hack/vllm-env.sh); the
-judging happens in tests/support/vllm_cli_check.py, run with that venv's python, one
+Runs in the project venv. Each vLLM release lives in its own cached CPU venv (`hack/vllm-env.sh
+VERSION`); the judging happens in tests/support/vllm_cli_check.py, run with that venv's python, one
 process for a whole batch (importing vLLM takes ~10 s).
 
     from tests.support.vllm_cli import check_command_lines
-    [res] = check_command_lines([{"id": "p", "argv": ["vllm", "serve", "Qwen/Qwen3-32B", ...]}])
+    [res] = check_command_lines([{"id": "p", "argv": ["vllm", "serve", "Qwen/Qwen3-32B", ...]}], "0.26.0")
     assert res["ok"], res["error"]
 
-Set DISAGG_VLLM_PYTHON to use an existing python with vLLM 0.33.0 instead of the script.
+Set DISAGG_VLLM_PYTHON_<VERSION> (dots as underscores, e.g. DISAGG_VLLM_PYTHON_0_26_0) to use an
+existing python with that vLLM release instead of the script.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 ENV_SCRIPT = REPO / "hack" / "vllm-env.sh"
 CHECK_SCRIPT = Path(__file__).resolve().with_name("vllm_cli_check.py")
+# The releases CI judges every rendered line with: one per pin file (hack/vllm-env-VERSION.requirements.txt),
+# i.e. the operator's target and the release the GPU runs use.
+CHECKED_VERSIONS = tuple(
+    sorted(p.name.removeprefix("vllm-env-").removesuffix(".requirements.txt") for p in ENV_SCRIPT.parent.glob("vllm-env-*.requirements.txt"))
+)
 
 
 def _tail(text: str, n: int = 40) -> str:
@@ -30,13 +37,13 @@ def _tail(text: str, n: int = 40) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def vllm_python() -> str:
-    """Path of the vLLM venv's python; builds the venv on first use (cached per session)."""
-    override = os.environ.get("DISAGG_VLLM_PYTHON")
+def vllm_python(version: str) -> str:
+    """Path of the python of vLLM `version`'s venv; builds the venv on first use (cached per session)."""
+    override = os.environ.get("DISAGG_VLLM_PYTHON_" + version.replace(".", "_"))
     if override:
         return override
     proc = subprocess.run(
-        ["bash", str(ENV_SCRIPT)],
+        ["bash", str(ENV_SCRIPT), version],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -51,8 +58,8 @@ def vllm_python() -> str:
     return path
 
 
-def check_command_lines(items: list[dict[str, Any]], timeout: float = 900) -> list[dict[str, Any]]:
-    """Judge each {"id", "argv"} with vLLM's parser; returns one result per item, same order.
+def check_command_lines(items: list[dict[str, Any]], version: str, timeout: float = 900) -> list[dict[str, Any]]:
+    """Judge each {"id", "argv"} with vLLM `version`'s parser; returns one result per item, same order.
 
     A result: {"id", "ok", "error", "stage", "warnings", "parsed"}; see vllm_cli_check.py.
     """
@@ -60,7 +67,7 @@ def check_command_lines(items: list[dict[str, Any]], timeout: float = 900) -> li
         return []
     env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
     proc = subprocess.run(
-        [vllm_python(), str(CHECK_SCRIPT)],
+        [vllm_python(version), str(CHECK_SCRIPT)],
         input=json.dumps(items),
         capture_output=True,
         text=True,

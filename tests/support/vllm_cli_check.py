@@ -1,6 +1,6 @@
-"""Judge rendered `vllm serve` command lines with vLLM 0.33.0's own parser.
+"""Judge rendered `vllm serve` command lines with vLLM's own parser (0.33.0 or 0.26.0).
 
-Run this with the python of the cached vLLM environment (hack/vllm-env.sh prints
+Run this with the python of a cached vLLM environment (`hack/vllm-env.sh VERSION` prints
 its path), NOT with the project's venv:
 
     echo '[{"id": "p", "argv": ["vllm", "serve", "Qwen/Qwen3-32B", "--port", "8000"]}]' \
@@ -80,6 +80,13 @@ sys.stdout = sys.stderr
 from typing import Annotated  # noqa: E402
 
 from pydantic import TypeAdapter  # noqa: E402
+
+import vllm.platforms  # noqa: E402
+from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+
+# 0.33.0 picks the CPU platform from VLLM_TARGET_DEVICE, 0.26.0 only for a CPU build of vLLM (a version
+# string with "cpu"): set it before anything asks, the same way for both.
+vllm.platforms._current_platform = CpuPlatform()
 
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: E402

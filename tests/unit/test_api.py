@@ -79,6 +79,14 @@ INVALID = [
      "spec.prefill.resources.requests.memory", "not a Kubernetes quantity"),
     ("bad-source", {"model": {"source": {"uri": "ftp://x/y"}}}, "spec.model.source.uri", "pattern"),
     ("port-out-of-range", {"kvTransfer": {"sideChannelPort": 80}}, "spec.kvTransfer.sideChannelPort", "1024"),
+    ("vllm-version-without-image", {"engine": {"vllmVersion": "0.26.0"}},
+     "spec.engine.vllmVersion", "default engine image runs vLLM 0.33.0 on nvidia"),
+    ("vllm-version-unknown", {"engine": {"vllmVersion": "0.30.0", "image": "vllm/vllm-openai:v0.30.0"}},
+     "spec.engine.vllmVersion", "'0.33.0'"),
+    ("push-pipelined-prefill-on-0.24", {"kvTransfer": {"mode": "Push"},
+                                        "engine": {"vllmVersion": "0.24.0", "image": "example.com/vllm:0.24.0"},
+                                        "prefill": {"parallelism": {"pipeline": 2}, "accelerator": {"count": 2}}},
+     "spec.kvTransfer.mode", "pipelined prefill from 0.26.0 on"),
 ]
 
 
@@ -112,6 +120,11 @@ VALID_EDGES = [
                                "network": {"efa": {"hugepages": "0"}}}),
     ("int-quantities", {"prefill": {"resources": {"requests": {"cpu": 8, "memory": "1.5Gi"}}}}),
     ("unrelated-extra-args", {"engine": {"extraArgs": ["--max-num-seqs", "256", "--portable-flag"]}}),
+    ("vllm-version-with-image", {"engine": {"vllmVersion": "0.26.0", "image": "vllm/vllm-openai:v0.26.0"}}),
+    ("vllm-version-of-default-image", {"engine": {"vllmVersion": "0.33.0"}}),
+    ("push-pipelined-prefill-on-0.26", {"kvTransfer": {"mode": "Push"},
+                                        "engine": {"vllmVersion": "0.26.0", "image": "vllm/vllm-openai:v0.26.0"},
+                                        "prefill": {"parallelism": {"pipeline": 2}, "accelerator": {"count": 2}}}),
     ("neuron-any-count", {"prefill": {"accelerator": {"type": "neuron", "count": 16}, "parallelism": {"tensor": 64}},
                           "decode": {"accelerator": {"type": "neuron", "count": 16}, "parallelism": {"tensor": 64}}}),
 ]
@@ -132,6 +145,8 @@ def test_valid_edge_cases_are_accepted(patch: dict) -> None:
         ({"engine": {"enableSleepMode": True}}, "Pull", "sleep mode"),
         ({"kvTransfer": {"mode": "Pull"}}, "Pull", "Pull requested"),
         ({"kvTransfer": {"mode": "Push"}}, "Push", "Push requested"),
+        ({"engine": {"vllmVersion": "0.24.0", "image": "example.com/vllm:0.24.0"},
+          "prefill": {"parallelism": {"pipeline": 2}, "accelerator": {"count": 2}}}, "Pull", "vLLM 0.24.0"),
     ],
 )
 def test_mode_selection(patch: dict, mode: str, reason: str) -> None:

@@ -1,7 +1,7 @@
-"""The vLLM command-line checker is a real judge: vLLM 0.33.0's own parser accepts good
-lines with the fields we expect and refuses bad ones.
+"""The vLLM command-line checker is a real judge: each checked release's own parser (0.33.0, 0.26.0)
+accepts good lines with the fields we expect and refuses bad ones.
 
-All cases go through one checker process (importing vLLM is the slow part).
+All cases of one release go through one checker process (importing vLLM is the slow part).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.vllm_cli import check_command_lines
+from tests.support.vllm_cli import CHECKED_VERSIONS, check_command_lines
 
 pytestmark = pytest.mark.vllm
 
@@ -72,9 +72,9 @@ CASES: dict[str, list[str]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict[str, Any]]:
-    out = check_command_lines([{"id": k, "argv": v} for k, v in CASES.items()])
+@pytest.fixture(scope="module", params=CHECKED_VERSIONS)
+def results(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    out = check_command_lines([{"id": k, "argv": v} for k, v in CASES.items()], request.param)
     return {r["id"]: r for r in out}
 
 

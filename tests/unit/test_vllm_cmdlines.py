@@ -1,4 +1,5 @@
-"""vLLM 0.33.0's own argument parser and KVTransferConfig judge every command line we render.
+"""vLLM's own argument parser and KVTransferConfig, of every checked release (0.33.0, 0.26.0), judge
+every command line we render.
 
 The lines are checked after Kubernetes' $(VAR) expansion with sample Downward API values, i.e. as the
 container really receives them.
@@ -7,7 +8,6 @@ container really receives them.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import pytest
@@ -16,21 +16,16 @@ from hypothesis import strategies as st
 
 from disagg_connector import contract
 from disagg_operator.api.validation import parse
+from disagg_operator.localrun.kube_env import expand
 from disagg_operator.render import render
 
 from ..conftest import EXAMPLES, load_example
 from ..strategies import models
-from ..support.vllm_cli import check_command_lines
+from ..support.vllm_cli import CHECKED_VERSIONS, check_command_lines
 
 pytestmark = pytest.mark.vllm
 
 POD_UID = "0f8e4a52-7d1c-4c43-9d55-3c2d7a1b9e10"
-_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes' expansion of $(VAR) in command and args (unknown references stay as written)."""
-    return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), text)
 
 
 def command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
@@ -53,8 +48,8 @@ def command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-def judge(items: list[dict[str, Any]]) -> None:
-    results = check_command_lines([{"id": i["id"], "argv": i["argv"]} for i in items])
+def judge(items: list[dict[str, Any]], version: str) -> None:
+    results = check_command_lines([{"id": i["id"], "argv": i["argv"]} for i in items], version)
     for item, result in zip(items, results):
         assert result["ok"], f"{item['id']}: vLLM refused {item['argv']}: {result['error']}"
         parsed = result["parsed"]
@@ -65,10 +60,11 @@ def judge(items: list[dict[str, Any]]) -> None:
         assert parsed["kv_connector_extra_config"] == config["kv_connector_extra_config"]
 
 
-def test_examples_parse_with_vllm() -> None:
+@pytest.mark.parametrize("version", CHECKED_VERSIONS)
+def test_examples_parse_with_vllm(version: str) -> None:
     items = [i for path in EXAMPLES for i in command_lines(load_example(path))]
     assert len(items) == 2 * len(EXAMPLES)
-    judge(items)
+    judge(items, version)
 
 
 # No shrinking: each example costs a vLLM import (~20 s); the failure message names the refused line.
@@ -76,5 +72,7 @@ def test_examples_parse_with_vllm() -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(models(), min_size=20, max_size=20))
 def test_any_accepted_spec_renders_lines_vllm_accepts(objs: list[dict[str, Any]]) -> None:
-    # One vLLM process per batch: importing vLLM costs seconds, parsing a line costs milliseconds.
-    judge([i for n, obj in enumerate(objs) for i in command_lines({**obj, "metadata": {**obj["metadata"], "name": f"m{n}"}})])
+    # One vLLM process per batch and release: importing vLLM costs seconds, parsing a line milliseconds.
+    items = [i for n, obj in enumerate(objs) for i in command_lines({**obj, "metadata": {**obj["metadata"], "name": f"m{n}"}})]
+    for version in CHECKED_VERSIONS:
+        judge(items, version)

@@ -93,6 +93,9 @@ FreeForm = Annotated[
 Name = Annotated[str, Field(min_length=1, max_length=253)]
 LabelMap = Annotated[dict[str, str], Field(max_length=64)]
 Port = Annotated[int, Field(ge=1024, le=65000)]
+VllmVersion = Literal[contract.VLLM_VERSIONS]  # type: ignore[valid-type]
+# The vLLM release each default engine image runs (config.py tags the images with it).
+DEFAULT_VLLM_VERSION = {"nvidia": "0.33.0", "neuron": "0.24.0"}
 
 # Flags and env vars that the operator owns: setting them by hand would silently break the P/D wiring.
 MANAGED_FLAGS = (
@@ -246,6 +249,12 @@ class EngineSpec(ApiModel):
         default=None,
         description="vLLM runtime image (vLLM + EFA + NIXL + disagg_connector). Unset: the "
         "operator's default, so one operator setting moves every model.",
+    )
+    vllm_version: VllmVersion | None = Field(
+        default=None,
+        description="The vLLM release the engine image runs; launch flags and admission rules follow it. "
+        "Unset: the release of the operator's default image for the accelerator (0.33.0 on nvidia, "
+        "0.24.0, AWS's vLLM-Neuron, on neuron). Set it together with engine.image for another release.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Pull policy of the vLLM and preflight containers."
@@ -626,6 +635,12 @@ class RolloutSpec(ApiModel):
 
 # --- spec -------------------------------------------------------------------------------------------
 
+# The effective vLLM release in CEL: the spec's, else the default image's for the accelerator.
+_CEL_DEFAULT_VLLM_VERSION = (
+    f"(self.prefill.accelerator.type == 'neuron' ? '{DEFAULT_VLLM_VERSION['neuron']}' : "
+    f"'{DEFAULT_VLLM_VERSION['nvidia']}')"
+)
+_CEL_VLLM_VERSION = f"(has(self.engine.vllmVersion) ? self.engine.vllmVersion : {_CEL_DEFAULT_VLLM_VERSION})"
 _PUSH_INCOMPATIBLE = "mode Push cannot {what}: set spec.kvTransfer.mode to Pull (or Auto, which picks pull) {fix}"
 
 SPEC_RULES = (
@@ -668,6 +683,29 @@ SPEC_RULES = (
             what="use sleep mode", fix="or set spec.engine.enableSleepMode to false"
         ),
         field_path=".kvTransfer.mode",
+    ),
+    CelRule(
+        rule=(
+            "!(self.kvTransfer.mode == 'Push' && self.prefill.parallelism.pipeline > 1 && "
+            f"{_CEL_VLLM_VERSION} == '0.24.0')"
+        ),
+        message=_PUSH_INCOMPATIBLE.format(
+            what="run prefill with pipeline parallel > 1 on vLLM 0.24.0 (push takes a pipelined prefill "
+            "from 0.26.0 on)",
+            fix="or set spec.engine.vllmVersion to 0.26.0 or later, or spec.prefill.parallelism.pipeline to 1",
+        ),
+        field_path=".kvTransfer.mode",
+    ),
+    CelRule(
+        rule=(
+            "!has(self.engine.vllmVersion) || has(self.engine.image) || "
+            f"self.engine.vllmVersion == {_CEL_DEFAULT_VLLM_VERSION}"
+        ),
+        message="the operator's default engine image runs vLLM "
+        + " and ".join(f"{v} on {a}" for a, v in DEFAULT_VLLM_VERSION.items())
+        + ": set spec.engine.image to an image of the release in spec.engine.vllmVersion, or leave "
+        "vllmVersion unset",
+        field_path=".engine.vllmVersion",
     ),
     CelRule(
         rule="self.prefill.parallelism.context == 1",

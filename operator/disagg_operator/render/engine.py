@@ -155,6 +155,7 @@ def identity_annotations(dm: DisaggregatedModel, role: RoleSpec, plan: TransferP
         contract.ANNOTATION_SIDE_CHANNEL_PORT: str(dm.spec.kv_transfer.side_channel_port),
         contract.ANNOTATION_HTTP_PORT: str(contract.HTTP_PORT),
         contract.ANNOTATION_TRANSFER_MODE: plan.mode,
+        contract.ANNOTATION_VLLM_VERSION: plan.vllm_version,
     }
 
 
