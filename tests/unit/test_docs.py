@@ -39,11 +39,16 @@ def test_undocumented_lists_every_property_without_description() -> None:
     assert undocumented(schema) == [".a.b", ".c", ".c[].d"]
 
 
+# The API server describes these itself (and refuses anything but a type on metadata).
+SERVER_DESCRIBED = {".apiVersion", ".kind", ".metadata"}
+
+
 def test_every_crd_property_has_a_description() -> None:
     """`kubectl explain dm --recursive` shows no empty field, status included."""
     schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    missing = undocumented(schema)
-    assert not missing, "write a description (spec and status: description= in api/models.py) for: " + ", ".join(missing)
+    assert schema["properties"]["metadata"] == {"type": "object"}
+    missing = [path for path in undocumented(schema) if path not in SERVER_DESCRIBED]
+    assert not missing, "write description= on these fields in api/models.py: " + ", ".join(missing)
 
 
 def _tracked_files() -> list[str]:

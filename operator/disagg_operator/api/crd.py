@@ -99,15 +99,6 @@ PRINTER_COLUMNS = [
 ]
 
 
-# Kubernetes' own descriptions of the fields every object has (as `kubectl explain` shows them for built-ins).
-_API_VERSION_DOC = (
-    "The versioned schema of this representation of an object. Servers convert recognized schemas to "
-    "the latest internal value and may reject unrecognized values."
-)
-_KIND_DOC = "The REST resource this object represents, in CamelCase."
-_METADATA_DOC = "Standard object metadata (name, namespace, labels, annotations)."
-
-
 def build_crd() -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -141,9 +132,9 @@ def build_crd() -> dict[str, Any]:
                             "KV transfer (push or pull) and its router.",
                             "required": ["spec"],
                             "properties": {
-                                "apiVersion": {"type": "string", "description": _API_VERSION_DOC},
-                                "kind": {"type": "string", "description": _KIND_DOC},
-                                "metadata": {"type": "object", "description": _METADATA_DOC},
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
                                 "spec": openapi_schema(DisaggregatedModelSpec),
                                 "status": _status_schema(),
                             },
