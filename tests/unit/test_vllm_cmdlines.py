@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from disagg_connector import contract
 from disagg_operator.api.validation import parse
 from disagg_operator.localrun.kube_env import expand
+from disagg_operator.localrun.plan import LocalOptions, local_plan
 from disagg_operator.render import render
 
-from ..conftest import EXAMPLES, load_example
+from ..conftest import EXAMPLES, REPO, load_example
 from ..strategies import models
 from ..support.vllm_cli import CHECKED_VERSIONS, check_command_lines
 
@@ -60,11 +61,23 @@ def judge(items: list[dict[str, Any]], version: str) -> None:
         assert parsed["kv_connector_extra_config"] == config["kv_connector_extra_config"]
 
 
+def local_command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """The lines disagg-localrun starts for a model, with the H200 runs' overrides (hack/gpu/run.sh)."""
+    options = LocalOptions(gpus=tuple(str(i) for i in range(64)), colocate=True, backend="UCX", model_path="/tmp/model", load_format="dummy",
+                           enforce_eager=True, kv_cache_memory_bytes=30 << 30, gpu_memory_utilization=0.35)
+    plan = local_plan(obj, options, secrets={"HF_TOKEN": "t"})
+    return [{"id": f"local {obj['metadata']['name']}/{e.role}-{e.index}", "argv": list(e.argv),
+             "expect": {"engine_id": e.engine_id, "kv_role": "kv_producer" if e.role == "prefill" else "kv_consumer"}}
+            for e in plan.engines]
+
+
 @pytest.mark.parametrize("version", CHECKED_VERSIONS)
 def test_examples_parse_with_vllm(version: str) -> None:
     items = [i for path in EXAMPLES for i in command_lines(load_example(path))]
     assert len(items) == 2 * len(EXAMPLES)
-    judge(items, version)
+    local = [load_example(p) for p in (*EXAMPLES, REPO / "hack" / "gpu" / "qwen3-0.6b-h200.yaml")
+             if not p.stem.startswith("trn2")]  # Trainium: no local run
+    judge(items + [i for obj in local for i in local_command_lines(obj)], version)
 
 
 # No shrinking: each example costs a vLLM import (~20 s); the failure message names the refused line.

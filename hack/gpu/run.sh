@@ -1,0 +1,126 @@
+#!/bin/bash
+# The H200 runs of real vLLM 0.26.0 behind the router, with disagg-localrun, on the lent device machines.
+# The machines have Python 3.12 and torch 2.11.0+cu130 but no network: hack/gpu/pack.sh packs vLLM 0.26.0,
+# NIXL and what the harness imports into two archives, carried in .gpu/ (ignored by git) in two calls:
+#
+#   hack/gpu/run.sh unpack-a1        # call 1, carry .gpu/a1: unpack the compiled kernels into /tmp/site
+#   hack/gpu/run.sh push             # call 2 (same machine, within its warm period), carry .gpu/a2:
+#                                    #   unpack the rest, then issue 11's sweep: push through the router and
+#                                    #   the direct-client baseline, prompts 1k/4k/16k x 1/4/8 per s, one GPU
+#   hack/gpu/run.sh pull-1gpu        # call 3 (same machine): pull on one GPU, reported as the one-GPU
+#                                    #   UCX-READ-over-TCP artefact, not as a pull result
+#   hack/gpu/run.sh issue12-push     # on nvidia-h200-x2 (after unpack-a1 there): prefill on GPU0, decode on
+#                                    #   GPU1; push-concurrent and push-sequential through the router, direct
+#                                    #   push for the TTFT split; prompts 1k/4k/16k x 1/2/4/8; kvbench push and
+#                                    #   pull bandwidth on the same GPUs, in the same call
+#   hack/gpu/run.sh issue12-pull     # then (same machine): pull through the router and direct, same cells;
+#   disagg-localrun report --baseline router-pull OUT/issue12-*-results.json   # one table, ratios to pull
+#
+# Results go to $OUT (results.json, results.md, logs.tar.xz; kvbench.json for issue12), also when the sweep
+# runs out of time (each cell is saved as it completes). REHEARSAL=1 runs the same command lines on a CPU
+# machine with the simulator in place of vLLM (tests/vllm_sim/as_vllm.py) and a short sweep.
+set -u
+stage=${1:?usage: hack/gpu/run.sh unpack-a1|push|pull-1gpu|issue12-push|issue12-pull}
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$REPO"
+SITE=${SITE:-/tmp/site}
+OUT=${OUT:-/tmp/gpu-out}
+WORK=${WORK:-/tmp/gpu-work}
+mkdir -p "$OUT" "$WORK"
+log() { printf '[gpu %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+if [ "${REHEARSAL:-0}" = 1 ]; then
+  PY=${PY:-$REPO/.venv/bin/python}
+  MODEL_PY=${MODEL_PY:-${DISAGG_CACHE:-$HOME/.cache/disagg-operator}/vllm-0.26.0-cpu/bin/python}  # has tokenizers
+  VLLM="$PY -m tests.vllm_sim.as_vllm"
+  export DISAGG_SIM_PROFILE=fast PYTHONPATH=$REPO
+  QUICK="--prompts 256,1024 --cell-seconds 2 --min-requests 4 --drain-timeout 10"
+  BUDGET=${BUDGET:-300}
+else
+  PY=python3
+  MODEL_PY=python3
+  VLLM="python3 -m vllm.entrypoints.cli.main"
+  export PYTHONPATH=$SITE:$REPO/operator:$REPO/connector
+  QUICK=""
+  BUDGET=${BUDGET:-480}  # seconds for the sweep; the call's limit is 600 s
+fi
+# vLLM 0.26.0's V2 sampler imports flashinfer unguarded (left out of the pack); no hub on the machine;
+# NVLink multicast stays off on the multi-GPU kinds (it can take the host's GPUs down for others).
+export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 NIXL_LOG_LEVEL=WARN
+
+# A harness killed hard leaves its engines (own sessions) holding the GPU: stop those of earlier calls,
+# by the pids it recorded.
+for pids in "$WORK"/*/logs/pids; do
+  [ -f "$pids" ] || continue
+  while read -r pid name; do kill -TERM -- "-$pid" 2>/dev/null && log "stopped leftover $name ($pid)"; done < "$pids"
+  rm -f "$pids"
+done
+
+unpack() {  # unpack an archive once per machine
+  local archive=$1 mark=$SITE/.unpacked-$(basename "$1")
+  [ -e "$mark" ] && return 0
+  [ -f "$archive" ] || { log "missing $archive: carry its folder"; exit 3; }
+  mkdir -p "$SITE" && xz -T0 -dc "$archive" | tar xf - -C "$SITE" && touch "$mark" || { log "unpack of $archive failed"; exit 3; }
+  log "unpacked $archive into $SITE ($(du -sh "$SITE" | cut -f1))"
+}
+
+prepare() {  # everything but the compiled kernels, the byte code, the model folder
+  if [ "${REHEARSAL:-0}" != 1 ]; then
+    unpack .gpu/a2/rest.tar.xz
+    [ -e "$SITE/vllm/_C_stable_libtorch.abi3.so" ] || { log "the kernels of a1 are not in $SITE: run unpack-a1 on this machine first"; exit 3; }
+    [ -e "$SITE/.compiled" ] || { $PY -m compileall -q -j 16 "$SITE/vllm" >/dev/null 2>&1; touch "$SITE/.compiled"; log "byte-compiled vLLM"; }
+    $PY -c 'import vllm, nixl, torch; print("vllm", vllm.__version__, "torch", torch.__version__, "gpus", torch.cuda.device_count())' || exit 3
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  fi
+  $MODEL_PY hack/gpu/make_model.py "$WORK/model" qwen3-0.6b || exit 3
+}
+
+# One sweep with disagg-localrun; $1 = results folder name, the rest = its options.
+bench() {
+  local name=$1; shift
+  log "bench $name: $*"
+  timeout -s INT -k 40 "$BUDGET" $PY -m disagg_operator.localrun bench -f hack/gpu/qwen3-0.6b-h200.yaml \
+    --vllm "$VLLM" --model-path "$WORK/model" --load-format dummy --enforce-eager \
+    --env VLLM_USE_FLASHINFER_SAMPLER=0 --env HF_HUB_OFFLINE=1 --env TRANSFORMERS_OFFLINE=1 \
+    --out "$WORK/$name" --startup-timeout 300 "$@" $QUICK
+  log "bench $name exited with $?"
+  for f in results.json results.md; do [ -f "$WORK/$name/$f" ] && cp "$WORK/$name/$f" "$OUT/$name-$f"; done
+  tar cf - -C "$WORK/$name" logs 2>/dev/null | xz -T0 > "$OUT/$name-logs.tar.xz"
+}
+
+ONE_GPU="--gpus 0 --colocate --kv-cache-memory-bytes 30064771072 --gpu-memory-utilization 0.35"
+case "$stage" in
+  unpack-a1)
+    unpack .gpu/a1/a1.tar.xz
+    ;;
+  push)
+    prepare
+    bench push $ONE_GPU --modes router-push,direct-push --prompts 1024,4096,16384 --rates 1,4,8 \
+      --cell-seconds 10 --min-requests 12 --drain-timeout 30
+    ;;
+  pull-1gpu)
+    prepare
+    bench pull-1gpu $ONE_GPU --modes router-pull,direct-pull --prompts 1024,4096,16384 --rates 1 \
+      --cell-seconds 8 --min-requests 8 --drain-timeout 30
+    ;;
+  issue12-push)
+    prepare
+    BUDGET=${BUDGET:-480}
+    bench issue12-push --gpus 0,1 --kv-cache-memory-bytes 60129542144 \
+      --modes router-push,router-push-sequential,direct-push --prompts 1024,4096,16384 --rates 1,2,4,8 \
+      --cell-seconds 6 --min-requests 8 --drain-timeout 20
+    if [ "${REHEARSAL:-0}" = 1 ]; then kv="--device cpu --tokens 256,1024"; else kv="--device cuda --tokens 1024,4096,16384"; fi
+    # the KV shape of the model above: 28 layers x 8 KV heads x 128 dims, bf16, 128-token blocks
+    timeout 100 $PY -m disagg_connector.kvbench $kv --model qwen3-32b --num-layers 28 --num-kv-heads 8 --head-dim 128 \
+      --requests 8 --warmup 2 --rate 4 --json "$OUT/issue12-kvbench.json" | tail -30
+    ;;
+  issue12-pull)
+    prepare
+    bench issue12-pull --gpus 0,1 --kv-cache-memory-bytes 60129542144 \
+      --modes router-pull,direct-pull --prompts 1024,4096,16384 --rates 1,2,4,8 \
+      --cell-seconds 6 --min-requests 8 --drain-timeout 20
+    ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
+ls -la "$OUT"

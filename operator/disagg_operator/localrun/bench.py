@@ -1,0 +1,198 @@
+"""A sweep over (prompt length, request rate, mode) against locally started engines.
+
+A mode is a transfer mode of the engines plus a dispatcher: the router in one of its modes
+(`router-push`, `router-push-sequential`, `router-pull`), or the load generator sending both legs itself
+(`direct-push`, `direct-push-sequential`, `direct-pull`: the router's protocol without the router, the
+baseline for the router's own cost, and the split of TTFT into its legs). Modes of one transfer mode share
+one set of engines; the engines are restarted for the other. Within a (prompt, rate) cell every mode
+gets the same arrival times; the results are written after every cell, so a run cut short keeps what it
+measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import random
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import aiohttp
+
+from . import loadgen, report
+from .plan import LocalOptions, LocalPlan, describe, local_plan
+from .procs import Running, started
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    transfer_mode: str  # Push | Pull
+    router_mode: str | None
+    direct_dispatch: str | None
+
+
+def mode(name: str) -> Mode:
+    kind, _, dispatch = name.partition("-")
+    if kind not in ("router", "direct") or dispatch not in loadgen.DISPATCHES:
+        choices = ", ".join(f"{k}-{d}" for k in ("router", "direct") for d in loadgen.DISPATCHES)
+        raise ValueError(f"mode {name!r}: choose from {choices}")
+    transfer = "Pull" if dispatch == "pull" else "Push"
+    return Mode(name, transfer, dispatch if kind == "router" else None, dispatch if kind == "direct" else None)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    prompts: tuple[int, ...]
+    rates: tuple[float, ...]
+    modes: tuple[Mode, ...]
+    max_tokens: int = 128
+    cell_seconds: float = 12.0
+    min_requests: int = 16
+    drain_timeout: float = 60.0
+    seed: int = 0
+
+    def groups(self) -> list[tuple[str, list[Mode]]]:
+        """Modes by engine transfer mode, in the order given."""
+        out: dict[str, list[Mode]] = {}
+        for m in self.modes:
+            out.setdefault(m.transfer_mode, []).append(m)
+        return list(out.items())
+
+
+def _seed(*parts: Any) -> int:
+    return int.from_bytes(json.dumps(parts).encode(), "little") % (2**63)
+
+
+def target(plan: LocalPlan, m: Mode) -> loadgen.Target:
+    if m.router_mode:
+        return loadgen.RouterTarget(plan.router(m.router_mode).url)
+    prefill, decode = plan.role("prefill")[0], plan.role("decode")[0]
+    return loadgen.DirectTarget(m.direct_dispatch or "push", prefill.url, decode.url, prefill.identities()[0])
+
+
+def environment(plan: LocalPlan) -> dict[str, Any]:
+    """Versions and machine, as far as this process can tell (vLLM's from its own /version)."""
+    env: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for dist in ("vllm", "nixl", "nixl-cu13", "nixl-cu12", "torch"):
+        try:
+            env[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        env["gpus"] = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return env
+
+
+async def _engine_version(plan: LocalPlan) -> str | None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        try:
+            async with s.get(plan.engines[0].url + "/version") as r:
+                return (await r.json(content_type=None)).get("version") if r.status == 200 else None
+        except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
+            return None
+
+
+async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, results: dict[str, Any], save: Callable[[], None]) -> None:
+    plan = running.plan
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        for m in modes:  # warm-up: one request per prompt length, one after the other (kept apart)
+            for prompt in sweep.prompts:
+                rng = random.Random(_seed(sweep.seed, "warmup", m.name, prompt))
+                rec = loadgen.RequestRecord(m.name, prompt, 0.0, 0, 0.0)
+                body = loadgen.completion_body(plan.served_model_name, loadgen.random_prompt(prompt, rng), sweep.max_tokens)
+                await loadgen.send(session, target(plan, m), body, rec)
+                results["warmup"].append(rec.as_dict())
+        save()
+        for prompt in sweep.prompts:
+            for rate in sweep.rates:
+                n = loadgen.requests_per_cell(rate, sweep.cell_seconds, sweep.min_requests)
+                for m in modes:
+                    records = await loadgen.run_cell(
+                        session, target(plan, m), mode=m.name, model=plan.served_model_name, prompt_tokens=prompt,
+                        rate=rate, n=n, max_tokens=sweep.max_tokens,
+                        arrival_rng=random.Random(_seed(sweep.seed, prompt, rate)),
+                        prompt_rng=random.Random(_seed(sweep.seed, prompt, rate, m.name)),
+                        drain_timeout=sweep.drain_timeout,
+                    )  # fmt: skip
+                    summary = loadgen.summarize(records)
+                    results["cells"].append(report.summary_dict(summary))
+                    results["records"] += [r.as_dict() for r in records]
+                    print(report.cell_line(summary), flush=True)
+                    save()
+
+
+def run_bench(
+    doc: dict[str, Any],
+    options: LocalOptions,
+    sweep: Sweep,
+    out_dir: Path,
+    startup_timeout: float,
+    command: list[str],
+    secrets: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "command": shlex.join(command),
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "sweep": {**dataclasses.asdict(sweep), "modes": [m.name for m in sweep.modes]},
+        "environment": {},
+        "groups": [],
+        "cells": [],
+        "warmup": [],
+        "records": [],
+    }
+
+    def save() -> None:
+        (out_dir / "results.json").write_text(json.dumps(_no_nan(results), indent=1))
+        (out_dir / "results.md").write_text(report.markdown(results))
+
+    for transfer_mode, modes in sweep.groups():
+        routers = tuple(m.router_mode for m in modes if m.router_mode)
+        plan_options = dataclasses.replace(options, transfer_mode=transfer_mode, router_modes=routers)  # type: ignore[arg-type]
+        plan = local_plan(doc, plan_options, secrets=secrets)
+        group: dict[str, Any] = {
+            "transfer_mode": transfer_mode,
+            "modes": [m.name for m in modes],
+            "revision": plan.revision,
+            "backend": plan.backend,
+            "plan": describe(plan),
+            "overrides": [str(o) for o in plan.overrides],
+        }
+        results["groups"].append(group)
+        print(describe(plan), flush=True)
+        with started(plan, out_dir / "logs", startup_timeout) as running:
+            group["startup_seconds"] = running.startup_seconds
+            if not results["environment"]:
+                results["environment"] = environment(plan)
+            group["engine_version"] = asyncio.run(_engine_version(plan))
+            save()
+            try:
+                asyncio.run(_measure_group(running, modes, sweep, results, save))
+            finally:
+                group["key_log_lines"] = running.key_log_lines()
+                save()
+    return results
+
+
+def _no_nan(value: Any) -> Any:
+    """JSON has no NaN: a figure that does not exist (no successful request) is null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_no_nan(v) for v in value]
+    return value

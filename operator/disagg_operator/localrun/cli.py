@@ -1,0 +1,195 @@
+"""`disagg-localrun`: a DisaggregatedModel's prefill and decode engines and its router as local processes.
+
+    disagg-localrun plan  -f dm.yaml [options]        # what would run: command lines, env, ports, GPUs
+    disagg-localrun up    -f dm.yaml [options]        # start, wait until healthy, serve until Ctrl-C
+    disagg-localrun bench -f dm.yaml [options] --modes router-push,direct-push --prompts 1024,4096 --rates 1,4
+
+The engines get the operator's rendered `vllm serve` arguments and env (docs/localrun.md); what a local
+run changes is an explicit option and is printed with the plan and the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..api.validation import SpecError
+from ..manifests import load_all
+from .bench import Sweep, mode, run_bench
+from .kube_env import UnresolvableEnv
+from .plan import LocalOptions, LocalRunError, describe, local_plan
+from .procs import StartupFailed, started
+
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+def _csv(kind: type) -> Any:
+    def parse(text: str) -> tuple[Any, ...]:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+
+    return parse
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--env {text!r}: write NAME=VALUE")
+    return name, value
+
+
+def _default_gpus() -> str:
+    return os.environ.get("CUDA_VISIBLE_DEVICES") or "0"
+
+
+def add_local_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-f", "--filename", required=True, help="the DisaggregatedModel (YAML, one document)")
+    g = p.add_argument_group("where things run")
+    g.add_argument("--gpus", type=_csv(str), default=None, help="GPU ids to hand out, in order (default: $CUDA_VISIBLE_DEVICES or 0)")
+    g.add_argument("--colocate", action="store_true", help="let engines share GPUs when there are too few (needs --kv-cache-memory-bytes)")
+    g.add_argument("--host", default="127.0.0.1", help="address every process binds and advertises")
+    g.add_argument("--port-base", type=int, default=18000, help="first port: routers, then each engine's HTTP and side-channel ports")
+    g.add_argument("--workdir", default=".localrun", help="logs and the router's static endpoints file")
+    g.add_argument("--vllm", default="vllm", help="command that stands for `vllm` (e.g. 'python3 -m vllm.entrypoints.cli.main')")
+    g.add_argument("--router-command", default=f"{sys.executable} -m disagg_connector.router", help="the router's command")
+    g.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every /health")
+    s = p.add_argument_group("local overrides (listed in the output)")
+    s.add_argument("--transfer-mode", choices=("Push", "Pull"), help="spec.kvTransfer.mode for this run")
+    s.add_argument("--backend", choices=("UCX", "LIBFABRIC"), help="spec.kvTransfer.backend; UCX also drops EFA (a workstation has none)")
+    s.add_argument("--model-path", help="local model folder instead of the spec's model reference")
+    s.add_argument("--load-format", help="e.g. dummy: random weights, from the folder's config.json")
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (faster start)")
+    s.add_argument("--kv-cache-memory-bytes", type=int, help="fixed KV cache per engine (lets engines share a GPU)")
+    s.add_argument("--gpu-memory-utilization", type=float, help="vLLM's --gpu-memory-utilization for every engine")
+    s.add_argument("--engine-arg", action="append", default=[], help="one more vLLM argument for every engine (repeatable; split like a shell)")
+    s.add_argument("--env", action="append", type=_env_pair, default=[], help="NAME=VALUE for every engine (repeatable)")
+
+
+def options_from(a: argparse.Namespace, workdir: str | None = None) -> LocalOptions:
+    return LocalOptions(
+        host=a.host,
+        port_base=a.port_base,
+        gpus=a.gpus if a.gpus is not None else _csv(str)(_default_gpus()),
+        colocate=a.colocate,
+        workdir=workdir or a.workdir,
+        transfer_mode=getattr(a, "transfer_mode", None),
+        backend=a.backend,
+        model_path=a.model_path,
+        load_format=a.load_format,
+        enforce_eager=a.enforce_eager,
+        kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        extra_args=tuple(x for arg in a.engine_arg for x in shlex.split(arg)),
+        env=tuple(a.env),
+        launcher=tuple(shlex.split(a.vllm)),
+        router_command=tuple(shlex.split(a.router_command)),
+        router_modes=tuple(getattr(a, "router_mode", None) or ()),
+    )
+
+
+def read_model(path: str) -> dict[str, Any]:
+    try:
+        docs = load_all(Path(path).read_text())
+    except OSError as e:
+        raise LocalRunError(f"cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise LocalRunError(f"{path} is not valid YAML: {e}") from None
+    if len(docs) != 1 or not isinstance(docs[0], dict):
+        raise LocalRunError(f"{path} must hold exactly one DisaggregatedModel document")
+    return docs[0]
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    plan = local_plan(read_model(a.filename), options_from(a), secrets=os.environ)
+    print(describe(plan))
+    return 0
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    plan = local_plan(read_model(a.filename), options_from(a), secrets=os.environ)
+    print(describe(plan), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with started(plan, Path(a.workdir) / "logs", a.startup_timeout) as running:
+        print("healthy: " + ", ".join(f"{k} after {v:.0f} s" for k, v in running.startup_seconds.items()), flush=True)
+        for r in plan.routers:
+            print(f"router ({r.mode}): {r.url}/v1/completions  (model {plan.served_model_name!r})", flush=True)
+        stop.wait()
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    sweep = Sweep(
+        prompts=a.prompts, rates=a.rates, modes=tuple(a.modes), max_tokens=a.max_tokens, cell_seconds=a.cell_seconds,
+        min_requests=a.min_requests, drain_timeout=a.drain_timeout, seed=a.seed,
+    )  # fmt: skip
+    out = Path(a.out)
+    run_bench(read_model(a.filename), options_from(a, str(out)), sweep, out, a.startup_timeout, ["disagg-localrun", *sys.argv[1:]],
+              secrets=os.environ)
+    print(f"results: {out / 'results.md'} and {out / 'results.json'}")
+    return 0
+
+
+def _modes(text: str) -> list[Any]:
+    try:
+        return [mode(m) for m in text.split(",") if m]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="disagg-localrun", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="print the processes a local run would start")
+    add_local_options(plan)
+    plan.add_argument("--router-mode", action="append", choices=("push", "push-sequential", "pull"), help="routers to plan (repeatable)")
+    plan.set_defaults(func=cmd_plan)
+    up = sub.add_parser("up", help="start the engines and the router, serve until Ctrl-C")
+    add_local_options(up)
+    up.add_argument("--router-mode", action="append", choices=("push", "push-sequential", "pull"), help="routers to start (repeatable)")
+    up.set_defaults(func=cmd_up)
+    bench = sub.add_parser("bench", help="start, sweep prompt lengths x rates x modes, write results.json and results.md")
+    add_local_options(bench)
+    bench.add_argument("--modes", type=_modes, default=_modes("router-push,direct-push"),
+                       help="comma-separated: router-push, router-push-sequential, router-pull, direct-push, "
+                       "direct-push-sequential, direct-pull (the first is the ratios' baseline)")
+    bench.add_argument("--prompts", type=_csv(int), default=(1024, 4096, 16384), help="prompt lengths in tokens")
+    bench.add_argument("--rates", type=_csv(float), default=(1.0, 4.0, 8.0), help="request rates per second")
+    bench.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    bench.add_argument("--cell-seconds", type=float, default=12.0, help="seconds of arrivals per cell")
+    bench.add_argument("--min-requests", type=int, default=16, help="at least this many requests per cell")
+    bench.add_argument("--drain-timeout", type=float, default=60.0, help="after a cell's last arrival, cancel what is still running after this")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--out", default=".localrun/bench", help="results and logs folder")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SpecError as error:
+        print(f"{args.filename}: invalid", file=sys.stderr)
+        for problem in error.problems:
+            print(f"  {problem}", file=sys.stderr)
+        return EXIT_INVALID
+    except (LocalRunError, UnresolvableEnv, StartupFailed) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""The load generator: streaming completions at Poisson arrivals, and the arithmetic of its figures.
+
+Definitions (those of vLLM's own serving benchmark):
+- TTFT: request sent -> first streamed chunk with a choice;
+- TPOT: (end - first token) / (output tokens - 1), output tokens from the response's `usage` when the
+  server sends it (`stream_options.include_usage`), else the chunks counted;
+- e2e: request sent -> `[DONE]`.
+Direct dispatch (the client sends both legs itself, no router) also records when the prefill leg answered
+and when the decode leg was sent, so TTFT splits into the prefill leg and what follows it (KV wait plus
+the first decode step).
+
+Percentiles interpolate linearly between order statistics (numpy's default), over successful requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+import aiohttp
+
+from disagg_connector.contract import EngineIdentity
+from disagg_connector.router.dispatch import engine_request_id, mint_ids, prefill_body
+
+# The offline test tokenizer (hack/gpu/make_model.py) maps word "w<id>" to token id <id>: 1..151642 are
+# plain tokens, so a prompt of N such words is N tokens. Other tokenizers: `usage` says the real count.
+WORD_IDS = range(1, 151643)
+DISPATCHES = ("push", "push-sequential", "pull")
+
+
+# --- pure arithmetic ----------------------------------------------------------------------------------
+def poisson_arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
+    """Send times (seconds from the start) of n requests of a Poisson process of `rate` per second."""
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def random_prompt(tokens: int, rng: random.Random) -> str:
+    return " ".join(f"w{rng.choice(WORD_IDS)}" for _ in range(tokens))
+
+
+def requests_per_cell(rate: float, seconds: float, minimum: int) -> int:
+    """Enough requests for `seconds` of arrivals at `rate`, and at least `minimum`."""
+    return max(minimum, math.ceil(rate * seconds))
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Linear interpolation between the closest ranks (numpy.percentile's default method)."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    rank = p / 100 * (len(xs) - 1)
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+
+
+@dataclass(frozen=True)
+class Stats:
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Stats":
+        if not values:
+            return cls(math.nan, math.nan, math.nan, math.nan, 0)
+        return cls(sum(values) / len(values), percentile(values, 50), percentile(values, 90), percentile(values, 99), len(values))
+
+
+@dataclass
+class RequestRecord:
+    mode: str
+    prompt_tokens: int
+    rate: float
+    index: int
+    scheduled: float
+    start: float = math.nan
+    first_token: float = math.nan
+    end: float = math.nan
+    chunks: int = 0
+    usage_prompt_tokens: int | None = None
+    usage_completion_tokens: int | None = None
+    status: int | None = None
+    error: str | None = None
+    prefill_done: float = math.nan  # direct dispatch only
+    decode_sent: float = math.nan  # direct dispatch only
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200 and not math.isnan(self.end) and self.chunks > 0
+
+    @property
+    def output_tokens(self) -> int:
+        return self.usage_completion_tokens if self.usage_completion_tokens is not None else self.chunks
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+    @property
+    def tpot(self) -> float:
+        n = self.output_tokens
+        return (self.end - self.first_token) / (n - 1) if n > 1 else math.nan
+
+    @property
+    def prefill_leg(self) -> float:
+        return self.prefill_done - self.start
+
+    @property
+    def after_prefill(self) -> float:
+        """From the later of (prefill answered, decode sent) to decode's first token: KV wait + first step."""
+        return self.first_token - max(self.prefill_done, self.decode_sent)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(ok=self.ok, ttft=self.ttft, tpot=self.tpot, e2e=self.e2e, output_tokens=self.output_tokens,
+                   prefill_leg=self.prefill_leg, after_prefill=self.after_prefill)
+        return out
+
+
+@dataclass(frozen=True)
+class CellSummary:
+    mode: str
+    prompt_tokens: int
+    rate: float
+    sent: int
+    ok: int
+    failed: int
+    unfinished: int
+    duration_s: float
+    measured_prompt_tokens: float
+    output_tokens: float
+    ttft: Stats
+    tpot: Stats
+    e2e: Stats
+    prefill_leg: Stats
+    after_prefill: Stats
+    errors: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple[int, float, str]:
+        return (self.prompt_tokens, self.rate, self.mode)
+
+
+def _finite(values: Iterable[float]) -> list[float]:
+    return [v for v in values if not math.isnan(v)]
+
+
+def summarize(records: Sequence[RequestRecord]) -> CellSummary:
+    first = records[0]
+    good = [r for r in records if r.ok]
+    unfinished = [r for r in records if r.error == "unfinished"]
+    errors: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            key = r.error or f"HTTP {r.status}"
+            errors[key] = errors.get(key, 0) + 1
+    starts = _finite(r.start for r in records)
+    ends = _finite(r.end for r in good)
+    usage_prompts = [r.usage_prompt_tokens for r in good if r.usage_prompt_tokens is not None]
+    return CellSummary(
+        mode=first.mode,
+        prompt_tokens=first.prompt_tokens,
+        rate=first.rate,
+        sent=len(records),
+        ok=len(good),
+        failed=len(records) - len(good) - len(unfinished),
+        unfinished=len(unfinished),
+        duration_s=(max(ends) - min(starts)) if ends and starts else math.nan,
+        measured_prompt_tokens=sum(usage_prompts) / len(usage_prompts) if usage_prompts else math.nan,
+        output_tokens=sum(r.output_tokens for r in good) / len(good) if good else math.nan,
+        ttft=Stats.of([r.ttft for r in good]),
+        tpot=Stats.of(_finite(r.tpot for r in good)),
+        e2e=Stats.of([r.e2e for r in good]),
+        prefill_leg=Stats.of(_finite(r.prefill_leg for r in good)),
+        after_prefill=Stats.of(_finite(r.after_prefill for r in good)),
+        errors=errors,
+    )
+
+
+# --- SSE ------------------------------------------------------------------------------------------------
+def parse_sse_event(line: bytes) -> dict[str, Any] | str | None:
+    """One `data:` line of vLLM's stream: a JSON object, "[DONE]", or None for anything else."""
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return "[DONE]"
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+# --- targets ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RouterTarget:
+    """Requests go to a router (any dispatch mode: the router's)."""
+
+    url: str
+
+
+@dataclass(frozen=True)
+class DirectTarget:
+    """The client dispatches both legs itself to one prefill and one decode engine, like the router would."""
+
+    dispatch: str  # push | push-sequential | pull
+    prefill_url: str
+    decode_url: str
+    prefill: EngineIdentity
+
+
+Target = RouterTarget | DirectTarget
+
+
+def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,  # exactly max_tokens tokens, whatever dummy weights predict
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord) -> None:
+    async for line in resp.content:
+        event = parse_sse_event(line)
+        if event is None:
+            continue
+        if event == "[DONE]":
+            rec.end = time.perf_counter()
+            return
+        assert isinstance(event, dict)
+        if "error" in event:
+            rec.error = f"stream error: {event['error'].get('message', event['error'])}"[:300]
+            return
+        if event.get("choices"):
+            if rec.chunks == 0:
+                rec.first_token = time.perf_counter()
+            rec.chunks += 1
+        usage = event.get("usage")
+        if usage:
+            rec.usage_prompt_tokens = usage.get("prompt_tokens")
+            rec.usage_completion_tokens = usage.get("completion_tokens")
+    rec.error = rec.error or "stream ended without [DONE]"
+
+
+async def _stream_post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str], rec: RequestRecord) -> None:
+    async with session.post(url, json=body, headers=headers) as resp:
+        rec.status = resp.status
+        if resp.status != 200:
+            rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return
+        await _read_stream(resp, rec)
+
+
+async def _prefill(
+    session: aiohttp.ClientSession, t: DirectTarget, body: dict[str, Any], xid: str, transfer_id: str, rec: RequestRecord
+) -> dict[str, Any]:
+    leg = prefill_body("completions", body, transfer_id)
+    async with session.post(t.prefill_url + "/v1/completions", json=leg, headers={"X-Request-Id": xid}) as resp:
+        data = await resp.read()
+        rec.prefill_done = time.perf_counter()
+        if resp.status != 200:
+            raise RuntimeError(f"prefill leg HTTP {resp.status}: {data[:200]!r}")
+        answer = json.loads(data)
+    return answer.get("kv_transfer_params") or {}
+
+
+async def send(session: aiohttp.ClientSession, target: Target, body: dict[str, Any], rec: RequestRecord) -> None:
+    """One request, recorded in `rec`; never raises for a failed request."""
+    rec.start = time.perf_counter()
+    try:
+        if isinstance(target, RouterTarget):
+            await _stream_post(session, target.url + "/v1/completions", body, {}, rec)
+            return
+        xid, transfer_id = mint_ids()  # the router's ids and legs (router/dispatch.py), without the router
+        decode_url = target.decode_url + "/v1/completions"
+        headers = {"X-Request-Id": xid}
+        if target.dispatch == "push":
+            params = target.prefill.push_decode_params(engine_request_id("completions", xid), transfer_id)
+            rec.decode_sent = rec.start
+            prefill = asyncio.create_task(_prefill(session, target, body, xid, transfer_id, rec))
+            try:
+                await _stream_post(session, decode_url, {**body, "kv_transfer_params": params}, headers, rec)
+            finally:
+                if not prefill.done():
+                    prefill.cancel()
+                await asyncio.gather(prefill, return_exceptions=True)
+            if prefill.done() and not prefill.cancelled() and prefill.exception() and rec.error is None:
+                rec.error = str(prefill.exception())[:300]
+            return
+        returned = await _prefill(session, target, body, xid, transfer_id, rec)
+        if target.dispatch == "pull":
+            params = {"transfer_id": transfer_id, **returned}
+        else:  # push-sequential: P's identity known up front, its internal request id from its answer
+            rid = returned.get("remote_request_id") or engine_request_id("completions", xid)
+            params = target.prefill.push_decode_params(rid, transfer_id)
+        rec.decode_sent = time.perf_counter()
+        await _stream_post(session, decode_url, {**body, "kv_transfer_params": params}, headers, rec)
+    except asyncio.CancelledError:
+        rec.error = rec.error or "unfinished"
+        raise
+    except (aiohttp.ClientError, OSError, RuntimeError, ValueError, asyncio.TimeoutError) as e:
+        rec.error = f"{type(e).__name__}: {e}"[:300]
+
+
+async def run_cell(
+    session: aiohttp.ClientSession,
+    target: Target,
+    *,
+    mode: str,
+    model: str,
+    prompt_tokens: int,
+    rate: float,
+    n: int,
+    max_tokens: int,
+    arrival_rng: random.Random,
+    prompt_rng: random.Random,
+    drain_timeout: float,
+) -> list[RequestRecord]:
+    """n requests at Poisson arrivals; those still running `drain_timeout` s after the last arrival are
+    cancelled and recorded as unfinished. Modes compared in one cell get the same `arrival_rng` seed."""
+    arrivals = poisson_arrivals(rate, n, arrival_rng)
+    records = [RequestRecord(mode, prompt_tokens, rate, i, a) for i, a in enumerate(arrivals)]
+    bodies = [completion_body(model, random_prompt(prompt_tokens, prompt_rng), max_tokens) for _ in records]
+    t0 = time.perf_counter()
+
+    async def one(rec: RequestRecord, body: dict[str, Any]) -> None:
+        await asyncio.sleep(max(0.0, t0 + rec.scheduled - time.perf_counter()))
+        await send(session, target, body, rec)
+
+    tasks = [asyncio.create_task(one(r, b)) for r, b in zip(records, bodies)]
+    done, pending = await asyncio.wait(tasks, timeout=arrivals[-1] + drain_timeout)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for rec in records:
+        if math.isnan(rec.start) or (rec.error is None and math.isnan(rec.end)):
+            rec.error = "unfinished"
+    return records

@@ -1,0 +1,423 @@
+"""A DisaggregatedModel as local processes: what to start, with which command line, env, ports and GPUs.
+
+Pure. The model is rendered by the operator's own renderer (`disagg_operator.render.render`); each engine
+process gets exactly the rendered `vllm serve` arguments and env of its Deployment's container, after the
+kubelet's `$(VAR)` expansion with local values (pod name and UID -> a local name and a fresh UID, pod
+IP -> the local host), with these local values in place of the pod's:
+
+- `--port` and `VLLM_NIXL_SIDE_CHANNEL_PORT`: distinct per engine (pods each have their own IP, local
+  processes share one), `--host` the local host;
+- `CUDA_VISIBLE_DEVICES`: the engine's slice of the GPUs given (accelerator.count each).
+
+Everything else a local run changes is an explicit option, and each one is listed in `LocalPlan.overrides`:
+spec fields (transfer mode, backend, which also drops EFA: a workstation has none) are changed *before*
+validation and rendering, so the same admission rules apply; engine flags (`--load-format dummy`, a local
+model folder, `--enforce-eager`, `--kv-cache-memory-bytes`, ...) and env are added after.
+
+The router is started in static mode (`--static-endpoints`) from the same identities: each engine's NIXL
+engine_id is `contract.engine_id(local name, local UID)`, as the pod's would be from its name and UID.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+from disagg_connector import contract
+from disagg_connector.contract import EngineIdentity
+
+from ..api.models import DisaggregatedModel
+from ..api.validation import parse
+from ..render import render
+from .kube_env import DownwardValues, expand, resolve_env
+
+ENGINE_CONTAINER = "vllm"
+ROUTER_CONTAINER = "router"
+ROUTER_MODES = ("push", "push-sequential", "pull")
+
+
+class LocalRunError(ValueError):
+    """A model or option combination that cannot run locally; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Override:
+    """One thing a local run does differently from the cluster, shown in every plan and result."""
+
+    target: str
+    value: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.target} = {self.value}  ({self.why})"
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    host: str = "127.0.0.1"
+    port_base: int = 18000
+    gpus: tuple[str, ...] = ("0",)
+    colocate: bool = False
+    workdir: str = ".localrun"
+    # spec overrides (validated like any spec)
+    transfer_mode: Literal["Push", "Pull"] | None = None
+    backend: Literal["UCX", "LIBFABRIC"] | None = None
+    # engine overrides
+    model_path: str | None = None
+    load_format: str | None = None
+    enforce_eager: bool = False
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    # how to start things
+    launcher: tuple[str, ...] = ("vllm",)
+    router_command: tuple[str, ...] = (sys.executable, "-m", "disagg_connector.router")
+    router_modes: tuple[str, ...] = ()  # () = the rendered router's own mode
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    role: contract.Role
+    index: int
+    name: str
+    uid: str
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    http_port: int
+    side_channel_port: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    gpus: tuple[str, ...]
+    secret_names: tuple[str, ...] = ()
+
+    @property
+    def engine_id(self) -> str:
+        return contract.engine_id(self.name, self.uid)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def host(self) -> str:
+        return self.env["VLLM_NIXL_SIDE_CHANNEL_HOST"]
+
+    def identities(self) -> list[EngineIdentity]:
+        """The NIXL identities a router would read from this engine's pod (one per DP rank)."""
+        return contract.identities_from_pod(self.name, self.uid, self.host, self.annotations())
+
+    def annotations(self) -> dict[str, str]:
+        return {
+            contract.ANNOTATION_TP_SIZE: str(self.tp_size),
+            contract.ANNOTATION_PP_SIZE: str(self.pp_size),
+            contract.ANNOTATION_DP_SIZE: str(self.dp_size),
+            contract.ANNOTATION_SIDE_CHANNEL_PORT: str(self.side_channel_port),
+            contract.ANNOTATION_HTTP_PORT: str(self.http_port),
+        }
+
+    def static_entry(self, revision: str) -> dict[str, Any]:
+        """This engine in the router's --static-endpoints format (router/discovery.py)."""
+        return {
+            "role": self.role,
+            "revision": revision,
+            "name": self.name,
+            "uid": self.uid,
+            "host": self.host,
+            "http_port": self.http_port,
+            "side_channel_port": self.side_channel_port,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "dp_size": self.dp_size,
+        }
+
+    def command_line(self) -> str:
+        """The engine as a shell line: its env (the rendered container's and the local values; Secret values
+        masked) and argv."""
+        env = {k: ("***" if k in self.secret_names else v) for k, v in self.env.items()}
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(self.argv)])
+
+
+@dataclass(frozen=True)
+class RouterLaunch:
+    mode: str
+    argv: tuple[str, ...]
+    port: int
+    host: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    model: str
+    served_model_name: str
+    revision: str
+    transfer_mode: str
+    backend: str
+    engines: tuple[EngineLaunch, ...]
+    routers: tuple[RouterLaunch, ...]
+    static_endpoints_path: str
+    overrides: tuple[Override, ...] = field(default_factory=tuple)
+
+    def role(self, role: str) -> list[EngineLaunch]:
+        return [e for e in self.engines if e.role == role]
+
+    def static_endpoints(self) -> dict[str, Any]:
+        return {"endpoints": [e.static_entry(self.revision) for e in self.engines]}
+
+    def router(self, mode: str) -> RouterLaunch:
+        for r in self.routers:
+            if r.mode == mode:
+                return r
+        raise KeyError(mode)
+
+
+# --- spec-level overrides ------------------------------------------------------------------------------
+def _spec_overrides(doc: dict[str, Any], options: LocalOptions) -> tuple[dict[str, Any], list[Override]]:
+    doc = copy.deepcopy(doc)
+    spec = doc.setdefault("spec", {})
+    overrides: list[Override] = []
+    if options.transfer_mode:
+        spec.setdefault("kvTransfer", {})["mode"] = options.transfer_mode
+        overrides.append(Override("spec.kvTransfer.mode", options.transfer_mode, "transfer mode of this local run"))
+    if options.backend:
+        spec.setdefault("kvTransfer", {})["backend"] = options.backend
+        overrides.append(Override("spec.kvTransfer.backend", options.backend, "NIXL backend of this local run"))
+        if options.backend == "UCX":
+            for role in contract.ENGINE_ROLES:
+                efa = spec.setdefault(role, {}).setdefault("efa", {})
+                if efa.get("count", 0):
+                    efa["count"] = 0
+                    overrides.append(Override(f"spec.{role}.efa.count", "0", "no EFA devices on a local machine"))
+    return doc, overrides
+
+
+# --- argv edits ----------------------------------------------------------------------------------------
+def drop_flag(argv: list[str], flag: str, takes_value: bool = True) -> list[str]:
+    """argv without `flag` (`--flag v`, `--flag=v`, or a bare `--flag` when it takes no value)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = takes_value
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
+def set_flag(argv: list[str], flag: str, value: str | None) -> list[str]:
+    """argv with `flag` set to `value` once (a bare flag when value is None), at the end."""
+    return drop_flag(argv, flag, value is not None) + ([flag] if value is None else [flag, value])
+
+
+def flag_value(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _engine_overrides(options: LocalOptions) -> tuple[list[tuple[str, str | None]], list[Override]]:
+    flags: list[tuple[str, str | None]] = []
+    if options.load_format:
+        flags.append(("--load-format", options.load_format))
+    if options.enforce_eager:
+        flags.append(("--enforce-eager", None))
+    if options.kv_cache_memory_bytes is not None:
+        flags.append(("--kv-cache-memory-bytes", str(options.kv_cache_memory_bytes)))
+    if options.gpu_memory_utilization is not None:
+        flags.append(("--gpu-memory-utilization", str(options.gpu_memory_utilization)))
+    overrides = [Override("engine flag", f if v is None else f"{f} {v}", "local option") for f, v in flags]
+    if options.extra_args:
+        overrides.append(Override("engine args", shlex.join(options.extra_args), "local option, appended"))
+    if options.model_path:
+        overrides.append(Override("engine model", options.model_path, "local model folder instead of the spec's model reference"))
+    overrides += [Override("engine env", f"{k}={v}", "local option") for k, v in options.env]
+    return flags, overrides
+
+
+# --- the plan ------------------------------------------------------------------------------------------
+def _container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    for c in deployment["spec"]["template"]["spec"]["containers"]:
+        if c["name"] == name:
+            return c
+    raise LocalRunError(f"rendered Deployment {deployment['metadata']['name']} has no container {name!r}")
+
+
+def _deployments(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for obj in objects:
+        if obj["kind"] == "Deployment":
+            out[obj["metadata"]["labels"][contract.LABEL_ROLE]] = obj
+    return out
+
+
+class _Ports:
+    def __init__(self, base: int) -> None:
+        self.next = base
+
+    def take(self, n: int = 1) -> int:
+        first = self.next
+        self.next += n
+        if self.next > 65536:
+            raise LocalRunError("ports run past 65535 from --port-base: choose a lower base")
+        return first
+
+
+def _assign_gpus(dm: DisaggregatedModel, options: LocalOptions) -> dict[tuple[str, int], tuple[str, ...]]:
+    """Each engine's GPUs, in order prefill 0..n, decode 0..n; wrapping onto used GPUs only if colocate."""
+    wanted = []
+    for role in contract.ENGINE_ROLES:
+        spec = getattr(dm.spec, role)
+        if spec.accelerator.type != "nvidia":
+            raise LocalRunError(
+                f"spec.{role}.accelerator.type is {spec.accelerator.type}: local runs start vLLM on NVIDIA GPUs only"
+            )
+        wanted += [((role, i), spec.accelerator.count) for i in range(spec.replicas)]
+    need = sum(n for _, n in wanted)
+    gpus = list(options.gpus)
+    if not gpus:
+        raise LocalRunError("no GPUs given: pass --gpus, e.g. --gpus 0,1")
+    if need > len(gpus) and not options.colocate:
+        raise LocalRunError(
+            f"the engines need {need} GPUs ({', '.join(f'{r}-{i}: {n}' for (r, i), n in wanted)}) and {len(gpus)} "
+            "are given: pass more with --gpus, lower the replicas or parallelism, or --colocate to share GPUs"
+        )
+    if any(n > len(gpus) for _, n in wanted):
+        raise LocalRunError(f"one engine needs more GPUs than the {len(gpus)} given (--gpus)")
+    out: dict[tuple[str, int], tuple[str, ...]] = {}
+    cursor = 0
+    for key, n in wanted:
+        if cursor + n > len(gpus):
+            cursor = 0  # colocate: start again from the first GPU
+        out[key] = tuple(gpus[cursor : cursor + n])
+        cursor += n
+    if need > len(gpus) and options.kv_cache_memory_bytes is None:
+        raise LocalRunError(
+            "engines share GPUs (--colocate): each vLLM engine's memory profiling would count the other's "
+            "allocations; pass --kv-cache-memory-bytes so that both can start"
+        )
+    return out
+
+
+def _check_model_reference(dm: DisaggregatedModel, options: LocalOptions) -> None:
+    source = dm.spec.model.source
+    if options.model_path is None and source is not None and source.uri.startswith("pvc://"):
+        raise LocalRunError(
+            f"spec.model.source {source.uri} is a volume inside the cluster: pass --model-path with a local copy"
+        )
+
+
+def local_plan(
+    doc: dict[str, Any],
+    options: LocalOptions,
+    new_uid: Callable[[], str] = lambda: str(uuid.uuid4()),
+    secrets: Mapping[str, str] | None = None,
+) -> LocalPlan:
+    """The local processes of one DisaggregatedModel document. Raises SpecError or LocalRunError.
+
+    `secrets`: where env entries from Kubernetes Secrets take their values (by env var name; a local run
+    passes its own environment)."""
+    doc, overrides = _spec_overrides(doc, options)
+    dm = parse(doc)
+    _check_model_reference(dm, options)
+    rendered = render(dm)
+    deployments = _deployments(rendered.objects)
+    flags, engine_overrides = _engine_overrides(options)
+    overrides += engine_overrides
+    gpus = _assign_gpus(dm, options)
+    ports = _Ports(options.port_base)
+    router_modes = options.router_modes or (rendered.plan.mode.lower(),)
+    for mode in router_modes:
+        if mode not in ROUTER_MODES:
+            raise LocalRunError(f"router mode {mode!r}: choose from {', '.join(ROUTER_MODES)}")
+    router_ports = {mode: ports.take() for mode in router_modes}
+    secrets = dict(secrets or {})
+
+    engines = []
+    for role in contract.ENGINE_ROLES:
+        role_spec = getattr(dm.spec, role)
+        deployment = deployments[role]
+        container = _container(deployment, ENGINE_CONTAINER)
+        par = role_spec.parallelism
+        for index in range(role_spec.replicas):
+            name = f"{deployment['metadata']['name']}-local-{index}"
+            uid = new_uid()
+            http_port = ports.take()
+            side_port = ports.take(par.data)
+            entries = container.get("env", [])
+            env = resolve_env(entries, DownwardValues(name, uid, options.host, dm.metadata.namespace), secrets)
+            secret_names = tuple(e["name"] for e in entries if "secretKeyRef" in (e.get("valueFrom") or {}))
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[role, index])
+            env.update(dict(options.env))
+            argv = [*container["command"], *container["args"]]
+            argv = [expand(a, env) for a in argv]
+            if options.model_path:
+                argv[2] = options.model_path
+            argv = set_flag(argv, "--port", str(http_port))
+            argv = set_flag(argv, "--host", options.host)
+            for flag, value in flags:
+                argv = set_flag(argv, flag, value)
+            argv = [*options.launcher, *argv[1:], *options.extra_args]
+            engines.append(
+                EngineLaunch(role, index, name, uid, tuple(argv), env, http_port, side_port, par.tensor, par.pipeline,
+                             par.data, gpus[role, index], secret_names)
+            )
+
+    static_path = f"{options.workdir}/endpoints.json"
+    router_container = _container(deployments["router"], ROUTER_CONTAINER)
+    routers = []
+    for mode, port in router_ports.items():
+        argv = list(router_container["args"])
+        for flag in ("--namespace", "--selector"):
+            argv = drop_flag(argv, flag)
+        argv = set_flag(argv, "--static-endpoints", static_path)
+        argv = set_flag(argv, "--port", str(port))
+        argv = set_flag(argv, "--host", options.host)
+        if mode != rendered.plan.mode.lower():
+            argv = set_flag(argv, "--mode", mode)
+            overrides.append(Override("router --mode", mode, "dispatch mode under test"))
+        routers.append(RouterLaunch(mode, (*options.router_command, *argv), port, options.host))
+
+    return LocalPlan(
+        model=dm.metadata.name,
+        served_model_name=flag_value(engines[0].argv, "--served-model-name") or dm.spec.model.name,
+        revision=rendered.revision,
+        transfer_mode=rendered.plan.mode,
+        backend=rendered.plan.backend,
+        engines=tuple(engines),
+        routers=tuple(routers),
+        static_endpoints_path=static_path,
+        overrides=tuple(overrides),
+    )
+
+
+def describe(plan: LocalPlan) -> str:
+    """The plan as a person reads it: every process with its command line, then the overrides."""
+    lines = [f"# {plan.model}: revision {plan.revision}, {plan.transfer_mode} via {plan.backend}"]
+    for e in plan.engines:
+        lines.append(f"# {e.role}-{e.index}: engine_id {e.engine_id}, GPUs {','.join(e.gpus)}, "
+                     f"http {e.http_port}, side channel {e.side_channel_port}")
+        lines.append(e.command_line())
+    for r in plan.routers:
+        lines.append(f"# router ({r.mode}) on {r.url}")
+        lines.append(shlex.join(r.argv))
+    lines.append(f"# static endpoints ({plan.static_endpoints_path}):")
+    lines.append(json.dumps(plan.static_endpoints(), indent=1))
+    lines.append("# local overrides:" if plan.overrides else "# local overrides: none")
+    lines += [f"#   {o}" for o in plan.overrides]
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Results of a sweep as JSON-ready dicts and as markdown tables (pure)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from .loadgen import CellSummary
+
+
+def summary_dict(s: CellSummary) -> dict[str, Any]:
+    return dataclasses.asdict(s)
+
+
+def _ms(x: float | None) -> str:
+    if x is None or math.isnan(x):
+        return "-"
+    ms = x * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
+        return "-"
+    return f"{a / b:.2f}"
+
+
+def cell_line(s: CellSummary) -> str:
+    return (f"{s.prompt_tokens:>6} x {s.rate:g}/s {s.mode:<24} ok {s.ok}/{s.sent}  TTFT mean {_ms(s.ttft.mean)} "
+            f"p50 {_ms(s.ttft.p50)} p90 {_ms(s.ttft.p90)} ms  TPOT mean {_ms(s.tpot.mean)} p50 {_ms(s.tpot.p50)} ms")
+
+
+def _cells(results: dict[str, Any]) -> list[dict[str, Any]]:
+    return results.get("cells", [])
+
+
+def main_table(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "| prompt | rate/s | mode | ok/sent | TTFT mean | p50 | p90 | p99 | TPOT mean | p50 | p90 | e2e p50 | p90 |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in _cells(results):
+        t, p, e = c["ttft"], c["tpot"], c["e2e"]
+        lines.append(
+            f"| {c['prompt_tokens']} | {c['rate']:g} | {c['mode']} | {c['ok']}/{c['sent']} | {_ms(t['mean'])} | {_ms(t['p50'])} | "
+            f"{_ms(t['p90'])} | {_ms(t['p99'])} | {_ms(p['mean'])} | {_ms(p['p50'])} | {_ms(p['p90'])} | {_ms(e['p50'])} | {_ms(e['p90'])} |"
+        )
+    return lines
+
+
+def ratio_table(results: dict[str, Any], baseline: str) -> list[str]:
+    """Each mode's TTFT and TPOT over the baseline mode's, cell by cell."""
+    by_key = {(c["prompt_tokens"], c["rate"], c["mode"]): c for c in _cells(results)}
+    modes = [m for m in results["sweep"]["modes"] if m != baseline]
+    if baseline not in results["sweep"]["modes"] or not modes:
+        return []
+    head = " | ".join(f"{m} TTFT mean | p50 | TPOT mean" for m in modes)
+    lines = [f"| prompt | rate/s | {head} |", "|---:|---:|" + "---:|" * (3 * len(modes))]
+    for prompt in results["sweep"]["prompts"]:
+        for rate in results["sweep"]["rates"]:
+            base = by_key.get((prompt, rate, baseline))
+            if base is None:
+                continue
+            cols = []
+            for m in modes:
+                c = by_key.get((prompt, rate, m))
+                if c is None:
+                    cols += ["-", "-", "-"]
+                    continue
+                cols += [_ratio(c["ttft"]["mean"], base["ttft"]["mean"]), _ratio(c["ttft"]["p50"], base["ttft"]["p50"]),
+                         _ratio(c["tpot"]["mean"], base["tpot"]["mean"])]
+            lines.append(f"| {prompt} | {rate:g} | " + " | ".join(cols) + " |")
+    return lines
+
+
+def split_table(results: dict[str, Any]) -> list[str]:
+    """Direct dispatch: TTFT = prefill leg (+ for push, overlapped) and what follows it."""
+    rows = [c for c in _cells(results) if c["prefill_leg"]["n"]]
+    if not rows:
+        return []
+    lines = ["| prompt | rate/s | mode | TTFT p50 | prefill leg p50 | after prefill p50 (KV wait + first step) | mean |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    for c in rows:
+        lines.append(f"| {c['prompt_tokens']} | {c['rate']:g} | {c['mode']} | {_ms(c['ttft']['p50'])} | {_ms(c['prefill_leg']['p50'])} | "
+                     f"{_ms(c['after_prefill']['p50'])} | {_ms(c['after_prefill']['mean'])} |")
+    return lines
+
+
+def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
+    sweep = results["sweep"]
+    baseline = baseline or sweep["modes"][0]
+    env = results.get("environment") or {}
+    out = [
+        "# disagg-localrun results",
+        "",
+        f"Command: `{results['command']}`  ",
+        f"Started {results['started']}; {sweep['max_tokens']} output tokens; Poisson arrivals, "
+        f"{sweep['cell_seconds']:g} s of arrivals per cell (at least {sweep['min_requests']} requests); seed {sweep['seed']}.  ",
+        "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "gpus") + ("  " if env else ""),
+    ]
+    if env.get("gpus"):
+        out.append("GPUs: " + "; ".join(env["gpus"]))
+    for g in results.get("groups", []):
+        out += ["", f"## Engines for {', '.join(g['modes'])} ({g['transfer_mode']} via {g['backend']}, revision {g['revision']})", ""]
+        if g.get("engine_version"):
+            out.append(f"vLLM (GET /version): {g['engine_version']}; healthy after " + ", ".join(
+                f"{k} {v:.0f} s" for k, v in (g.get("startup_seconds") or {}).items()))
+            out.append("")
+        out += ["Local overrides:", ""] + [f"- {o}" for o in g["overrides"]] + ["", "```", g["plan"], "```"]
+    out += ["", "## TTFT, TPOT, end to end (ms)", ""] + main_table(results)
+    ratios = ratio_table(results, baseline)
+    if ratios:
+        out += ["", f"## Ratio to {baseline} (< 1: faster)", ""] + ratios
+    split = split_table(results)
+    if split:
+        out += ["", "## Where TTFT goes (direct dispatch: the client sees both legs)", ""] + split
+    errors = [(c["mode"], c["prompt_tokens"], c["rate"], c["errors"]) for c in _cells(results) if c["errors"]]
+    if errors:
+        out += ["", "## Failed or unfinished requests", ""] + [f"- {m} {p} x {r:g}/s: {e}" for m, p, r, e in errors]
+    for g in results.get("groups", []):
+        for name, lines in (g.get("key_log_lines") or {}).items():
+            out += ["", f"## Key lines of {name}'s log", "", "```"] + lines + ["```"]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,87 @@
+"""disagg-localrun end to end on CPU: the simulator stands in for vLLM and is started from the very
+`vllm serve` command lines and env the operator renders (tests/vllm_sim/as_vllm.py reads them as vLLM does),
+the real router runs in static mode from the same identities, and the load generator measures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from disagg_operator.localrun.plan import LocalOptions, local_plan
+from disagg_operator.localrun.procs import started
+from tests.vllm_sim import harness as h
+
+from tests.conftest import REPO, dm
+
+SIM = (sys.executable, "-m", "tests.vllm_sim.as_vllm")
+FAST = (("DISAGG_SIM_PROFILE", "fast"),)
+
+
+def test_engines_serve_under_the_rendered_identities_and_push_through_the_router(tmp_path: Path) -> None:
+    doc = dm({"engine": {"enablePrefixCaching": False}, "decode": {"replicas": 2}}, name="local")
+    options = LocalOptions(gpus=("0", "1", "2"), port_base=h.free_port(), workdir=str(tmp_path), launcher=SIM, env=FAST)
+    plan = local_plan(doc, options)
+    with started(plan, tmp_path / "logs", startup_timeout=60) as running:
+        for e in plan.engines:
+            stats = h.get_json(e.url + "/sim/stats")
+            assert stats["engine_ids"] == [e.engine_id] and stats["role"] == e.role and stats["mode"] == "push"
+        router = plan.routers[0]
+        body = h.completion(model=plan.served_model_name, prompt_words=64, max_tokens=4, stream=True)
+        replies = [asyncio.run(h.post(router.url + "/v1/completions", body)) for _ in range(4)]
+        assert [r.status for r in replies] == [200] * 4
+        assert all(r.body.rstrip().endswith(b"data: [DONE]") for r in replies)
+        (prefill,) = plan.role("prefill")
+        p_counters = h.get_json(prefill.url + "/sim/stats")["counters"]
+        assert p_counters["pushes"] == 4 and p_counters.get("handshake_failures", 0) == 0
+        served = [h.get_json(d.url + "/sim/stats")["counters"].get("kv_received", 0) for d in plan.role("decode")]
+        assert sum(served) == 4 and all(served), served  # both decode engines took requests
+        assert running.startup_seconds.keys() == {p.name for p in running.engines + running.routers}
+    for proc in running.engines + running.routers:
+        assert not proc.alive()
+
+
+def test_bench_sweeps_modes_and_writes_results(tmp_path: Path) -> None:
+    model = tmp_path / "dm.yaml"
+    model.write_text(json.dumps(dm({"engine": {"enablePrefixCaching": False}}, name="bench")))
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "disagg_operator.localrun", "bench", "-f", str(model), "--gpus", "0,1",
+        "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port()),
+        "--modes", "router-push,direct-push,router-pull,direct-pull", "--prompts", "64,512", "--rates", "8",
+        "--cell-seconds", "0.5", "--min-requests", "4", "--max-tokens", "6", "--load-format", "dummy", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    cells = {(c["prompt_tokens"], c["mode"]): c for c in results["cells"]}
+    assert set(cells) == {(p, m) for p in (64, 512) for m in ("router-push", "direct-push", "router-pull", "direct-pull")}
+    for c in cells.values():
+        assert (c["ok"], c["sent"]) == (4, 4), c["errors"]
+        assert c["output_tokens"] == 6 and c["ttft"]["p50"] > 0 and c["tpot"]["p50"] > 0
+        assert c["measured_prompt_tokens"] in (64, 512)
+    for m in ("direct-push", "direct-pull"):
+        assert cells[512, m]["prefill_leg"]["n"] == 4 and cells[512, m]["after_prefill"]["n"] == 4
+    # the two transfer modes ran on their own engines, and the overrides were recorded
+    groups = {g["transfer_mode"]: g for g in results["groups"]}
+    assert set(groups) == {"Push", "Pull"} and groups["Push"]["revision"] != groups["Pull"]["revision"]
+    assert any("--load-format dummy" in o for o in groups["Push"]["overrides"])
+    assert "NixlConnector" in groups["Pull"]["plan"] and "NixlPushConnector" in groups["Push"]["plan"]
+    md = (out / "results.md").read_text()
+    assert "## Ratio to router-push" in md and "## Where TTFT goes" in md
+    assert len(results["warmup"]) == 4 * 2  # one per mode and prompt length
+
+
+@pytest.mark.parametrize("bad", ["--gpus 0 --backend UCX", "--modes router-teleport"])
+def test_bad_input_says_what_to_change(tmp_path: Path, bad: str) -> None:
+    model = tmp_path / "dm.yaml"
+    model.write_text(json.dumps(dm()))
+    proc = subprocess.run([sys.executable, "-m", "disagg_operator.localrun", "bench", "-f", str(model), *bad.split()],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert ("--colocate" in proc.stderr) if "gpus" in bad else ("choose from" in proc.stderr)

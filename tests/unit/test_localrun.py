@@ -1,0 +1,296 @@
+"""disagg-localrun's CPU-side parts: $(VAR) expansion, argument extraction from the rendered Deployments of
+every example, port and GPU assignment, the router's static endpoints, and the load generator's arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from disagg_connector import contract
+from disagg_connector.router.config import parse_args as router_args
+from disagg_connector.router.discovery import backends_from_pod, pods_from_static
+from disagg_operator.localrun import loadgen, report
+from disagg_operator.localrun.bench import Sweep, mode
+from disagg_operator.localrun.kube_env import DownwardValues, UnresolvableEnv, expand, resolve_env
+from disagg_operator.localrun.plan import LocalOptions, LocalPlan, LocalRunError, describe, flag_value, local_plan
+
+from ..conftest import EXAMPLES, dm, load_example
+
+# --- $(VAR) expansion, as the kubelet does it ------------------------------------------------------------
+ENV = {"A": "alpha", "B": "$(A)"}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("$(A)", "alpha"),
+        ("x-$(A)-y", "x-alpha-y"),
+        ("$(A)$(A)", "alphaalpha"),
+        ("$(MISSING)", "$(MISSING)"),  # undefined: kept as written
+        ("$$(A)", "$(A)"),  # escaped
+        ("$$", "$"),
+        ("a$", "a$"),  # a trailing $ stays
+        ("$x", "$x"),  # $ before anything else stays
+        ("$(A", "$(A"),  # unterminated reference stays
+        ("$(B)", "$(A)"),  # values are not expanded twice
+        ("", ""),
+    ],
+)
+def test_expand_follows_kubernetes(text: str, expected: str) -> None:
+    assert expand(text, ENV) == expected
+
+
+def test_env_entries_see_only_earlier_entries() -> None:
+    entries = [
+        {"name": "LATE_REF", "value": "$(POD_IP):1"},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "EARLY_REF", "value": "$(POD_IP):2"},
+    ]
+    env = resolve_env(entries, DownwardValues("p", "u", "10.0.0.7"), {})
+    assert env == {"LATE_REF": "$(POD_IP):1", "POD_IP": "10.0.0.7", "EARLY_REF": "10.0.0.7:2"}
+
+
+def test_secret_refs_come_from_the_local_environment_or_fail_clearly() -> None:
+    entries = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}}]
+    assert resolve_env(entries, DownwardValues("p", "u", "h"), {"HF_TOKEN": "t0k"}) == {"HF_TOKEN": "t0k"}
+    with pytest.raises(UnresolvableEnv, match="export HF_TOKEN"):
+        resolve_env(entries, DownwardValues("p", "u", "h"), {})
+
+
+# --- plans of every example ---------------------------------------------------------------------------------
+def local_options(doc: dict[str, Any], **over: Any) -> LocalOptions:
+    """Options that let an example run here: enough GPUs, UCX without EFA, a model folder for PVC models."""
+    spec = doc["spec"]
+    pvc = str((spec["model"].get("source") or {}).get("uri", "")).startswith("pvc://")
+    base: dict[str, Any] = {"gpus": tuple(str(i) for i in range(64)), "backend": "UCX", "port_base": 30000,
+                            "model_path": "/models/local" if pvc else None, "workdir": "/tmp/lr"}
+    return LocalOptions(**{**base, **over})
+
+
+def _uids() -> Any:
+    counter = itertools.count()
+    return lambda: f"00000000-0000-4000-8000-{next(counter):012d}"
+
+
+def plan_of(path: Path, **over: Any) -> LocalPlan:
+    doc = load_example(path)
+    return local_plan(doc, local_options(doc, **over), new_uid=_uids(), secrets={"HF_TOKEN": "hf_secret"})
+
+
+RUNNABLE = [p for p in EXAMPLES if not p.stem.startswith("trn2")]  # Trainium: no local NVIDIA run
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=[p.stem for p in RUNNABLE])
+def test_engines_get_the_rendered_arguments_with_local_values(path: Path) -> None:
+    plan = plan_of(path)
+    spec = load_example(path)["spec"]
+    assert len(plan.role("prefill")) == spec.get("prefill", {}).get("replicas", 1)
+    assert len(plan.role("decode")) == spec.get("decode", {}).get("replicas", 1)
+    for e in plan.engines:
+        assert e.argv[0] == "vllm" and e.argv[1] == "serve"
+        assert not any("$(" in a for a in e.argv) and not any("$(" in v for v in e.env.values())
+        kv = json.loads(flag_value(e.argv, "--kv-transfer-config") or "{}")
+        assert kv["engine_id"] == e.engine_id == contract.engine_id(e.name, e.uid)
+        assert kv["kv_role"] == ("kv_producer" if e.role == "prefill" else "kv_consumer")
+        assert kv["kv_connector_extra_config"]["backends"] == ["UCX"]
+        assert flag_value(e.argv, "--port") == str(e.http_port) and e.argv.count("--port") == 1
+        assert flag_value(e.argv, "--host") == "127.0.0.1"
+        assert e.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+        assert e.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(e.side_channel_port)
+        assert e.env[contract.ENV_POD_NAME] == e.name and e.env[contract.ENV_POD_UID] == e.uid
+        role = spec.get(e.role, {})
+        assert len(e.gpus) == role.get("accelerator", {}).get("count", 1)
+        assert e.env["CUDA_VISIBLE_DEVICES"] == ",".join(e.gpus)
+        assert not any(k.startswith("FI_") for k in e.env), "EFA env without EFA"
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=[p.stem for p in RUNNABLE])
+def test_ports_and_gpus_are_distinct(path: Path) -> None:
+    plan = plan_of(path, router_modes=("push", "push-sequential", "pull"))
+    ports = [r.port for r in plan.routers]
+    for e in plan.engines:
+        ports += [e.http_port, *(i.side_channel_port for i in e.identities())]
+    assert len(ports) == len(set(ports))
+    gpus = [g for e in plan.engines for g in e.gpus]
+    assert len(gpus) == len(set(gpus))
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=[p.stem for p in RUNNABLE])
+def test_router_finds_each_engine_under_the_identity_it_was_started_with(path: Path) -> None:
+    plan = plan_of(path)
+    backends = [b for pod in pods_from_static(plan.static_endpoints()) for b in backends_from_pod(pod)]
+    by_pod = {}
+    for b in backends:
+        by_pod.setdefault(b.pod, []).append(b)
+    for e in plan.engines:
+        found = by_pod[e.name]
+        assert {b.revision for b in found} == {plan.revision}
+        assert [b.base_url for b in found][0] == e.url
+        wanted = e.identities() if e.role == "prefill" else e.identities()[:1]
+        assert [b.identity for b in found] == wanted  # engine_id (+ _dp<rank>), host, side channel, tp/pp
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=[p.stem for p in RUNNABLE])
+def test_router_runs_static_with_the_rendered_flags(path: Path) -> None:
+    plan = plan_of(path)
+    (router,) = plan.routers
+    assert router.argv[:3] == (plan_of(path).routers[0].argv[:3])
+    cfg = router_args(list(router.argv[3:]))  # after `python -m disagg_connector.router`
+    spec = load_example(path)["spec"]
+    assert cfg.static_endpoints == plan.static_endpoints_path and cfg.namespace is None and cfg.selector is None
+    assert cfg.port == router.port and cfg.host == "127.0.0.1"
+    assert cfg.mode == plan.transfer_mode.lower()
+    assert cfg.leg_timeout == spec.get("router", {}).get("requestDeadlineSeconds", 60)
+
+
+def test_overrides_are_applied_and_listed() -> None:
+    doc = load_example(EXAMPLES[0])
+    options = local_options(doc, gpus=("0",), colocate=True, kv_cache_memory_bytes=1 << 30, load_format="dummy",
+                            enforce_eager=True, model_path="/m", extra_args=("--max-num-seqs", "8"),
+                            env=(("VLLM_USE_FLASHINFER_SAMPLER", "0"),), transfer_mode="Pull",
+                            launcher=("python3", "-m", "vllm.entrypoints.cli.main"), router_modes=("push-sequential",))
+    plan = local_plan(doc, options, new_uid=_uids())
+    for e in plan.engines:
+        assert e.argv[:4] == ("python3", "-m", "vllm.entrypoints.cli.main", "serve") and e.argv[4] == "/m"
+        assert flag_value(e.argv, "--load-format") == "dummy" and "--enforce-eager" in e.argv
+        assert flag_value(e.argv, "--kv-cache-memory-bytes") == str(1 << 30)
+        assert e.argv[-2:] == ("--max-num-seqs", "8") and e.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+        assert json.loads(flag_value(e.argv, "--kv-transfer-config") or "")["kv_connector"] == "NixlConnector"
+        assert e.gpus == ("0",)
+    listed = "\n".join(str(o) for o in plan.overrides)
+    for phrase in ("spec.kvTransfer.mode = Pull", "spec.kvTransfer.backend = UCX", "efa.count = 0", "--load-format dummy",
+                   "--enforce-eager", "--kv-cache-memory-bytes", "--max-num-seqs 8", "engine model = /m",
+                   "VLLM_USE_FLASHINFER_SAMPLER=0", "router --mode = push-sequential"):
+        assert phrase in listed
+    assert listed in describe(plan).replace("#   ", "")
+
+
+def test_secret_values_are_masked_in_the_plan() -> None:
+    path = next(p for p in EXAMPLES if "p5en" in p.stem)
+    plan = plan_of(path)
+    assert all(e.env["HF_TOKEN"] == "hf_secret" for e in plan.engines)
+    assert "hf_secret" not in describe(plan) and "HF_TOKEN='***'" in describe(plan)
+
+
+@pytest.mark.parametrize(
+    ("case", "doc_patch", "options", "phrase"),
+    [
+        ("neuron", None, {}, "NVIDIA GPUs only"),
+        ("too-few-gpus", {}, {"gpus": ("0",)}, "--colocate"),
+        ("colocated-without-kv-cache", {}, {"gpus": ("0",), "colocate": True}, "--kv-cache-memory-bytes"),
+        ("pvc-without-model-path", {"model": {"source": {"uri": "pvc://cache/m"}}}, {}, "--model-path"),
+        ("bad-router-mode", {}, {"router_modes": ("sideways",)}, "push, push-sequential, pull"),
+    ],
+)
+def test_what_cannot_run_locally_says_what_to_change(case: str, doc_patch: dict | None, options: dict, phrase: str) -> None:
+    doc = load_example(next(p for p in EXAMPLES if p.stem.startswith("trn2"))) if doc_patch is None else dm(doc_patch)
+    opts = {"gpus": ("0", "1"), "backend": "UCX", **options}
+    with pytest.raises(LocalRunError, match=phrase.replace(".", r"\.").replace("-", r"\-")):
+        local_plan(doc, LocalOptions(**opts))
+
+
+def test_spec_overrides_go_through_admission() -> None:
+    from disagg_operator.api.validation import SpecError
+
+    with pytest.raises(SpecError, match="bidirectional"):
+        local_plan(dm({"kvTransfer": {"bidirectional": True}}), LocalOptions(gpus=("0", "1"), transfer_mode="Push"))
+
+
+# --- the load generator's arithmetic ---------------------------------------------------------------------
+def test_percentiles_interpolate_like_numpy() -> None:
+    xs = [float(x) for x in range(1, 11)]
+    assert loadgen.percentile(xs, 50) == 5.5
+    assert loadgen.percentile(xs, 90) == pytest.approx(9.1)
+    assert loadgen.percentile(xs, 99) == pytest.approx(9.91)
+    assert loadgen.percentile([3.0], 90) == 3.0
+    assert math.isnan(loadgen.percentile([], 50))
+    s = loadgen.Stats.of([4.0, 1.0, 2.0, 3.0])
+    assert (s.mean, s.p50, s.n) == (2.5, 2.5, 4)
+
+
+def test_poisson_arrivals_are_reproducible_with_the_rate_as_mean() -> None:
+    a = loadgen.poisson_arrivals(4.0, 4000, random.Random(7))
+    assert a == loadgen.poisson_arrivals(4.0, 4000, random.Random(7))
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:]))
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.05)  # 4000 draws: within 5 % for this seed
+    with pytest.raises(ValueError):
+        loadgen.poisson_arrivals(0.0, 3, random.Random(0))
+
+
+def test_requests_per_cell() -> None:
+    assert loadgen.requests_per_cell(1.0, 10.0, 12) == 12
+    assert loadgen.requests_per_cell(8.0, 10.0, 12) == 80
+    assert loadgen.requests_per_cell(2.5, 3.0, 1) == 8
+
+
+def test_prompts_are_words_of_the_test_tokenizer() -> None:
+    words = loadgen.random_prompt(500, random.Random(1)).split()
+    assert len(words) == 500
+    assert all(w.startswith("w") and int(w[1:]) in loadgen.WORD_IDS for w in words)
+
+
+def record(**kw: Any) -> loadgen.RequestRecord:
+    base: dict[str, Any] = {"mode": "m", "prompt_tokens": 100, "rate": 1.0, "index": 0, "scheduled": 0.0,
+                            "start": 10.0, "first_token": 10.2, "end": 11.2, "chunks": 11, "status": 200}
+    return loadgen.RequestRecord(**{**base, **kw})
+
+
+def test_request_figures() -> None:
+    r = record()
+    assert r.ok and r.ttft == pytest.approx(0.2) and r.e2e == pytest.approx(1.2) and r.tpot == pytest.approx(0.1)
+    assert record(usage_completion_tokens=21).tpot == pytest.approx(0.05)  # usage wins over counted chunks
+    assert math.isnan(record(chunks=1).tpot)
+    direct = record(prefill_done=10.15, decode_sent=10.0)
+    assert direct.prefill_leg == pytest.approx(0.15) and direct.after_prefill == pytest.approx(0.05)
+    seq = record(prefill_done=10.15, decode_sent=10.16)
+    assert seq.after_prefill == pytest.approx(0.04)
+
+
+def test_summary_counts_and_splits() -> None:
+    recs = [record(index=i, start=10.0 + i, first_token=10.1 + i + 0.01 * i, end=11.0 + i) for i in range(4)]
+    recs += [record(index=4, status=500, error="HTTP 500: x"), record(index=5, error="unfinished", end=math.nan)]
+    s = loadgen.summarize(recs)
+    assert (s.sent, s.ok, s.failed, s.unfinished) == (6, 4, 1, 1)
+    assert s.errors == {"HTTP 500: x": 1, "unfinished": 1}
+    assert s.ttft.n == 4 and s.ttft.p50 == pytest.approx(0.115)
+    assert s.duration_s == pytest.approx(4.0) and s.output_tokens == 11
+    assert s.prefill_leg.n == 0  # router dispatch: the legs are not seen
+
+
+def test_sse_events() -> None:
+    assert loadgen.parse_sse_event(b'data: {"choices": [{"text": "a"}]}\n') == {"choices": [{"text": "a"}]}
+    assert loadgen.parse_sse_event(b"data: [DONE]\n") == "[DONE]"
+    assert loadgen.parse_sse_event(b": keep-alive\n") is None
+    assert loadgen.parse_sse_event(b"data: not json\n") is None
+
+
+def test_modes_name_their_engines_and_dispatcher() -> None:
+    assert mode("router-push-sequential") == mode("router-push-sequential")
+    m = mode("direct-pull")
+    assert (m.transfer_mode, m.router_mode, m.direct_dispatch) == ("Pull", None, "pull")
+    assert mode("router-push").router_mode == "push"
+    with pytest.raises(ValueError, match="router-push"):
+        mode("router-teleport")
+    sweep = Sweep((1,), (1.0,), (mode("router-pull"), mode("router-push"), mode("direct-pull")))
+    assert [(t, [x.name for x in ms]) for t, ms in sweep.groups()] == [("Pull", ["router-pull", "direct-pull"]), ("Push", ["router-push"])]
+
+
+def test_markdown_shows_every_cell_and_ratios_to_the_baseline() -> None:
+    cells = []
+    for name, ttft in (("router-pull", 0.4), ("router-push", 0.2)):
+        recs = [record(mode=name, index=i, first_token=10.0 + ttft) for i in range(3)]
+        cells.append(report.summary_dict(loadgen.summarize(recs)))
+    results = {"command": "disagg-localrun bench", "started": "now", "cells": cells, "groups": [], "environment": {},
+               "sweep": {"modes": ["router-pull", "router-push"], "prompts": [100], "rates": [1.0], "max_tokens": 8,
+                         "cell_seconds": 1, "min_requests": 3, "seed": 0}}
+    md = report.markdown(results)
+    assert "| 100 | 1 | router-pull | 3/3 | 400 | 400 | 400 | 400 | 80.0 |" in md
+    assert "| 100 | 1 | router-push | 3/3 | 200 | 200 | 200 | 200 | 100 |" in md
+    assert "## Ratio to router-pull" in md and "| 100 | 1 | 0.50 | 0.50 | 1.25 |" in md
