@@ -1,4 +1,4 @@
-"""Router benchmark: added latency and throughput, and TTFT of push-concurrent / push-sequential / pull.
+"""Router benchmark: added latency and throughput, and TTFT of push (concurrent legs) / pull.
 
     python -m tests.bench.router_bench            # < 3 min
     python -m tests.bench.router_bench --quick    # < 30 s
@@ -146,7 +146,7 @@ def cell_requests(rate: float, seconds: float) -> int:
 
 
 async def ttft(log_dir: Path, lengths: list[int], rates: list[float], seconds: float, scale: float, max_tokens: int) -> None:
-    modes = [("push", "push"), ("push-sequential", "push"), ("pull", "pull")]
+    modes = [("push", "push"), ("pull", "pull")]
     results: dict[tuple[str, int, float], float] = {}
     for router_mode, engine_mode in modes:
         timing = {"time_scale": scale, "prefill_us_per_token": 6.0, "tpot_ms": 7.0, "step_ms": 10.0, "registration_rtt_ms": 1.0}
@@ -166,13 +166,12 @@ async def ttft(log_dir: Path, lengths: list[int], rates: list[float], seconds: f
             h.stop_all(R, P, D)
     counts = ", ".join(f"{cell_requests(r, seconds)} at {r:g}/s" for r in rates)
     print(f"\n## TTFT (model time; mean per cell of {counts}; 1P1D; {max_tokens} output tokens; time scale {scale:g})")
-    print(f"{'prompt':>7} {'req/s':>6} | {'pull ms':>8} | {'push-seq ms':>11} {'/pull':>6} | {'push-conc ms':>12} {'/pull':>6}")
+    print(f"{'prompt':>7} {'req/s':>6} | {'pull ms':>8} | {'push ms':>8} {'/pull':>6}")
     for length in lengths:
         for rate in rates:
             pull = results["pull", length, rate]
-            seq = results["push-sequential", length, rate]
-            conc = results["push", length, rate]
-            print(f"{length:>7} {rate:>6g} | {pull * 1e3:8.1f} | {seq * 1e3:11.1f} {seq / pull:6.2f} | {conc * 1e3:12.1f} {conc / pull:6.2f}")
+            push = results["push", length, rate]
+            print(f"{length:>7} {rate:>6g} | {pull * 1e3:8.1f} | {push * 1e3:8.1f} {push / pull:6.2f}")
 
 
 def main() -> None:

@@ -286,7 +286,7 @@ class LocalRouter:
 
     def table(self) -> dict[str, tuple[int, int]]:
         """revision -> (prefill, decode) backends, as the router's /health pairing table shows it."""
-        return {r["revision"]: (r["prefill"], r["decode"]) for r in self.health()["revisions"]}
+        return {rev: (r["prefill"], r["decode"]) for rev, r in self.health()["revisions"].items()}
 
     def wait_table(self, expected: dict[str, tuple[int, int]]) -> None:
         wait_for(f"router table {expected}", lambda: self.table() == expected)

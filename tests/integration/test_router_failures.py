@@ -1,6 +1,9 @@
-"""Nothing hangs: a prefill that dies mid-request, a wrong or missing identity, an expired lease.
+"""The router's failure contract, against simulated engines in separate processes (docs/router.md).
 
-Each case ends in a deadline, a retry on another pair with a fresh id, or a clean 5xx in OpenAI's shape.
+502 when decode fails before the first byte, 504 on a deadline, an SSE error event and the end of the
+stream mid-body, 503 when no pair is ready; the prefill leg cancelled before the decode leg; engines that
+answer 503, close their port or fail their probe ejected and re-admitted; retries only before the first
+byte, with fresh ids, never onto the pair that just failed. Nothing hangs.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ import pathlib
 import signal
 import sys
 
+import aiohttp
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 from tests.vllm_sim import harness as h  # noqa: E402
 
-SLOW_PREFILL = {"prefill_us_per_token": 5000.0}
+SLOW_PREFILL = {"prefill_us_per_token": 5000.0}  # 5 ms per prompt token: 2000 words keep P busy 10 s
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +34,29 @@ def _error(reply: h.Reply, status: int) -> dict:
     return err
 
 
-def test_prefill_dies_mid_request_retries_on_another_pair(log_dir):
+def _failures(R: h.Router, revision: str = "r1") -> dict[str, int]:
+    return R.health()["revisions"][revision]["failures"]
+
+
+def _settled(R: h.Router) -> bool:
+    """Every backend the router lists has no leg in flight."""
+    return all(b["inflight"] == 0 for b in R.health()["backends"])
+
+
+def _cancel_time(sim: h.Sim, xid: str) -> float:
+    [ev] = [e for e in sim.events("cancelled") if e["xid"] == xid]
+    return float(ev["t"])  # CLOCK_MONOTONIC: one clock for every process on the machine
+
+
+def test_prefill_killed_before_the_first_byte_retries_on_another_pair(log_dir):
     P1 = h.launch_sim(log_dir, "prefill", "push", **SLOW_PREFILL)
     P2 = h.launch_sim(log_dir, "prefill", "push", **SLOW_PREFILL)
     D = h.launch_sim(log_dir, "decode", "push")
     static = log_dir / "dies.json"
     h.write_static(static, [P1.static_entry(), P2.static_entry(), D.static_entry()])
-    only_p1 = log_dir / "dies-only-p1.json"
-    h.write_static(only_p1, [P1.static_entry(), D.static_entry()])
     R = h.launch_router(log_dir, static, "push", max_retries=1, name="router-dies")
-    R0 = h.launch_router(log_dir, only_p1, "push", max_retries=0, name="router-dies-noretry")
     try:
-        h.wait_ready(P1, P2, D, R, R0)
+        h.wait_ready(P1, P2, D, R)
 
         async def go():
             task = asyncio.create_task(h.post(R.url + "/v1/completions", h.completion(prompt_words=400, max_tokens=3, stream=True)))
@@ -58,29 +73,167 @@ def test_prefill_dies_mid_request_retries_on_another_pair(log_dir):
         victim, reply = asyncio.run(go())
         survivor = P2 if victim is P1 else P1
         assert reply.status == 200, reply.body
-        assert reply.body.endswith(b"data: [DONE]\n\n")
-        # served by the other pair with a fresh id; the first id died with its prefill
+        assert reply.body.endswith(b"data: [DONE]\n\n") and b'"error"' not in reply.body
+        # served by the other pair with fresh ids; the first ids died with their prefill
         assert [e["xid"] for e in survivor.events("leg_received")] == [reply.xid]
         decode_legs = D.events("leg_received")
-        decode_ids = [e["xid"] for e in decode_legs]
-        assert len(decode_ids) == 2 and decode_ids[-1] == reply.xid and decode_ids[0] != reply.xid
-        # each dispatch minted its own transfer_id, the same on both of its legs (the victim's log died with it)
+        assert [e["xid"] for e in decode_legs][-1] == reply.xid and decode_legs[0]["xid"] != reply.xid
         first_tid, retry_tid = (e["kv_transfer_params"]["transfer_id"] for e in decode_legs)
         assert first_tid != retry_tid
         assert survivor.events("leg_received")[0]["kv_transfer_params"]["transfer_id"] == retry_tid
+        # exactly one answer: the abandoned decode leg was cancelled, one leg completed
         h.wait_until(lambda: D.counter("cancelled") == 1, 20, what="abandoned decode leg cancelled")
-        assert 'disagg_router_retries_total{mode="push"} 1.0' in R.metrics()
-
-        # Without retries and with only the dead prefill engine left: a clean error, not a hang.
-        if victim is P1:
-            reply = asyncio.run(h.post(R0.url + "/v1/completions", h.completion()))
-            _error(reply, 502)
+        assert D.counter("completed") == 1
+        victim_key = victim.name
+        assert R.backend(victim_key)["ejected"] is True  # connection refused: ejected, re-probed
+        assert _failures(R) == {"prefill_connection": 1}
+        assert 'disagg_router_retries_total{revision="r1"} 1.0' in R.metrics()
     finally:
-        h.stop_all(R, R0, P1, P2, D)
+        h.stop_all(R, P1, P2, D)
 
 
-def test_wrong_identity_is_a_clean_error(log_dir):
-    """The router's table has a stale engine id for P (e.g. P restarted): D's handshake is refused."""
+def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(log_dir):
+    P = h.launch_sim(log_dir, "prefill", "push")
+    D = h.launch_sim(log_dir, "decode", "push", tpot_ms=50.0)  # 200 tokens: a 10 s stream
+    static = log_dir / "torn.json"
+    h.write_static(static, [P.static_entry(), D.static_entry()])
+    R = h.launch_router(log_dir, static, "push", name="router-torn")
+    try:
+        h.wait_ready(P, D, R)
+
+        async def go():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                async with s.post(R.url + "/v1/completions", json=h.completion(max_tokens=200, stream=True)) as resp:
+                    assert resp.status == 200
+                    first = await resp.content.readany()
+                    D.proc.signal(signal.SIGKILL)  # the decode engine dies mid-stream
+                    return first + await resp.read()
+
+        body = asyncio.run(go())
+        events = [e for e in body.split(b"\n\n") if e]
+        assert events[0].startswith(b'data: {"id"')
+        assert events[-2].startswith(b'data: {"error"') and b"decode_stream_broken" in events[-2]
+        assert events[-1] == b"data: [DONE]"
+        assert P.stats()["held"] == 0  # the prefill's blocks were pushed and released, nothing left open
+        h.wait_until(lambda: _settled(R), 10, what="no leg in flight")
+        assert _failures(R) == {"decode_stream_broken": 1}
+    finally:
+        h.stop_all(R, P, D)
+
+
+def test_engine_that_answers_503_then_closes_is_ejected_and_readmitted(log_dir):
+    """A dead vLLM: /health 503, 500 on a request, then its API server exits. Two routers: one probes every
+    backend (finds the death itself), one only probes after a failed request."""
+    P = h.launch_sim(log_dir, "prefill", "push")
+    D1 = h.launch_sim(log_dir, "decode", "push", name="d1", extra=["--watchdog-seconds", "60"])
+    D2 = h.launch_sim(log_dir, "decode", "push", name="d2")
+    static = log_dir / "ejects.json"
+    h.write_static(static, [P.static_entry(), D1.static_entry(), D2.static_entry()])
+    probing = h.launch_router(log_dir, static, "push", extra=["--probe-interval-seconds", "0.2"], name="router-probing")
+    lazy = h.launch_router(log_dir, static, "push", extra=["--probe-interval-seconds", "0"], name="router-lazy")
+    try:
+        h.wait_ready(P, D1, D2, probing, lazy)
+
+        def burst(R: h.Router, n: int) -> list[h.Reply]:
+            async def go():
+                return await asyncio.gather(*(h.post(R.url + "/v1/completions", h.completion(max_tokens=2)) for _ in range(n)))
+
+            return asyncio.run(go())
+
+        D1.control(die="test: engine core died")  # /health 503 now; the port closes at the first new request
+        h.wait_until(lambda: probing.backend("d1")["ejected"], 10, what="the probe ejects d1")
+        served = D2.counter("requests")
+        assert [r.status for r in burst(probing, 6)] == [200] * 6
+        assert D2.counter("requests") == served + 6  # every request went to d2
+
+        # the lazy router learns it from a request: 500 from d1 (the port closes after it), probe, eject;
+        # the request itself is retried on d2
+        replies = burst(lazy, 4)
+        assert [r.status for r in replies] == [200] * 4
+        h.wait_until(lambda: lazy.backend("d1")["ejected"], 10, what="d1 ejected after its 500")
+        assert D1.proc.popen.wait(20) == 1 and not D1.listening()
+        assert sum(_failures(lazy).values()) >= 1 and set(_failures(lazy)) <= {"decode_failed", "decode_connection"}
+
+        D1.restart()  # the container restarts: same address and identity
+        h.wait_ready(D1)
+        for R in (probing, lazy):
+            h.wait_until(lambda: not R.backend("d1")["ejected"], 30, what="d1 re-admitted after a good probe")
+            before = D1.counter("requests")
+            assert [r.status for r in burst(R, 6)] == [200] * 6
+            assert D1.counter("requests") > before  # traffic returns to it
+    finally:
+        h.stop_all(probing, lazy, P, D1, D2)
+
+
+def test_unavailable_prefill_is_ejected_and_the_request_moves(log_dir):
+    P1 = h.launch_sim(log_dir, "prefill", "push", name="p1")
+    P2 = h.launch_sim(log_dir, "prefill", "push", name="p2")
+    D = h.launch_sim(log_dir, "decode", "push")
+    static = log_dir / "paused.json"
+    h.write_static(static, [P1.static_entry(), P2.static_entry(), D.static_entry()])
+    R = h.launch_router(log_dir, static, "push", extra=["--probe-interval-seconds", "0"], name="router-paused")
+    try:
+        h.wait_ready(P1, P2, D, R)
+        P1.control(unavailable=True)  # vLLM answers 503 while paused (RetryableRequestError)
+
+        async def go():
+            return [await h.post(R.url + "/v1/completions", h.completion(max_tokens=2)) for _ in range(4)]
+
+        assert [r.status for r in asyncio.run(go())] == [200] * 4  # each 503 was retried on p2
+        # p1 is ejected at its 503, re-admitted by its next good probe (a paused engine is alive), and
+        # ejected again by its next 503
+        failed = _failures(R)
+        assert set(failed) == {"prefill_unavailable"} and failed["prefill_unavailable"] == P1.counter("answered_503") >= 1
+        assert P2.counter("requests") == 4
+    finally:
+        h.stop_all(R, P1, P2, D)
+
+
+def test_prefill_deadline_is_504_and_cancels_prefill_before_decode(log_dir):
+    P = h.launch_sim(log_dir, "prefill", "push", **SLOW_PREFILL)
+    D = h.launch_sim(log_dir, "decode", "push")
+    static = log_dir / "deadline.json"
+    h.write_static(static, [P.static_entry(), D.static_entry()])
+    R = h.launch_router(log_dir, static, "push", max_retries=1, leg_timeout=1.5, name="router-deadline")
+    try:
+        h.wait_ready(P, D, R)
+        reply = asyncio.run(h.post(R.url + "/v1/completions", h.completion(prompt_words=2000, stream=True)))
+        err = _error(reply, 504)
+        assert "deadline" in err["message"]
+        # one pair only: no retry onto the pair that just timed out
+        [p_leg] = P.events("leg_received")
+        assert len(D.events("leg_received")) == 1
+        xid = p_leg["xid"]
+        h.wait_until(lambda: P.counter("cancelled") == 1 and D.counter("cancelled") == 1, 20, what="both legs cancelled")
+        assert _cancel_time(P, xid) < _cancel_time(D, xid)  # prefill first (vLLM #48633 C1)
+        assert P.counter("pushes") == 0  # the aborted prefill never wrote into the aborted decode's blocks
+        assert _failures(R) == {"prefill_timeout": 1}
+    finally:
+        h.stop_all(R, P, D)
+
+
+def test_kv_wait_deadline_is_504(log_dir):
+    """tp_size too large: D waits for notices P never sends. The KV-wait deadline ends it."""
+    P = h.launch_sim(log_dir, "prefill", "push")
+    D = h.launch_sim(log_dir, "decode", "push")
+    static = log_dir / "tp.json"
+    h.write_static(static, [P.static_entry(tp_size=2), D.static_entry()])
+    R = h.launch_router(log_dir, static, "push", max_retries=1, leg_timeout=1.5, name="router-tp")
+    try:
+        h.wait_ready(P, D, R)
+        reply = asyncio.run(h.post(R.url + "/v1/completions", h.completion(stream=True)))
+        _error(reply, 504)
+        assert P.counter("pushes") == 1 and D.counter("kv_received") == 0
+        h.wait_until(lambda: D.counter("cancelled") == 1, 20, what="the decode leg cancelled")
+        assert _failures(R) == {"kv_wait_timeout": 1}
+        assert 'cause="kv_wait_timeout"' in R.metrics()
+    finally:
+        h.stop_all(R, P, D)
+
+
+def test_one_pair_fails_fast_with_the_failure_it_has(log_dir):
+    """The router's table has a stale engine id for P (P restarted): D's handshake is refused, D answers
+    500 before its first token. With one pair, the retry has nowhere to go: 502 at once."""
     P = h.launch_sim(log_dir, "prefill", "push")
     D = h.launch_sim(log_dir, "decode", "push")
     static = log_dir / "stale.json"
@@ -89,48 +242,12 @@ def test_wrong_identity_is_a_clean_error(log_dir):
     try:
         h.wait_ready(P, D, R)
         for stream in (False, True):
-            reply = asyncio.run(h.post(R.url + "/v1/completions", h.completion(stream=stream)))
-            err = _error(reply, 502)
+            err = _error(asyncio.run(h.post(R.url + "/v1/completions", h.completion(stream=stream))), 502)
             assert "decode" in err["message"]
-        assert P.counter("handshake_failures") == 4  # two attempts per request, each with a fresh id
-        assert D.counter("kv_load_failures") == 4
+        assert P.counter("handshake_failures") == 2 and D.counter("kv_load_failures") == 2  # one attempt each
         assert D.stats()["waiting_for_kv"] == 0
-    finally:
-        h.stop_all(R, P, D)
-
-
-def test_wrong_tp_size_never_completes_until_the_deadline(log_dir):
-    """tp_size too large: D waits for notices P never sends. The router's leg deadline ends it."""
-    P = h.launch_sim(log_dir, "prefill", "push")
-    D = h.launch_sim(log_dir, "decode", "push")
-    static = log_dir / "tp.json"
-    h.write_static(static, [P.static_entry(tp_size=2), D.static_entry()])
-    R = h.launch_router(log_dir, static, "push", max_retries=1, leg_timeout=2.0, name="router-tp")
-    try:
-        h.wait_ready(P, D, R)
-        reply = asyncio.run(h.post(R.url + "/v1/completions", h.completion(stream=True)))
-        _error(reply, 504)
-        assert P.counter("pushes") == 2 and D.counter("kv_received") == 0
-        h.wait_until(lambda: D.counter("cancelled") == 2, 20, what="both decode legs cancelled")
-        assert 'cause="decode_timeout"' in R.metrics()
-    finally:
-        h.stop_all(R, P, D)
-
-
-def test_expired_lease_never_completes_until_the_deadline(log_dir):
-    """Legs sent one after the other with a lease shorter than the gap: P frees the blocks first."""
-    P = h.launch_sim(log_dir, "prefill", "push", lease_seconds=0.001)
-    D = h.launch_sim(log_dir, "decode", "push")
-    static = log_dir / "lease.json"
-    h.write_static(static, [P.static_entry(), D.static_entry()])
-    R = h.launch_router(log_dir, static, "push-sequential", max_retries=0, leg_timeout=2.0, name="router-lease")
-    try:
-        h.wait_ready(P, D, R)
-        reply = asyncio.run(h.post(R.url + "/v1/chat/completions", h.chat(stream=True)))
-        _error(reply, 504)
-        h.wait_until(lambda: P.counter("expired") == 1, 10, what="expiry")
-        assert P.stats()["pending_registrations"] == 1  # the late registration found nothing to match
-        h.wait_until(lambda: D.counter("cancelled") == 1, 20, what="decode leg cancelled")
+        assert _failures(R) == {"decode_failed": 2}
+        assert "disagg_router_retries_total{" not in R.metrics()
     finally:
         h.stop_all(R, P, D)
 
@@ -142,7 +259,8 @@ def test_no_pair_is_503(log_dir):
     R = h.launch_router(log_dir, static, "push", name="router-half")
     try:
         h.wait_ready(P, R)
-        _error(asyncio.run(h.post(R.url + "/v1/completions", h.completion())), 503)
+        err = _error(asyncio.run(h.post(R.url + "/v1/completions", h.completion())), 503)
+        assert "no revision has a ready prefill and decode engine pair" in err["message"]
         assert P.counter("requests") == 0
     finally:
         h.stop_all(R, P)

@@ -159,7 +159,11 @@ def test_client_disconnect_cancels_both_legs(env):
 
     asyncio.run(go())
     h.wait_until(lambda: P.counter("cancelled") > p0 and D.counter("cancelled") > d0, 30, what="both legs cancelled")
+    [p_cancel] = [e for e in P.events("cancelled")][-1:]
+    [d_cancel] = [e for e in D.events("cancelled") if e["xid"] == p_cancel["xid"]]
+    assert p_cancel["t"] < d_cancel["t"]  # the prefill leg first (one clock: CLOCK_MONOTONIC)
     h.wait_until(lambda: 'cause="client_disconnect"' in R.metrics(), 10, what="metric")
+    h.wait_until(lambda: all(b["inflight"] == 0 for b in R.health()["backends"]), 10, what="no leg in flight")
 
 
 def test_metrics_and_models(env):
@@ -167,11 +171,23 @@ def test_metrics_and_models(env):
     text = R.metrics()
     for name in (
         "disagg_router_requests_total",
+        "disagg_router_prefill_seconds_bucket",
+        "disagg_router_kv_wait_seconds_bucket",
         "disagg_router_time_to_first_token_seconds_bucket",
         "disagg_router_request_duration_seconds_bucket",
         "disagg_router_backend_in_flight",
+        "disagg_router_backend_draining",
+        "disagg_router_backend_ejected",
+        "disagg_router_ready_pairs",
+        "disagg_router_revision_weight",
         "disagg_router_ready_backends",
     ):
-        assert name in text
+        assert name in text, name
+    # every streamed request so far went through push on r1 and has its prefill leg and KV wait observed
+    assert R.metric("disagg_router_kv_wait_seconds_count", revision="r1", mode="push") >= 1
+    assert R.metric("disagg_router_prefill_seconds_count", revision="r1", mode="push") == R.metric(
+        "disagg_router_requests_total", revision="r1", mode="push", endpoint="completions", code="200"
+    ) + (R.metric("disagg_router_requests_total", revision="r1", mode="push", endpoint="chat", code="200") or 0)
+    assert R.metric("disagg_router_ready_pairs", revision="r1") == 1.0
     status, body = h.http_get(R.url + "/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"] == h.MODEL

@@ -8,9 +8,8 @@ import json
 import pytest
 
 from disagg_connector import contract
-from disagg_connector.router.config import parse_args
-from disagg_connector.router.discovery import EndpointTable, backends_from_pod, load_static, pods_from_static
-from disagg_connector.router.pairing import Balancer
+from disagg_connector.router.discovery import EndpointTable, RevisionView, Snapshot, backends_from_pod, load_static, pods_from_static
+from disagg_connector.router.pairing import Balancer, Ejections
 
 
 def pod(
@@ -133,70 +132,107 @@ def test_recreated_pod_with_same_name_is_a_new_engine():
     assert b.identity.engine_id == contract.engine_id("p0", "b")
 
 
-def test_newest_policy_pairs_within_the_newest_eligible_revision():
-    t = EndpointTable()
-    old = [pod("p1"), pod("d1", "decode")]
-    new = [pod(n, r, revision="rev2", created="2026-03-01T00:00:00Z") for n, r in (("p2", "prefill"), ("d2", "decode"))]
-    t.replace(old + new[:1])
-    bal = Balancer("newest")
-    p, d = bal.choose_pair(t.snapshot())
-    assert (p.revision, d.revision) == ("rev1", "rev1")  # rev2 has no decode yet
-    t.replace(old + new)
-    for _ in range(5):
-        p, d = bal.choose_pair(t.snapshot())
-        assert (p.revision, d.revision) == ("rev2", "rev2")
-
-
-def test_spread_policy_never_mixes_revisions_and_balances_load():
+def _pairs(*revisions: tuple[str, int, int]) -> EndpointTable:
+    """A table with (revision, prefills, decodes) ready pods each."""
     t = EndpointTable()
     t.replace(
-        [pod("p1"), pod("d1", "decode"), pod("p2", revision="rev2"), pod("d2", "decode", revision="rev2")]
+        [pod(f"{rev}-p{i}", revision=rev) for rev, p, _ in revisions for i in range(p)]
+        + [pod(f"{rev}-d{i}", "decode", revision=rev) for rev, _, d in revisions for i in range(d)]
     )
-    bal = Balancer("spread")
-    seen = set()
-    for _ in range(8):
-        p, d = bal.choose_pair(t.snapshot())
-        assert p.revision == d.revision
-        bal.acquire(p)
-        bal.acquire(d)
-        seen.add(p.revision)
-    assert seen == {"rev1", "rev2"}
-    assert bal.inflight["p1"] == bal.inflight["p2"] == 4
+    return t
 
 
-def test_least_outstanding_exclusion_and_ejection():
-    now = [0.0]
-    t = EndpointTable()
-    t.replace([pod("p1"), pod("p2"), pod("d1", "decode")])
-    bal = Balancer("newest", eject_seconds=5, clock=lambda: now[0])
-    p1 = next(b for b in t.snapshot().revisions[0].prefill if b.pod == "p1")
+def test_revisions_share_traffic_in_proportion_to_ready_pairs_and_never_mix():
+    t = _pairs(("old", 3, 4), ("new", 1, 1))  # 3 pairs and 1
+    bal = Balancer()
+    assert Balancer.weights(bal.candidates(t.snapshot())) == {"old": 0.75, "new": 0.25}
+    chosen = [bal.choose_pair(t.snapshot()) for _ in range(40)]
+    assert all(p.revision == d.revision for p, d in chosen)
+    revs = [p.revision for p, _ in chosen]
+    assert revs.count("old") == 30 and revs.count("new") == 10
+    # smooth: every window of 4 consecutive requests holds exactly one of the new revision
+    assert all(revs[i : i + 4].count("new") == 1 for i in range(0, 40, 4))
+
+
+def test_weights_follow_the_table_and_a_revision_without_a_pair_gets_nothing():
+    bal = Balancer()
+    t = _pairs(("old", 2, 2), ("new", 1, 0))
+    assert {p.revision for p, _ in (bal.choose_pair(t.snapshot()) for _ in range(6))} == {"old"}
+    t = _pairs(("old", 1, 1), ("new", 2, 3))
+    revs = [bal.choose_pair(t.snapshot())[0].revision for _ in range(30)]
+    assert revs.count("new") == 20
+
+
+def test_least_outstanding_within_a_revision_and_round_robin_ties():
+    t = _pairs(("r", 2, 2))
+    bal = Balancer()
+    snap = t.snapshot()
+    p1 = next(b for b in snap.revisions[0].prefill if b.pod == "r-p0")
     bal.acquire(p1)
-    assert bal.choose_prefill(t.snapshot()).pod == "p2"
+    assert bal.choose_pair(snap)[0].pod == "r-p1"
     bal.release(p1)
-    assert bal.choose_prefill(t.snapshot(), {"p2"}).pod == "p1"
-    bal.eject(p1)
-    assert bal.choose_prefill(t.snapshot()).pod == "p2"
-    assert bal.choose_prefill(t.snapshot(), {"p2"}).pod in {"p1", "p2"}  # nothing usable: fall back
-    now[0] = 6.0
-    assert {bal.choose_prefill(t.snapshot()).pod for _ in range(4)} == {"p1", "p2"}
+    chosen = [bal.choose_pair(snap) for _ in range(100)]  # idle: rotate over every engine of both roles
+    assert {p.pod for p, _ in chosen} == {"r-p0", "r-p1"} and {d.pod for _, d in chosen} == {"r-d0", "r-d1"}
 
 
-def test_idle_pairs_rotate_over_every_prefill_and_decode():
-    """Sequential requests (nothing in flight) spread over all engines of both roles."""
-    t = EndpointTable()
-    t.replace([pod("p1"), pod("p2"), pod("d1", "decode"), pod("d2", "decode")])
-    bal = Balancer("newest")
-    chosen = [bal.choose_pair(t.snapshot()) for _ in range(100)]
-    assert {p.pod for p, _ in chosen} == {"p1", "p2"} and {d.pod for _, d in chosen} == {"d1", "d2"}
-    prefills = [bal.choose_prefill(t.snapshot()).pod for _ in range(10)]
-    decodes = [bal.choose_decode(t.snapshot(), "rev1").pod for _ in range(10)]
-    assert set(prefills) == {"p1", "p2"} and set(decodes) == {"d1", "d2"}
+def test_exclusions_ejections_and_draining_are_never_ignored():
+    now = [0.0]
+    ejections = Ejections(first=1.0, longest=4.0, clock=lambda: now[0])
+    bal = Balancer(ejections)
+    t = _pairs(("r", 2, 1))
+    snap = t.snapshot()
+    assert bal.choose_pair(snap, {"r-p0"})[0].pod == "r-p1"
+    assert bal.choose_pair(snap, {"r-p0", "r-p1"}) is None  # a retry never goes back to a failed backend
+    assert bal.choose_pair(snap, {"r-d0"}) is None
+    ejections.eject("r-p1")
+    assert {bal.choose_pair(snap)[0].pod for _ in range(4)} == {"r-p0"}
+    ejections.eject("r-p0")
+    assert bal.choose_pair(snap) is None  # everything ejected: no pair (503), not a fallback onto them
+    t.replace([pod("r-p0", revision="r"), pod("r-d0", "decode", revision="r", annotations={contract.ANNOTATION_DRAINING: "now"})])
+    ejections.probed("r-p0", True)
+    assert bal.choose_pair(t.snapshot()) is None and not t.snapshot().revision("r").eligible
 
 
-def test_no_pair_without_both_roles():
-    t = EndpointTable()
-    t.replace([pod("p1"), pod("d2", "decode", revision="rev2")])
-    assert Balancer().choose_pair(t.snapshot()) is None
+def test_ejection_backoff_suspects_and_readmission():
+    now = [0.0]
+    e = Ejections(first=0.5, longest=2.0, clock=lambda: now[0])
+    e.eject("a")
+    assert "a" in e and e.due() == [] and e.next_due() == 0.5
+    now[0] = 0.5
+    assert e.due() == ["a"]
+    for expected_delay in (1.0, 2.0, 2.0):  # doubling, capped
+        e.probed("a", False)
+        assert e.next_due() == now[0] + expected_delay
+        now[0] = e.next_due()
+    e.probed("a", True)
+    assert "a" not in e and e.due() == []
+    e.suspect("b")  # a 500: probe at once, eject only if the probe fails
+    assert "b" not in e and e.due() == ["b"] and e.next_due() == now[0]
+    e.probed("b", True)
+    assert e.due() == [] and "b" not in e
+    e.suspect("b")
+    e.probed("b", False)
+    assert "b" in e
+    e.forget({"x"})
+    assert "b" not in e and len(e) == 0
+
+
+def test_revision_mode_from_the_pods_annotation():
+    def table(*modes: str | None, default: str = "Push") -> RevisionView:
+        t = EndpointTable(default)  # type: ignore[arg-type]
+        t.replace(
+            [pod(f"p{i}" if i == 0 else f"d{i}", "prefill" if i == 0 else "decode", annotations={contract.ANNOTATION_TRANSFER_MODE: m} if m else {})
+             for i, m in enumerate(modes)]
+        )  # fmt: skip
+        return t.snapshot().revision("rev1")
+
+    assert (table("Pull", "Pull").mode, table(None, None).mode, table(None, None, default="Pull").mode) == ("Pull", "Push", "Pull")
+    assert table("Pull", None).mode == "Pull"  # pods without it follow those that announce it
+    conflict = table("Push", "Pull")
+    assert conflict.mode is None and "p0=Push" in conflict.mode_conflict and "d1=Pull" in conflict.mode_conflict
+    unknown = table("push", "Push")
+    assert unknown.mode is None and "p0='push'" in unknown.mode_conflict
+    assert not conflict.eligible and Balancer().choose_pair(Snapshot(1, (conflict,))) is None
 
 
 def test_static_file_goes_through_the_same_code(tmp_path):
@@ -204,8 +240,8 @@ def test_static_file_goes_through_the_same_code(tmp_path):
         "endpoints": [
             {"role": "prefill", "revision": "a", "name": "p", "uid": "u", "host": "127.0.0.1", "http_port": 8100, "side_channel_port": 5610, "tp_size": 2},
             {"role": "decode", "revision": "a", "name": "d", "host": "127.0.0.1", "http_port": 8200},
-            {"role": "prefill", "revision": "b", "name": "q", "engine_id": "explicit", "dp_size": 2},
-            {"role": "decode", "revision": "b", "name": "e", "ready": False},
+            {"role": "prefill", "revision": "b", "name": "q", "engine_id": "explicit", "dp_size": 2, "mode": "Pull"},
+            {"role": "decode", "revision": "b", "name": "e", "ready": False, "draining": True},
         ]
     }
     f = tmp_path / "eps.json"
@@ -217,7 +253,9 @@ def test_static_file_goes_through_the_same_code(tmp_path):
     [p] = snap.revision("a").prefill
     assert p.identity.engine_id == contract.engine_id("p", "u") and p.identity.tp_size == 2 and p.base_url == "http://127.0.0.1:8100"
     assert [b.identity.engine_id for b in snap.revision("b").prefill] == ["explicit_dp0", "explicit_dp1"]
-    assert not snap.revision("b").eligible
+    assert not snap.revision("b").eligible and snap.revision("b").mode == "Pull"
+    [e] = [pod for pod in load_static(f) if pod["metadata"]["name"] == "e"]
+    assert contract.ANNOTATION_DRAINING in e["metadata"]["annotations"]
     yaml_file = tmp_path / "eps.yaml"
     yaml_file.write_text("endpoints:\n- {role: decode, name: d, revision: a}\n")
     assert pods_from_static({"endpoints": [{"role": "decode", "name": "d", "revision": "a"}]}) == load_static(yaml_file)
@@ -228,17 +266,3 @@ def test_table_input_is_not_mutated():
     before = copy.deepcopy(p)
     EndpointTable().replace([p])
     assert p == before
-
-
-def test_cli_contract_flags():
-    cfg = parse_args(
-        [
-            "--served-model-name", "qwen", "--mode", "pull", "--namespace", "ns", "--selector", "disagg.dev/model=qwen",
-            "--port", "8000", "--leg-timeout-seconds", "20", "--max-retries", "2", "--shutdown-grace-seconds", "15",
-        ]
-    )
-    assert (cfg.served_model_name, cfg.mode, cfg.namespace, cfg.selector) == ("qwen", "pull", "ns", "disagg.dev/model=qwen")
-    assert (cfg.port, cfg.leg_timeout, cfg.max_retries, cfg.shutdown_grace) == (8000, 20.0, 2, 15.0)
-    assert parse_args(["--served-model-name", "q", "--static-endpoints", "f.json"]).static_endpoints == "f.json"
-    with pytest.raises(SystemExit):
-        parse_args(["--served-model-name", "q", "--namespace", "ns"])  # no selector, no static file

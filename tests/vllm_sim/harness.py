@@ -77,7 +77,7 @@ def wait_until(pred: Any, timeout: float = 30.0, interval: float = 0.05, what: s
 
 class Proc:
     def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
-        self.name = name
+        self.name, self.argv, self.log_dir = name, argv, log_dir
         self.log_path = log_dir / f"{name}.log"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -112,6 +112,10 @@ class Proc:
             return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def relaunch(self, suffix: str) -> Proc:
+        """The same command again (same ports, same identity), logging to a new file."""
+        return Proc(f"{self.name}-{suffix}", self.argv, self.log_dir)
 
 
 @dataclass
@@ -169,6 +173,22 @@ class Sim:
 
     def ready(self) -> bool:
         return http_get(self.url + "/health", timeout=2)[0] == 200
+
+    def control(self, **faults: Any) -> dict[str, Any]:
+        """POST /sim/control: die="why", fail_transfers=bool, unavailable=bool."""
+        req = urllib.request.Request(self.url + "/sim/control", json.dumps(faults).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    def restart(self) -> None:
+        """After it exited: the same engine again (a container restart keeps the pod's ports and identity)."""
+        assert not self.proc.alive(), "stop it (or let it die) first"
+        self.proc.stop()
+        self.proc = self.proc.relaunch(f"r{uuid.uuid4().hex[:4]}")
+
+    def listening(self) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex((HOST, self.port)) == 0
 
 
 FAST = {"prefill_us_per_token": 100.0, "tpot_ms": 2.0, "step_ms": 2.0, "registration_rtt_ms": 0.5}
@@ -266,13 +286,27 @@ class Router:
     def metrics(self) -> str:
         return http_get(self.url + "/metrics")[1].decode()
 
-    def wait_table(self, eligible: set[str], timeout: float = 30.0) -> None:
-        """Wait until exactly these revisions are eligible in the router's table."""
-        wait_until(
-            lambda: {r["revision"] for r in self.health()["revisions"] if r["eligible"]} == eligible,
-            timeout,
-            what=f"router table {eligible}",
-        )
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The value of one sample of /metrics (None: no such sample)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(self.metrics()):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+        return None
+
+    def serving(self) -> set[str]:
+        """Revisions with at least one ready pair, per /health."""
+        return {name for name, r in self.health()["revisions"].items() if r["readyPairs"]}
+
+    def wait_table(self, serving: set[str], timeout: float = 30.0) -> None:
+        """Wait until exactly these revisions have ready pairs in the router's table."""
+        wait_until(lambda: self.serving() == serving, timeout, what=f"router table {serving}")
+
+    def backend(self, pod: str) -> dict[str, Any]:
+        [b] = [b for b in self.health()["backends"] if b["pod"] == pod]
+        return b
 
 
 def launch_router(
@@ -280,19 +314,21 @@ def launch_router(
     static_path: Path,
     mode: str = "push",
     *,
-    leg_timeout: float = 30.0,
+    leg_timeout: float | None = None,
     max_retries: int = 1,
     grace: float = 20.0,
     extra: Iterable[str] = (),
     name: str = "router",
 ) -> Router:
+    """A router on the static file (its leg deadline: the router's default unless given)."""
     port = free_port()
     argv = [
         sys.executable, "-m", "disagg_connector.router", "--served-model-name", MODEL, "--mode", mode,
         "--static-endpoints", str(static_path), "--host", HOST, "--port", str(port),
-        "--leg-timeout-seconds", str(leg_timeout), "--max-retries", str(max_retries),
-        "--shutdown-grace-seconds", str(grace), *extra,
+        "--max-retries", str(max_retries), "--shutdown-grace-seconds", str(grace), *extra,
     ]
+    if leg_timeout is not None:
+        argv += ["--leg-timeout-seconds", str(leg_timeout)]
     return Router(Proc(name, argv, log_dir), port, static_path, mode, argv)
 
 

@@ -1,42 +1,65 @@
 """Simulated vLLM 0.33.0 engine (prefill or decode, NIXL push or pull) for tests and benchmarks.
 
+Its behaviour follows vLLM 0.33.0's code (file names below are under ``vllm/``; NIXL files under
+``distributed/kv_transfer/kv_connector/v1/nixl/``); ``--push-match transfer-id`` follows vLLM main.
+
 **HTTP protocol (vLLM's OpenAI server).** ``POST /v1/completions`` and ``/v1/chat/completions``, streamed
-(SSE, ``data: [DONE]``) or not; ``GET /v1/models``; ``GET /health`` (500 once the engine is dead).
+(SSE, ``data: [DONE]``) or not; ``GET /v1/models``; ``GET /health`` (503 once the engine is dead).
 ``X-Request-Id: <id>`` gives the engine request id ``cmpl-<id>-0`` (completions; the response id is
 ``cmpl-<id>``) or ``chatcmpl-<id>`` (chat), to which the engine appends ``-<8 hex>`` unless
 ``--disable-request-id-randomization`` (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``). ``X-data-parallel-rank``
 pins a request to a DP rank. ``kv_transfer_params`` is a top-level request and response field. Errors use
 ``{"error": {"message", "type", "param", "code"}}``; a failed KV load under ``--kv-load-failure-policy fail``
-is HTTP 500 "Internal server error" (non-streaming) or an error event (streaming: vLLM has already sent
-200 and its headers).
+is HTTP 500 "Internal server error" (non-streaming) or an error event then ``data: [DONE]`` (streaming: vLLM
+has already sent 200 and its headers).
 
 **The P/D side channel** (vLLM: ZMQ + NIXL notifications; here: HTTP on ``--side-channel-port + rank``).
+The NIXL compatibility hash stands in as ``--compat-hash`` (one per revision) plus the transfer mode, a
+factor of the hash in 0.33.0 (``metadata.py``): a push engine and a pull engine never pair.
 - Push: D schedules the request (allocates blocks) at an engine step, then sends ``PUSH_REG`` (``POST
-  /push_reg`` on P's port = ``remote_port``) carrying D's internal request id, D's identity, the
-  ``remote_engine_id``, ``tp_size``, ``pp_size`` from the decode leg and a compatibility hash. P refuses a
-  wrong ``remote_engine_id`` ("Remote NIXL agent engine ID mismatch") or hash (a revision mix): D's recv fails.
+  /push_reg`` on P's port = ``remote_port``) carrying D's internal request id, the ``transfer_id``, D's
+  identity, the ``remote_engine_id``, ``tp_size``, ``pp_size`` from the decode leg and the hash. P refuses a
+  wrong ``remote_engine_id`` ("Remote NIXL agent engine ID mismatch") or hash: D's recv fails.
   P matches registration and finished blocks, whichever comes second, by request id: exact, then equal
-  after stripping the trailing ``-<8hex>`` of both (vLLM 0.26.0, 0.33.0); with ``--push-match transfer-id``
-  (vLLM main) by the router's ``transfer_id`` that both legs carry, falling back to the request id. Then P "writes" the KV (sleeps the transfer time) and
-  sends completion notices (``POST /push_done`` on D's side channel). D completes after
-  ``pp_size * max(1, tp_size // D_tp)`` notices (from the decode leg's params); P sends
+  after stripping the trailing ``-<8hex>`` of both (0.26.0, 0.33.0); with ``--push-match transfer-id``
+  by the router's ``transfer_id`` that both legs carry, falling back to the request id. Then P "writes" the
+  KV (sleeps the transfer time) and sends completion notices (``POST /push_done`` on D's side channel). D
+  completes after ``pp_size * max(1, tp_size // D_tp)`` notices (from the decode leg's params); P sends
   ``P_pp * max(1, min(tp_size, P_tp) // D_tp)`` (its real topology, limited to the ranks D addressed).
   Too few: D never completes. Enough with a wrong tp/pp: D completes with a wrong KV (garbage tokens ``??``).
 - Pull: P's prefill answer carries its ``kv_transfer_params`` (``remote_block_ids``, ``remote_engine_id``,
-  ``remote_request_id`` = P's internal id, host, port, sizes, expiry, ``transfer_mode: "pull"``). D validates
-  them (missing block ids / engine id / request id / host / port: "Got invalid KVTransferParams", recompute
-  locally: slow but answers), then reads (``POST /pull_read``, exact request id, blocks not expired).
+  ``remote_request_id`` = P's internal id, host, port, sizes, expiry, ``transfer_mode: "pull"``). D without
+  ``remote_block_ids`` prefills locally without a word (``pull_scheduler.py``: nothing to read); with block
+  ids but another key missing it logs "Got invalid KVTransferParams" and prefills locally; otherwise it reads
+  (``POST /pull_read``).
 
-**Failure semantics (reference §3, §5).**
+**Leases and heartbeats** (``base_scheduler.py``, ``base_worker.py``). P holds a finished request's blocks
+for ``--lease-seconds`` (kv_lease_duration), then frees them ("Releasing expired KV blocks"). D heartbeats
+every request waiting for a remote KV whose params carry all remote fields, every ``lease // 6`` seconds
+(at most once per engine step), to P (``POST /heartbeat`` = NIXL notif ``HB:<ids>``); each heartbeat sets the
+lease of every listed request P holds *under exactly that id* to at least now + ``lease * 2 // 3``. A push
+decode leg's ``remote_request_id`` (the router's ``cmpl-<id>-0``) lacks P's random suffix, so it extends
+nothing; pull's is P's own id. **A pull read after expiry** still reads: NIXL READ is one-sided and D reads
+the block ids it holds, whoever owns those blocks now; P logs "Potentially invalid KV blocks for
+unrecognized request ... They may have expired." (``pull_worker.py``, counted as
+``notifications_after_expiry``) and D answers normally with what it read (here: garbage tokens ``??``).
+Only a bidirectional turn-2 read checks the expiry first.
+
+**Failure semantics.**
 - Push decode leg missing one of ``remote_engine_id remote_host remote_port tp_size remote_request_id``:
-  vLLM's scheduler reads them with ``[]`` (``pp_size`` defaults to 1) -> ``KeyError`` in the engine core. The sim
-  treats it as fatal, like an exception in vLLM's busy loop: every in-flight request fails (500 / error
-  event), later requests get 500 ``EngineDeadError``, ``/health`` returns 500.
+  read with ``[]`` (``push_scheduler.py``, ``metadata.py``; ``pp_size`` defaults to 1) -> ``KeyError`` in
+  the engine core: the engine dies (below).
+- **Death** (that, or ``POST /sim/control {"die": ...}``): every request in flight fails (500, or an error
+  event), the side channel closes with the engine core, ``/health`` answers 503, a new request gets 500
+  "The server had an error while processing your request." and makes the API server exit (the port closes;
+  ``terminate_if_errored``), as the watchdog does anyway within ``--watchdog-seconds``. The process exits 1.
 - Legs whose ids don't match never rendezvous: D waits in WAITING_FOR_REMOTE_KVS forever (after
   ``--push-registration-timeout`` it only logs and counts), until the client disconnects.
-- P holds finished blocks for ``--lease-seconds`` ("Releasing expired KV blocks"); a registration (or a
-  pull read) arriving later finds nothing: push D waits forever, pull D fails its load (policy).
+- A registration arriving after P's lease ended finds nothing: push D waits forever.
 - A client disconnect aborts the request (counted in ``cancelled``); an aborted prefill never pushes.
+- ``POST /sim/control {"fail_transfers": true}`` fails every KV receive of this engine (a failed NIXL
+  handshake or transfer: 500 / error event under policy fail); ``{"unavailable": true}`` answers new
+  requests 503 as a paused engine does.
 
 **Timing model** (every duration multiplied by ``--time-scale``):
 - P has one accelerator: prefills run one at a time, FIFO, ``prefill_us_per_token * prompt_tokens`` each.
@@ -56,7 +79,8 @@ is HTTP 500 "Internal server error" (non-streaming) or an error event (streaming
 Defaults approximate Qwen3-32B (256 KiB of KV per token), TP8 H200 prefill, 100 GB/s EFA.
 
 Test hooks: ``GET /sim/stats`` (counters), ``GET /sim/events`` (ordered event log),
-``GET /sim/body/{xid}`` (the exact bytes this engine sent for a request), all on the HTTP port.
+``GET /sim/body/{xid}`` (the exact bytes this engine sent for a request), ``POST /sim/control`` (faults),
+all on the HTTP port.
 """
 
 from __future__ import annotations
@@ -81,7 +105,9 @@ from aiohttp import web
 
 log = logging.getLogger("vllm_sim")
 
-PULL_KEYS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+PULL_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")  # with remote_block_ids
+ENGINE_DEAD_MESSAGE = "The server had an error while processing your request."  # EngineDeadError.CLIENT_MESSAGE
+UVICORN_TICK = 0.1  # uvicorn checks should_exit once per tick
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
@@ -199,6 +225,11 @@ class Engine:
         self.events: deque[dict[str, Any]] = deque(maxlen=20000)
         self.bodies: dict[str, bytes] = {}
         self.dead: str | None = None
+        self.stop = asyncio.Event()  # set: the API server exits (serve() returns, the ports close)
+        self.side_runners: list[web.AppRunner] = []
+        self.faults: dict[str, bool] = {"fail_transfers": False, "unavailable": False}
+        # D: requests whose P leases this engine heartbeats (base_scheduler.on_new_request), by P's engine id
+        self.heartbeats: dict[str, tuple[str, int, set[str]]] = {}
         self._rr = itertools.count()
         self._ev = itertools.count()
         self.session: aiohttp.ClientSession | None = None
@@ -207,6 +238,19 @@ class Engine:
     # --- bookkeeping -------------------------------------------------------------------------------
     def engine_id(self, rank: int) -> str:
         return f"{self.a.engine_id}_dp{rank}" if self.a.dp_size > 1 else self.a.engine_id
+
+    @property
+    def compat_hash(self) -> str:
+        """vLLM 0.33.0's NIXL compatibility hash has the transfer mode as a factor: push and pull never pair."""
+        return f"{self.a.compat_hash}/{self.a.mode}"
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return max(self.a.lease_seconds // 6, self.t.step())  # base_scheduler.py:88, checked once per step
+
+    @property
+    def lease_extension(self) -> float:
+        return self.a.lease_seconds * 2 // 3  # base_worker.py:631
 
     def event(self, kind: str, **kw: Any) -> None:
         ev = {"n": next(self._ev), "t": time.monotonic(), "kind": kind, **kw}
@@ -225,7 +269,14 @@ class Engine:
             return r.status, await r.json(content_type=None)
 
     def die(self, why: str) -> None:
-        """An exception in vLLM's engine-core busy loop: the engine is dead, every request fails."""
+        """An exception in vLLM's engine-core busy loop: the engine is dead, then its API server exits.
+
+        As vLLM 0.33.0 does it: every request in flight fails (500, or an error event in a stream), the
+        engine core process (and with it the NIXL side channel) is gone, ``/health`` answers 503
+        (``serve/instrumentator/health.py``), a new request gets 500 and makes the server exit
+        (``terminate_if_errored`` in the error handler; uvicorn notices ``should_exit`` at its next tick),
+        and the watchdog does the same within ``--watchdog-seconds`` (``launchers/launcher.py``).
+        """
         if self.dead:
             return
         self.dead = why
@@ -233,13 +284,55 @@ class Engine:
         self.event("engine_dead", why=why)
         log.error("EngineCore failed: %s", why)
         for seq in [*self.arrivals, *self.ready, *self.running, *self.by_rid.values()]:
-            self.fail(seq, "EngineCore encountered an issue. See stack trace for the root cause.")
+            self.fail(seq, ENGINE_DEAD_MESSAGE)
+        side, self.side_runners = self.side_runners, []
+        for r in side:
+            self.spawn(r.cleanup())
+        asyncio.get_running_loop().call_later(self.a.watchdog_seconds, self.stop.set)
+
+    def exit_soon(self) -> None:
+        asyncio.get_running_loop().call_later(UVICORN_TICK, self.stop.set)
 
     def fail(self, seq: Seq, message: str) -> None:
         if not seq.done:
             seq.done = True
             seq.q.put_nowait(EngineDead(message))
             self.by_rid.pop(seq.rid, None)
+            self.stop_heartbeat(seq)
+
+    # --- heartbeats (D) and leases (P) ----------------------------------------------------------------
+    def track_heartbeat(self, seq: Seq) -> None:
+        """base_scheduler.on_new_request: a remote-prefill request with every remote field is heartbeated."""
+        p = seq.params or {}
+        if not p.get("do_remote_prefill") or any(p.get(k) is None for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")):
+            return
+        host, port, rids = self.heartbeats.setdefault(str(p["remote_engine_id"]), (str(p["remote_host"]), int(p["remote_port"]), set()))
+        rids.add(str(p["remote_request_id"]))
+        if len(self.heartbeats) == 1 and len(rids) == 1:
+            self.spawn(self.send_heartbeats())
+
+    def stop_heartbeat(self, seq: Seq) -> None:
+        p = seq.params or {}
+        entry = self.heartbeats.get(str(p.get("remote_engine_id")))
+        if entry is not None:
+            entry[2].discard(str(p.get("remote_request_id")))
+            if not entry[2]:
+                del self.heartbeats[str(p.get("remote_engine_id"))]
+
+    async def send_heartbeats(self) -> None:
+        """"HB:<P request ids>" to each P whose blocks a waiting request needs, every lease // 6 seconds."""
+        while self.heartbeats and not self.dead:
+            await asyncio.sleep(self.heartbeat_interval)
+            for engine, (host, port, rids) in list(self.heartbeats.items()):
+                if rids:
+                    self.counters["heartbeats_sent"] += 1
+                    self.spawn(self._post_quietly(host, port, "/heartbeat", {"remote_engine_id": engine, "req_ids": sorted(rids)}))
+
+    async def _post_quietly(self, host: str, port: int, path: str, body: dict[str, Any]) -> None:
+        try:
+            await self.post(host, port, path, body)
+        except (aiohttp.ClientError, OSError, ValueError):
+            pass  # vLLM logs heartbeat failures at debug level only
 
     # --- the engine loop (decode batch; also local generation) --------------------------------------
     async def loop(self) -> None:
@@ -280,6 +373,7 @@ class Engine:
 
     def make_ready(self, seq: Seq) -> None:
         seq.kv_ready = True
+        self.stop_heartbeat(seq)
         self.by_rid.pop(seq.rid, None)
         self.ready.append(seq)
         self.wake.set()
@@ -311,7 +405,7 @@ class Engine:
                 decode_host=self.a.host,
                 decode_port=self.a.side_channel_port + seq.rank,
                 decode_tp=self.a.tp_size,
-                compat_hash=self.a.compat_hash,
+                compat_hash=self.compat_hash,
                 num_tokens=seq.prompt_tokens,
             )
             seq.expected = int(reg["pp_size"]) * max(1, int(reg["tp_size"]) // self.a.tp_size)
@@ -327,6 +421,9 @@ class Engine:
         self.event("registration_sent", xid=seq.xid, rid=seq.rid, to=f"{reg['remote_host']}:{reg['remote_port']}")
         self.counters["registrations_sent"] += 1
         await asyncio.sleep(self.t.half_rtt())
+        if self.faults["fail_transfers"]:
+            self.load_failed(seq, "push_reg_notif_failed", "injected by /sim/control")
+            return
         try:
             status, answer = await self.post(str(reg["remote_host"]), int(reg["remote_port"]), "/push_reg", reg)
         except (aiohttp.ClientError, OSError, ValueError) as e:
@@ -346,10 +443,13 @@ class Engine:
     async def pull_read(self, seq: Seq, setup: float) -> None:
         p = seq.params or {}
         await asyncio.sleep(setup + self.t.half_rtt())
+        if self.faults["fail_transfers"]:
+            self.load_failed(seq, "transfer_setup_failed", "injected by /sim/control")
+            return
         body = {
             "remote_engine_id": p["remote_engine_id"],
             "remote_request_id": p["remote_request_id"],
-            "compat_hash": self.a.compat_hash,
+            "compat_hash": self.compat_hash,
             "num_tokens": seq.prompt_tokens,
         }
         try:
@@ -362,7 +462,9 @@ class Engine:
         if status != 200:
             self.load_failed(seq, "pull_read_failed", str(answer.get("error")))
             return
-        self.event("kv_received", xid=seq.xid, rid=seq.rid)
+        seq.wrong |= not answer.get("valid", True)
+        self.counters["kv_received"] += 1
+        self.event("kv_received", xid=seq.xid, rid=seq.rid, wrong=seq.wrong)
         self.make_ready(seq)
 
     def load_failed(self, seq: Seq, what: str, why: str) -> None:
@@ -398,12 +500,16 @@ class Engine:
         self.spawn(self.expire(seq.rank, seq.rid, held))
 
     async def expire(self, rank: int, rid: str, held: Held) -> None:
-        await asyncio.sleep(self.a.lease_seconds)
-        if self.held[rank].get(rid) is held:
-            del self.held[rank][rid]
-            self.counters["expired"] += 1
-            self.event("expired", rid=rid, rank=rank)
-            log.info("Releasing expired KV blocks for request %s", rid)
+        """P's lease on finished blocks; heartbeats move ``held.expiry`` (base_worker._reap_expired_send_leases)."""
+        while self.held[rank].get(rid) is held:
+            now = time.monotonic()
+            if now >= held.expiry:
+                del self.held[rank][rid]
+                self.counters["expired"] += 1
+                self.event("expired", rid=rid, rank=rank)
+                log.warning("Releasing expired KV blocks for request %s which were retrieved by 0 remote worker(s) before lease expired.", rid)
+                return
+            await asyncio.sleep(held.expiry - now)
 
     def matches(self, seq: Seq, reg: dict[str, Any]) -> str | None:
         return match_basis(self.a.push_match == "transfer-id", (seq.rid, seq.transfer_id), (reg["request_id"], reg.get("transfer_id")))
@@ -457,7 +563,7 @@ class Engine:
             if reg.get("remote_engine_id") != self.engine_id(rank):
                 self.counters["handshake_failures"] += 1
                 return web.json_response({"error": "Remote NIXL agent engine ID mismatch"}, status=409)
-            if reg.get("compat_hash") != self.a.compat_hash or self.a.role != "prefill":
+            if reg.get("compat_hash") != self.compat_hash or self.a.role != "prefill":
                 self.counters["handshake_failures"] += 1
                 return web.json_response({"error": "NIXL compatibility hash mismatch"}, status=409)
             rid = reg["request_id"]
@@ -488,22 +594,41 @@ class Engine:
             if msg.get("remote_engine_id") != self.engine_id(rank):
                 self.counters["handshake_failures"] += 1
                 return web.json_response({"error": "Remote NIXL agent engine ID mismatch"}, status=409)
-            if msg.get("compat_hash") != self.a.compat_hash:
+            if msg.get("compat_hash") != self.compat_hash:
                 self.counters["handshake_failures"] += 1
                 return web.json_response({"error": "NIXL compatibility hash mismatch"}, status=409)
-            held = self.held[rank].pop(msg.get("remote_request_id"), None)
+            # A READ is one-sided: D reads the block ids it was given whether or not P still holds them.
+            # P learns of it only from D's completion notice (pull_worker._get_new_notifs).
+            await asyncio.sleep(self.t.xfer(int(msg.get("num_tokens", 0))))
+            rid = msg.get("remote_request_id")
+            held = self.held[rank].pop(rid, None)
             if held is None:
-                self.counters["reads_of_freed_blocks"] += 1
-                return web.json_response({"error": "blocks expired or unknown"}, status=410)
-            await asyncio.sleep(self.t.xfer(held.seq.prompt_tokens))
+                self.counters["notifications_after_expiry"] += 1
+                self.event("read_after_expiry", rid=rid, rank=rank)
+                log.error("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", rid)
+                return web.json_response({"ok": True, "valid": False})
             self.counters["reads"] += 1
             self.event("read_done", rid=held.seq.rid, rank=rank)
+            return web.json_response({"ok": True, "valid": True})
+
+        async def heartbeat(request: web.Request) -> web.Response:
+            msg = await request.json()
+            if msg.get("remote_engine_id") != self.engine_id(rank):
+                return web.json_response({"error": "Remote NIXL agent engine ID mismatch"}, status=409)
+            self.counters["heartbeats_received"] += 1
+            new_expiry = time.monotonic() + self.lease_extension
+            for rid in msg.get("req_ids") or ():  # exact P-side ids only (base_worker._handle_heartbeat)
+                held = self.held[rank].get(rid)
+                if held is not None:
+                    held.expiry = max(held.expiry, new_expiry)
+                    self.counters["leases_extended"] += 1
             return web.json_response({"ok": True})
 
         app = web.Application()
         app.router.add_post("/push_reg", push_reg)
         app.router.add_post("/push_done", push_done)
         app.router.add_post("/pull_read", pull_read)
+        app.router.add_post("/heartbeat", heartbeat)
         return app
 
     # --- OpenAI HTTP ----------------------------------------------------------------------------------
@@ -516,7 +641,20 @@ class Engine:
         app.router.add_get("/sim/stats", self.stats)
         app.router.add_get("/sim/events", self.get_events)
         app.router.add_get("/sim/body/{xid}", self.body)
+        app.router.add_post("/sim/control", self.control)
         return app
+
+    async def control(self, request: web.Request) -> web.Response:
+        """Test hook: ``{"die": why}`` kills the engine; ``{"fail_transfers": bool}`` makes every KV receive
+        fail (as a failed NIXL handshake/transfer would); ``{"unavailable": bool}`` answers new requests with
+        503 as a paused engine does (``RetryableRequestError``)."""
+        msg = await request.json()
+        for fault in self.faults:
+            if fault in msg:
+                self.faults[fault] = bool(msg[fault])
+        if msg.get("die"):
+            self.die(str(msg["die"]))
+        return web.json_response({"faults": self.faults, "dead": self.dead})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -524,7 +662,7 @@ class Engine:
         )
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=500 if self.dead else 200)
+        return web.Response(status=503 if self.dead else 200)
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -573,7 +711,11 @@ class Engine:
 
     async def generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         if self.dead:
-            return error_response(500, "EngineCore encountered an issue. See stack trace for the root cause.", "EngineDeadError")
+            self.exit_soon()
+            return error_response(500, ENGINE_DEAD_MESSAGE, "InternalServerError")
+        if self.faults["unavailable"]:
+            self.counters["answered_503"] += 1
+            return error_response(503, "Request failed; please retry", "ServiceUnavailableError")
         try:
             body = json.loads(await request.read())
         except ValueError as e:
@@ -607,9 +749,13 @@ class Engine:
                 seq.done = True
                 return await self.respond(request, body, seq, stream, [0], self.returned_params(seq))
             if params and params.get("do_remote_prefill"):
+                self.track_heartbeat(seq)
                 if self.a.mode == "push":
                     seq.path = "push"
-                elif all(params.get(k) is not None for k in PULL_KEYS):
+                elif not params.get("remote_block_ids"):
+                    # pull_scheduler: no block ids means nothing to read; the request prefills here, silently
+                    self.counters["recomputed"] += 1
+                elif all(k in params for k in PULL_KEYS):
                     seq.path = "pull"
                 else:
                     log.warning("Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", params)
@@ -624,6 +770,7 @@ class Engine:
                 self.event("cancelled", xid=xid, rid=rid, path=seq.path)
             seq.done = True
             self.by_rid.pop(seq.rid, None)
+            self.stop_heartbeat(seq)
             raise
 
     def returned_params(self, seq: Seq) -> dict[str, Any]:
@@ -741,6 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--push-registration-timeout", type=float, default=480.0)
     p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail")
     p.add_argument("--compat-hash", default="sim", help="stands for vLLM's NIXL compatibility hash (one per revision)")
+    p.add_argument("--watchdog-seconds", type=float, default=5.0, help="vLLM's VLLM_WATCHDOG_TIME_S: a dead engine's server exits by then")
     p.add_argument("--disable-request-id-randomization", action="store_true")
     p.add_argument(
         "--push-match",
@@ -764,29 +912,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(a: argparse.Namespace) -> None:
+async def serve(a: argparse.Namespace) -> int:
     engine = Engine(a)
     engine.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
-    runners = []
     main = web.AppRunner(engine.http_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1)
     await main.setup()
     await web.TCPSite(main, a.host, a.port, reuse_address=True, backlog=1024).start()
-    runners.append(main)
     for rank in range(a.dp_size):
         r = web.AppRunner(engine.side_app(rank), access_log=None, shutdown_timeout=1)
         await r.setup()
         await web.TCPSite(r, a.host, a.side_channel_port + rank, reuse_address=True).start()
-        runners.append(r)
+        engine.side_runners.append(r)
     loop_task = asyncio.create_task(engine.loop())
-    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        asyncio.get_running_loop().add_signal_handler(sig, engine.stop.set)
     log.info("vllm_sim %s/%s %s listening on %s:%d (side channel %d)", a.role, a.mode, a.engine_id, a.host, a.port, a.side_channel_port)
-    await stop.wait()
+    await engine.stop.wait()
     loop_task.cancel()
-    for r in runners:
+    for r in (main, *engine.side_runners):
         await r.cleanup()
     await engine.session.close()
+    if engine.dead:
+        log.error("API server exits: the engine is dead (%s)", engine.dead)
+    return 1 if engine.dead else 0
 
 
 def main() -> None:
@@ -795,6 +943,7 @@ def main() -> None:
     try:
         import uvloop
 
-        uvloop.run(serve(a))
+        code = uvloop.run(serve(a))
     except ImportError:
-        asyncio.run(serve(a))
+        code = asyncio.run(serve(a))
+    raise SystemExit(code)

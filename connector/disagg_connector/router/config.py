@@ -1,44 +1,59 @@
-"""The router's command line. The operator renders exactly the flags of the contract; the rest are optional.
+"""The router's command line. The operator renders the contract flags; the rest are optional.
 
 Contract flags (keep their names): ``--served-model-name``, ``--mode {push,pull}``, ``--namespace``,
-``--selector``, ``--static-endpoints``, ``--port``, ``--leg-timeout-seconds``, ``--max-retries``,
-``--shutdown-grace-seconds``.
+``--selector``, ``--static-endpoints``, ``--port``, ``--leg-timeout-seconds``, ``--kv-lease-seconds``,
+``--max-retries``, ``--shutdown-grace-seconds``, ``--disaggregation-threshold-tokens``.
+
+Every default is written once, in :class:`RouterConfig`; the parser reads it from there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from disagg_connector import contract
+from disagg_connector.router.health import TransferMode
 
-MODES = ("push", "pull", "push-sequential")
-REVISION_POLICIES = ("newest", "spread")
 _SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+# vLLM's default kv_lease_duration (kv_connector_extra_config), in seconds.
+VLLM_DEFAULT_LEASE_SECONDS = 30.0
+
+
+def default_leg_timeout(lease_seconds: float) -> float:
+    """Two thirds of the lease (vLLM extends a lease by the same fraction per heartbeat): a request the
+    router gives up on at its deadline is cancelled while prefill still holds its blocks."""
+    return lease_seconds * 2 / 3
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     served_model_name: str
-    mode: str = "push"
+    mode: TransferMode = "Push"  # for pods that carry no transfer-mode annotation
     namespace: str | None = None
     selector: str | None = None
     static_endpoints: str | None = None
     kubeconfig: str | None = None
     host: str = "0.0.0.0"
     port: int = contract.ROUTER_PORT
-    leg_timeout: float = 30.0
+    kv_lease_seconds: float = VLLM_DEFAULT_LEASE_SECONDS
+    leg_timeout: float = default_leg_timeout(VLLM_DEFAULT_LEASE_SECONDS)
     request_timeout: float = 600.0
     max_retries: int = 1
     shutdown_grace: float = 30.0
-    revision_policy: str = "newest"
-    eject_seconds: float = 5.0
+    disaggregation_threshold_tokens: int = 0
+    probe_interval: float = 5.0
     connect_timeout: float = 5.0
     static_poll_seconds: float = 0.5
     log_level: str = "INFO"
+
+
+def _default(name: str) -> Any:
+    return {f.name: f.default for f in dataclasses.fields(RouterConfig)}[name]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,10 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", required=True, help="the only model name this router accepts")
     p.add_argument(
         "--mode",
-        choices=MODES,
-        default="push",
-        help="push: both legs concurrently (NixlPushConnector); pull: prefill then decode (NixlConnector); "
-        "push-sequential: push engines dispatched one leg after the other (for benchmarks only)",
+        choices=("push", "pull"),
+        default=_default("mode").lower(),
+        help="protocol for engine pods without a disagg.dev/transfer-mode annotation (each revision follows "
+        "its pods' annotation): push sends both legs concurrently (NixlPushConnector), pull prefill then "
+        "decode (NixlConnector)",
     )
     p.add_argument("--namespace", help="namespace of the P/D pods (default: the pod's own namespace)")
     p.add_argument("--selector", help="label selector of this model's P and D pods, e.g. disagg.dev/model=NAME")
@@ -62,32 +78,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="read backends from a YAML/JSON file (re-read when it changes) instead of the Kubernetes API",
     )
     p.add_argument("--kubeconfig", help="kubeconfig to use when not running in a pod (default: $KUBECONFIG)")
-    p.add_argument("--host", default="0.0.0.0", help="listen address")
-    p.add_argument("--port", type=int, default=contract.ROUTER_PORT)
+    p.add_argument("--host", default=_default("host"), help="listen address")
+    p.add_argument("--port", type=int, default=_default("port"))
+    p.add_argument(
+        "--kv-lease-seconds",
+        type=float,
+        default=_default("kv_lease_seconds"),
+        help="the engines' kv_lease_duration (how long prefill holds finished KV blocks; vLLM's default is 30)",
+    )
     p.add_argument(
         "--leg-timeout-seconds",
         type=float,
-        default=30.0,
         help="deadline of each leg until its first byte (whole prefill leg; decode leg until its first "
-        "streamed chunk, then the longest gap between chunks); must stay below the KV lease",
+        "streamed chunk, i.e. the wait for the KV, then the longest gap between chunks); must stay below "
+        "--kv-lease-seconds (default: two thirds of it)",
     )
     p.add_argument(
         "--request-timeout-seconds",
         type=float,
-        default=600.0,
+        default=_default("request_timeout"),
         help="deadline of a non-streaming decode leg (its first byte is its last)",
     )
-    p.add_argument("--max-retries", type=int, default=1, help="retries on another pair with a fresh id")
-    p.add_argument("--shutdown-grace-seconds", type=float, default=30.0)
+    p.add_argument("--max-retries", type=int, default=_default("max_retries"), help="retries on another pair with fresh ids")
+    p.add_argument("--shutdown-grace-seconds", type=float, default=_default("shutdown_grace"))
     p.add_argument(
-        "--revision-policy",
-        choices=REVISION_POLICIES,
-        default="newest",
-        help="newest: all traffic to the newest revision that has ready P and D; "
-        "spread: least-outstanding over every eligible revision (pairs still within one revision)",
+        "--disaggregation-threshold-tokens",
+        type=int,
+        default=_default("disaggregation_threshold_tokens"),
+        help="prompts shorter than this many tokens (estimated from their length, 4 bytes per token as "
+        "llm-d does; exact for token-id prompts) go to a decode engine alone, which prefills them itself; "
+        "0 disaggregates every request",
     )
-    p.add_argument("--eject-seconds", type=float, default=5.0, help="avoid a backend this long after a connection error")
-    p.add_argument("--log-level", default=os.environ.get("DISAGG_ROUTER_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--probe-interval-seconds",
+        type=float,
+        default=_default("probe_interval"),
+        help="GET /health of every backend this often; a failed probe ejects it until a probe succeeds (0: off)",
+    )
+    p.add_argument("--log-level", default=os.environ.get("DISAGG_ROUTER_LOG_LEVEL", _default("log_level")))
     return p
 
 
@@ -108,24 +136,38 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
             parser.error("--namespace is required unless --static-endpoints is given (or running in a pod)")
         if not a.selector:
             parser.error("--selector is required unless --static-endpoints is given")
-    if a.leg_timeout_seconds <= 0 or a.request_timeout_seconds <= 0:
+    if a.kv_lease_seconds <= 0:
+        parser.error("--kv-lease-seconds must be positive")
+    leg_timeout = a.leg_timeout_seconds if a.leg_timeout_seconds is not None else default_leg_timeout(a.kv_lease_seconds)
+    if leg_timeout <= 0 or a.request_timeout_seconds <= 0:
         parser.error("timeouts must be positive")
+    if leg_timeout >= a.kv_lease_seconds:
+        parser.error(
+            f"--leg-timeout-seconds {leg_timeout:g} must be below --kv-lease-seconds {a.kv_lease_seconds:g}: "
+            "prefill frees a request's KV blocks when its lease ends, and a decode still waiting then gets "
+            "nothing (push) or reads freed blocks (pull). Lower the timeout or raise the engines' kv_lease_duration."
+        )
     if a.max_retries < 0:
         parser.error("--max-retries must be >= 0")
+    if a.disaggregation_threshold_tokens < 0:
+        parser.error("--disaggregation-threshold-tokens must be >= 0")
+    if a.probe_interval_seconds < 0:
+        parser.error("--probe-interval-seconds must be >= 0")
     return RouterConfig(
         served_model_name=a.served_model_name,
-        mode=a.mode,
+        mode="Push" if a.mode == "push" else "Pull",
         namespace=namespace,
         selector=a.selector,
         static_endpoints=a.static_endpoints,
         kubeconfig=a.kubeconfig,
         host=a.host,
         port=a.port,
-        leg_timeout=a.leg_timeout_seconds,
-        request_timeout=max(a.request_timeout_seconds, a.leg_timeout_seconds),
+        kv_lease_seconds=a.kv_lease_seconds,
+        leg_timeout=leg_timeout,
+        request_timeout=max(a.request_timeout_seconds, leg_timeout),
         max_retries=a.max_retries,
         shutdown_grace=a.shutdown_grace_seconds,
-        revision_policy=a.revision_policy,
-        eject_seconds=a.eject_seconds,
+        disaggregation_threshold_tokens=a.disaggregation_threshold_tokens,
+        probe_interval=a.probe_interval_seconds,
         log_level=a.log_level,
     )

@@ -10,11 +10,16 @@ pure code serves the watch, the relist, the static file and the unit tests:
 - a prefill pod with data-parallel size N yields N backends (one per DP rank: the router pins the prefill
   leg to the rank with ``X-data-parallel-rank`` and addresses ``<engine_id>_dp<rank>`` at base+rank);
   a decode pod is one backend (its API server balances its own DP ranks; D sends its own identity);
-- pods that are not (yet) ready are still remembered for the revision's age (see below).
+- pods that are not (yet) ready are still remembered for the revision's age (see below);
+- the pod's transfer-mode annotation (``Push``/``Pull``) decides the protocol of its revision; a revision
+  whose pods carry none uses the router's ``--mode``, one whose pods disagree (or carry an unknown value)
+  takes no traffic and says why (``mode_conflict``);
+- a pod with the draining annotation stays a backend (its in-flight requests finish and are reported) but
+  gets no new request.
 
-**Newest revision.** A revision's age is the earliest ``creationTimestamp`` of any pod of that revision
-currently known (ready or not): the operator creates a revision's pods when it rolls that revision out,
-so the revision whose pods appeared last is the newest. Ties break on the revision string. In the static
+**Order** (of /health and logs; traffic follows ready pairs, see ``pairing``): newest revision first. A
+revision's age is the earliest ``creationTimestamp`` of any pod of that revision currently known (ready or
+not): the operator creates a revision's pods when it rolls that revision out. Ties break on the revision string. In the static
 file, an entry without ``created`` counts as created at its position in the file (later = newer).
 
 **Failures.** The watch runs in a daemon thread with the official ``kubernetes`` client: list, then watch
@@ -38,6 +43,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from disagg_connector import contract
 from disagg_connector.contract import EngineIdentity
+from disagg_connector.router.health import TRANSFER_MODES, TransferMode
 
 log = logging.getLogger("disagg_router.discovery")
 
@@ -54,6 +60,8 @@ class Backend:
     identity: EngineIdentity
     dp_size: int = 1
     created: float = 0.0
+    mode: str | None = None  # the pod's transfer-mode annotation as written (None: none)
+    draining: bool = False
 
     @property
     def key(self) -> str:
@@ -118,7 +126,23 @@ def backends_from_pod(pod: Mapping[str, Any], engine_id_override: str | None = N
     if role == "decode":
         identities = identities[:1]
     created = _parse_time(meta.get("creationTimestamp"))
-    return [Backend(role, revision, name, uid, ip, ident, dp, created) for ident in identities]
+    annotations = meta.get("annotations") or {}
+    mode = annotations.get(contract.ANNOTATION_TRANSFER_MODE) or None
+    draining = bool(annotations.get(contract.ANNOTATION_DRAINING))
+    return [Backend(role, revision, name, uid, ip, ident, dp, created, mode, draining) for ident in identities]
+
+
+def revision_mode(backends: Iterable[Backend], default: TransferMode) -> tuple[TransferMode | None, str | None]:
+    """The protocol of one revision from its pods' annotations: (mode, None), or (None, why not)."""
+    announced = {b.pod: b.mode for b in backends if b.mode is not None}
+    unknown = sorted(f"{pod}={m!r}" for pod, m in announced.items() if m not in TRANSFER_MODES)
+    if unknown:
+        return None, f"unknown {contract.ANNOTATION_TRANSFER_MODE} on {', '.join(unknown)} (expected Push or Pull)"
+    modes = set(announced.values())
+    if len(modes) > 1:
+        pods = ", ".join(f"{pod}={m}" for pod, m in sorted(announced.items()))
+        return None, f"pods disagree on {contract.ANNOTATION_TRANSFER_MODE}: {pods}"
+    return (modes.pop() if modes else default), None  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -127,10 +151,13 @@ class RevisionView:
     created: float
     prefill: tuple[Backend, ...]
     decode: tuple[Backend, ...]
+    mode: TransferMode | None = "Push"
+    mode_conflict: str | None = None
 
     @property
     def eligible(self) -> bool:
-        return bool(self.prefill) and bool(self.decode)
+        """Has a prefill and a decode that may take new requests (ejection is the balancer's business)."""
+        return self.mode is not None and any(not b.draining for b in self.prefill) and any(not b.draining for b in self.decode)
 
 
 @dataclass(frozen=True)
@@ -157,15 +184,12 @@ class _PodEntry:
 class EndpointTable:
     """Pods -> backends, grouped by revision. Mutated only on the event loop (or a single thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, default_mode: TransferMode = "Push") -> None:
+        self.default_mode = default_mode
         self._pods: dict[str, _PodEntry] = {}
         self._generation = 0
         self._snapshot = Snapshot(0)
-        self._listeners: list[Callable[[Snapshot], None]] = []
         self.synced = False
-
-    def add_listener(self, fn: Callable[[Snapshot], None]) -> None:
-        self._listeners.append(fn)
 
     @staticmethod
     def _entry(pod: Mapping[str, Any], override: str | None = None) -> _PodEntry:
@@ -207,16 +231,12 @@ class EndpointTable:
                 r["created"],
                 tuple(sorted(r["prefill"], key=lambda b: b.key)),
                 tuple(sorted(r["decode"], key=lambda b: b.key)),
+                *revision_mode((*r["prefill"], *r["decode"]), self.default_mode),
             )
             for name, r in by_rev.items()
         ]
         views.sort(key=lambda v: (v.created, v.revision), reverse=True)
         self._snapshot = Snapshot(self._generation, tuple(views))
-        for fn in self._listeners:
-            try:
-                fn(self._snapshot)
-            except Exception:  # a listener (metrics) must never break discovery
-                log.exception("table listener failed")
 
     def snapshot(self) -> Snapshot:
         return self._snapshot
@@ -231,10 +251,11 @@ def pods_from_static(doc: Any) -> list[dict[str, Any]]:
         endpoints:
           - {role: prefill, revision: r1, name: p0, uid: u0, host: 127.0.0.1, http_port: 8000,
              side_channel_port: 5600, tp_size: 1, pp_size: 1, dp_size: 1, ready: true,
-             created: "2024-01-01T00:00:00Z", engine_id: optional-override}
+             created: "2024-01-01T00:00:00Z", engine_id: optional-override, mode: Push, draining: false}
 
     ``uid`` defaults to the name; ``engine_id`` (optional) replaces ``contract.engine_id(name, uid)`` for
-    engines launched outside Kubernetes with an id of their own.
+    engines launched outside Kubernetes with an id of their own; ``mode`` and ``draining`` stand for the
+    pod annotations of the same meaning.
     """
     entries = doc.get("endpoints", []) if isinstance(doc, Mapping) else (doc or [])
     pods = []
@@ -247,6 +268,10 @@ def pods_from_static(doc: Any) -> list[dict[str, Any]]:
             contract.ANNOTATION_SIDE_CHANNEL_PORT: str(e.get("side_channel_port", contract.NIXL_SIDE_CHANNEL_PORT)),
             contract.ANNOTATION_HTTP_PORT: str(e.get("http_port", contract.HTTP_PORT)),
         }
+        if e.get("mode"):
+            annotations[contract.ANNOTATION_TRANSFER_MODE] = str(e["mode"])
+        if e.get("draining"):
+            annotations[contract.ANNOTATION_DRAINING] = "static"
         pod = {
             "metadata": {
                 "name": name,

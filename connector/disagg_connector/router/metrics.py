@@ -1,65 +1,89 @@
-"""Prometheus metrics of the router (own registry, served at /metrics)."""
+"""Prometheus metrics of the router (own registry, served at /metrics).
+
+Per request, labelled by revision and path (``push``, ``pull``, ``local`` for prompts below the
+disaggregation threshold): histograms of the prefill leg, the wait for the KV (the decode's first token
+after both its leg started and the prefill finished: in pull the whole decode leg up to its first token,
+in push the part of it after the prefill), time to first token and end to end; failures by cause (the
+vocabulary of :mod:`health`). Per backend, read at scrape time from the balancer: in-flight legs,
+draining, ejected; per revision: ready pairs and traffic weight.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from disagg_connector.router.discovery import Backend, Snapshot
+from disagg_connector.router.health import RouterHealth
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60, 120, 300)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60, 120, 300)
+_LABELS = ("revision", "mode")
+
+
+class _Backends(Collector):
+    """Backend and revision gauges from the /health summary at scrape time: nothing to keep in sync."""
+
+    def __init__(self, summary: Callable[[], RouterHealth]) -> None:
+        self.summary = summary
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        h = self.summary()
+        labels = ["role", "pod", "backend", "revision"]
+        inflight = GaugeMetricFamily("disagg_router_backend_in_flight", "Legs in flight per backend", labels=labels)
+        draining = GaugeMetricFamily("disagg_router_backend_draining", "1 while the backend's pod is marked draining", labels=labels)
+        ejected = GaugeMetricFamily("disagg_router_backend_ejected", "1 while the backend is ejected (failed, being re-probed)", labels=labels)
+        for b in h.backends:
+            values = [b.role, b.pod, b.backend, b.revision]
+            inflight.add_metric(values, b.inflight)
+            draining.add_metric(values, int(b.draining))
+            ejected.add_metric(values, int(b.ejected))
+        pairs = GaugeMetricFamily("disagg_router_ready_pairs", "Usable prefill/decode pairs per revision", labels=["revision"])
+        weight = GaugeMetricFamily("disagg_router_revision_weight", "Share of new requests per revision", labels=["revision"])
+        ready = GaugeMetricFamily("disagg_router_ready_backends", "Usable backends per role and revision", labels=["role", "revision"])
+        for name, r in h.revisions.items():
+            pairs.add_metric([name], r.ready_pairs)
+            weight.add_metric([name], r.weight)
+            ready.add_metric(["prefill", name], r.prefill)
+            ready.add_metric(["decode", name], r.decode)
+        yield from (inflight, draining, ejected, pairs, weight, ready)
 
 
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, summary: Callable[[], RouterHealth], registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
         self.requests = Counter(
-            "disagg_router_requests", "Client requests by mode, endpoint and HTTP status", ["mode", "endpoint", "code"], registry=r
+            "disagg_router_requests", "Client requests by revision, path, endpoint and HTTP status",
+            ["revision", "mode", "endpoint", "code"], registry=r,
+        )  # fmt: skip
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, _LABELS, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.prefill = hist("disagg_router_prefill_seconds", "The prefill leg, dispatch to prefill's answer")
+        self.kv_wait = hist(
+            "disagg_router_kv_wait_seconds",
+            "Decode's first token after its leg started and the prefill finished (the wait for the KV cache)",
         )
-        self.ttft = Histogram(
-            "disagg_router_time_to_first_token_seconds",
-            "Time from request arrival to the first streamed chunk sent to the client",
-            ["mode"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "disagg_router_request_duration_seconds",
-            "End-to-end request latency as seen by the router",
-            ["mode"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.failures = Counter(
-            "disagg_router_failures", "Failed legs and requests by cause", ["mode", "cause"], registry=r
-        )
-        self.retries = Counter("disagg_router_retries", "Retries on another pair with a fresh id", ["mode"], registry=r)
+        self.ttft = hist("disagg_router_time_to_first_token_seconds", "Request arrival to the first streamed chunk sent to the client")
+        self.e2e = hist("disagg_router_request_duration_seconds", "End-to-end request latency as seen by the router")
+        self.failures = Counter("disagg_router_failures", "Failed attempts and streams by cause", [*_LABELS, "cause"], registry=r)
+        self.retries = Counter("disagg_router_retries", "Retries on another pair with fresh ids", ["revision"], registry=r)
         self.in_flight = Gauge("disagg_router_requests_in_flight", "Client requests in progress", registry=r)
-        self.backend_in_flight = Gauge(
-            "disagg_router_backend_in_flight", "Outstanding legs per backend", ["role", "backend", "revision"], registry=r
-        )
-        self.backends = Gauge(
-            "disagg_router_ready_backends", "Ready backends discovered, per role and revision", ["role", "revision"], registry=r
-        )
-        self.discovery_errors = Counter(
-            "disagg_router_discovery_errors", "Discovery failures (the last table is kept)", registry=r
-        )
+        self.discovery_errors = Counter("disagg_router_discovery_errors", "Discovery failures (the last table is kept)", registry=r)
         self.discovery_events = Counter("disagg_router_discovery_events", "Pod watch events applied", registry=r)
+        r.register(_Backends(summary))
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-    def on_inflight(self, b: Backend, n: int) -> None:
-        self.backend_in_flight.labels(b.role, b.key, b.revision).set(n)
-
-    def on_table(self, snap: Snapshot) -> None:
-        self.backends.clear()
-        live = set()
-        for r in snap.revisions:
-            self.backends.labels("prefill", r.revision).set(len(r.prefill))
-            self.backends.labels("decode", r.revision).set(len(r.decode))
-            live.update((b.role, b.key, b.revision) for b in (*r.prefill, *r.decode))
-        for sample in list(self.backend_in_flight.collect()[0].samples):
-            labels = (sample.labels["role"], sample.labels["backend"], sample.labels["revision"])
-            if labels not in live and sample.value == 0:
-                self.backend_in_flight.remove(*labels)
+    def child(self, metric: Histogram | Counter, *labels: str) -> Any:
+        """metric.labels(*labels), cached: label lookup is a measurable share of a request's cost."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,15 +1,14 @@
-"""Which prefill and which decode serve a request: one revision, least outstanding requests.
+"""Which prefill and which decode serve a request: one revision, chosen in proportion to its ready pairs.
 
-- A revision is **eligible** when it has at least one usable prefill and one usable decode backend.
-- Policy ``newest`` (default): the newest eligible revision (see ``discovery`` for "newest") takes all new
-  requests; an older revision keeps serving only until the newer one is eligible.
-  Policy ``spread``: the prefill with the least outstanding requests over all eligible revisions, then a
-  decode of *its* revision.
+- A backend is **usable** when it is not draining, not ejected (see :class:`Ejections`), and not excluded by
+  the request (a backend blamed for one of its failed attempts: a retry never goes back to it).
+- A revision's **ready pairs** = min(usable prefills, usable decodes); it takes new requests only when that
+  is at least one and its transfer mode is known. Revisions share new requests in proportion to their ready
+  pairs (smooth weighted round robin: deterministic, and exact over any window of sum-of-weights requests),
+  so during a rollout the old and the new revision serve side by side in the ratio of their capacity.
 - Within a revision: least outstanding requests (this router's own in-flight count per backend), ties
-  broken round-robin.
-- "Usable": not excluded by the current request (a backend that already failed it) and not ejected (a
-  connection error in the last ``eject_seconds``). When nothing usable remains, exclusions and ejections
-  are ignored rather than failing the request outright.
+  broken round-robin per role. A pair never spans two revisions.
+- Nothing usable means no pair: the caller answers 503 (or, on a retry, the failure it already has).
 """
 
 from __future__ import annotations
@@ -18,41 +17,105 @@ import itertools
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from disagg_connector.router.discovery import Backend, RevisionView, Snapshot
 
 
+class Ejections:
+    """Backends taken out of rotation after a failure, and when to probe each again.
+
+    A backend is ejected when it answers 503, refuses or drops a connection, or fails its health probe.
+    It is re-probed after ``first`` seconds, then after twice as long each time the probe fails (at most
+    ``longest``); the first good probe re-admits it. A backend that answered another 5xx is *suspect*:
+    probed at once, ejected only if that probe fails (vLLM answers 500 for a single failed request, and
+    also while its engine is dead; only the latter fails /health). Pure state; :mod:`probe` runs the probes.
+    """
+
+    def __init__(self, first: float = 0.25, longest: float = 8.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.first, self.longest, self.clock = first, longest, clock
+        self._next: dict[str, float] = {}  # ejected key -> when to probe it next
+        self._delay: dict[str, float] = {}
+        self._suspects: set[str] = set()
+        self.on_change: Callable[[], None] = lambda: None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._next
+
+    def __len__(self) -> int:
+        return len(self._next)
+
+    def eject(self, key: str) -> None:
+        if key not in self._next:
+            self._delay[key] = self.first
+            self._next[key] = self.clock() + self.first
+            self.on_change()
+
+    def suspect(self, key: str) -> None:
+        if key not in self._next and key not in self._suspects:
+            self._suspects.add(key)
+            self.on_change()
+
+    def probed(self, key: str, ok: bool) -> None:
+        """The result of a probe: re-admit, or eject (first failure) and back off."""
+        self._suspects.discard(key)
+        if ok:
+            self._next.pop(key, None)
+            self._delay.pop(key, None)
+        elif key not in self._next:
+            self.eject(key)
+        else:
+            self._delay[key] = min(self._delay[key] * 2, self.longest)
+            self._next[key] = self.clock() + self._delay[key]
+
+    def due(self) -> list[str]:
+        now = self.clock()
+        return sorted(self._suspects | {k for k, t in self._next.items() if t <= now})
+
+    def next_due(self) -> float | None:
+        if self._suspects:
+            return self.clock()
+        return min(self._next.values(), default=None)
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop backends that left the table."""
+        for key in [k for k in self._next if k not in keep]:
+            del self._next[key], self._delay[key]
+        self._suspects &= keep
+
+
+@dataclass(frozen=True)
+class Candidates:
+    revision: RevisionView
+    prefill: tuple[Backend, ...]
+    decode: tuple[Backend, ...]
+
+    @property
+    def pairs(self) -> int:
+        return min(len(self.prefill), len(self.decode))
+
+
 class Balancer:
-    def __init__(
-        self,
-        policy: str = "newest",
-        eject_seconds: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-        on_inflight: Callable[[Backend, int], None] | None = None,
-    ) -> None:
-        self.policy = policy
-        self.eject_seconds = eject_seconds
-        self.clock = clock
+    def __init__(self, ejections: Ejections | None = None) -> None:
+        self.ejections = ejections if ejections is not None else Ejections()
         self.inflight: dict[str, int] = defaultdict(int)
-        self._ejected: dict[str, float] = {}
+        self.inflight_backends: dict[str, Backend] = {}  # the backend behind each in-flight count
         # One round-robin counter per role: a shared one alternates between the roles and pins
         # every sequential request to the same pair.
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
-        self._on_inflight = on_inflight
+        self._current: dict[str, float] = defaultdict(float)  # smooth weighted round robin state
 
     # --- load accounting -----------------------------------------------------------------------------
     def acquire(self, b: Backend) -> None:
         self.inflight[b.key] += 1
-        if self._on_inflight:
-            self._on_inflight(b, self.inflight[b.key])
+        self.inflight_backends[b.key] = b
 
     def release(self, b: Backend) -> None:
         n = self.inflight[b.key] = max(0, self.inflight[b.key] - 1)
         if n == 0:
             del self.inflight[b.key]
-        if self._on_inflight:
-            self._on_inflight(b, n)
+            self.inflight_backends.pop(b.key, None)
 
     @contextmanager
     def track(self, b: Backend) -> Iterator[None]:
@@ -62,60 +125,55 @@ class Balancer:
         finally:
             self.release(b)
 
-    def eject(self, b: Backend) -> None:
-        self._ejected[b.key] = self.clock() + self.eject_seconds
+    # --- what may serve ------------------------------------------------------------------------------
+    def usable(self, b: Backend, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
+        return not b.draining and b.key not in exclude and b.key not in self.ejections
 
-    def _usable(self, b: Backend, exclude: set[str]) -> bool:
-        if b.key in exclude:
-            return False
-        until = self._ejected.get(b.key)
-        if until is None:
-            return True
-        if until <= self.clock():
-            del self._ejected[b.key]
-            return True
-        return False
+    def candidates(self, snap: Snapshot, exclude: frozenset[str] | set[str] = frozenset()) -> list[Candidates]:
+        """Every revision with its usable backends, newest first (also those with no pair: /health)."""
+        return [
+            Candidates(
+                r,
+                tuple(b for b in r.prefill if self.usable(b, exclude)),
+                tuple(b for b in r.decode if self.usable(b, exclude)),
+            )
+            for r in snap.revisions
+        ]
 
-    # --- selection -----------------------------------------------------------------------------------
-    def _least(self, candidates: Sequence[Backend], role: str) -> Backend | None:
-        if not candidates:
-            return None
+    @staticmethod
+    def weights(cands: Sequence[Candidates]) -> dict[str, float]:
+        """Each serving revision's share of new requests: its ready pairs over all ready pairs."""
+        serving = {c.revision.revision: c.pairs for c in cands if c.pairs and c.revision.mode is not None}
+        total = sum(serving.values())
+        return {rev: n / total for rev, n in serving.items()}
+
+    def pick(self, snap: Snapshot, exclude: frozenset[str] | set[str] = frozenset()) -> Candidates | None:
+        """The revision of the next request, in proportion to ready pairs; None when none can serve."""
+        serving = [c for c in self.candidates(snap, exclude) if c.pairs and c.revision.mode is not None]
+        if len(serving) <= 1:
+            return serving[0] if serving else None
+        total = sum(c.pairs for c in serving)
+        for c in serving:
+            self._current[c.revision.revision] += c.pairs
+        best = max(serving, key=lambda c: self._current[c.revision.revision])
+        self._current[best.revision.revision] -= total
+        live = {c.revision.revision for c in serving}
+        for rev in [r for r in self._current if r not in live]:
+            del self._current[rev]
+        return best
+
+    def least(self, candidates: Sequence[Backend], role: str) -> Backend:
+        """Least outstanding legs, ties round-robin."""
         low = min(self.inflight.get(b.key, 0) for b in candidates)
         best = [b for b in candidates if self.inflight.get(b.key, 0) == low]
         return best[next(self._rr[role]) % len(best)]
 
-    def _filtered(self, r: RevisionView, exclude: set[str]) -> tuple[list[Backend], list[Backend]]:
-        return [b for b in r.prefill if self._usable(b, exclude)], [b for b in r.decode if self._usable(b, exclude)]
+    def choose_pair(self, snap: Snapshot, exclude: frozenset[str] | set[str] = frozenset()) -> tuple[Backend, Backend] | None:
+        c = self.pick(snap, exclude)
+        return None if c is None else (self.least(c.prefill, "prefill"), self.least(c.decode, "decode"))
 
-    def _eligible(self, snap: Snapshot, exclude: set[str]) -> list[tuple[RevisionView, list[Backend], list[Backend]]]:
-        out = []
-        for r in snap.revisions:  # newest first
-            p, d = self._filtered(r, exclude)
-            if p and d:
-                out.append((r, p, d))
-        if not out and (exclude or self._ejected):
-            out = [(r, list(r.prefill), list(r.decode)) for r in snap.revisions if r.eligible]
-        return out
-
-    def choose_prefill(self, snap: Snapshot, exclude: set[str] | None = None) -> Backend | None:
-        eligible = self._eligible(snap, exclude or set())
-        if not eligible:
-            return None
-        if self.policy == "newest":
-            return self._least(eligible[0][1], "prefill")
-        return self._least([p for _, ps, _ in eligible for p in ps], "prefill")
-
-    def choose_decode(self, snap: Snapshot, revision: str, exclude: set[str] | None = None) -> Backend | None:
+    def choose_decode(self, snap: Snapshot, revision: str, exclude: frozenset[str] | set[str] = frozenset()) -> Backend | None:
+        """Pull: the decode is chosen after the prefill answered, by load, within the prefill's revision."""
         r = snap.revision(revision)
-        if r is None or not r.decode:
-            return None
-        usable = [b for b in r.decode if self._usable(b, exclude or set())]
-        return self._least(usable or list(r.decode), "decode")
-
-    def choose_pair(self, snap: Snapshot, exclude: set[str] | None = None) -> tuple[Backend, Backend] | None:
-        exclude = exclude or set()
-        p = self.choose_prefill(snap, exclude)
-        if p is None:
-            return None
-        d = self.choose_decode(snap, p.revision, exclude)
-        return (p, d) if d is not None else None
+        usable = [b for b in r.decode if self.usable(b, exclude)] if r is not None else []
+        return self.least(usable, "decode") if usable else None

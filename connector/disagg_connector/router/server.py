@@ -3,8 +3,9 @@
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: validated here (JSON object, ``model`` present and
   equal to the served model name, ``stream`` boolean), then dispatched (see ``dispatch``). Errors use the
   OpenAI/vLLM shape ``{"error": {"message", "type", "param", "code"}}``.
-- ``GET /v1/models``: the served model. ``GET /health``: 200 while serving (body: the pairing table),
-  503 while draining. ``GET /metrics``: Prometheus.
+- ``GET /v1/models``: the served model. ``GET /health``: 200 while serving, 503 while shutting down; the
+  body is the summary of :mod:`health` (every backend; per revision its mode, ready pairs, weight and
+  outcomes). ``GET /metrics``: Prometheus.
 - SIGTERM/SIGINT: stop listening, answer 503 to requests on kept-alive connections, let in-flight requests
   (streams included) finish for up to ``--shutdown-grace-seconds``, then cancel what remains (both legs).
 """
@@ -16,30 +17,76 @@ import json
 import logging
 import signal
 import time
-from typing import Any
 
 from aiohttp import web
 
 from disagg_connector.router.config import RouterConfig
 from disagg_connector.router.discovery import EndpointTable, KubernetesDiscovery, StaticDiscovery
 from disagg_connector.router.dispatch import Dispatcher, RequestContext, openai_error
+from disagg_connector.router.health import TRANSFER_MODES, BackendHealth, RevisionHealth, RouterHealth
 from disagg_connector.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg_connector.router.pairing import Balancer
+from disagg_connector.router.probe import Prober
+from disagg_connector.router.stats import RouterStats
 
 log = logging.getLogger("disagg_router")
 
-STATE: web.AppKey[dict[str, Any]] = web.AppKey("state", dict)
 _KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
 
-def build_app(cfg: RouterConfig, table: EndpointTable, dispatcher: Dispatcher, metrics: RouterMetrics) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    state: dict[str, Any] = {"draining": False, "started": time.time()}
-    app[STATE] = state
+class Router:
+    """The parts of one router process and the state they share."""
 
-    async def generate(request: web.Request) -> web.StreamResponse:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.table = EndpointTable(cfg.mode)
+        self.balancer = Balancer()
+        self.stats = RouterStats()
+        self.metrics = RouterMetrics(self.summary)
+        self.dispatcher = Dispatcher(cfg, self.table, self.balancer, self.metrics, self.stats)
+        self.prober = Prober(self.dispatcher.client, self.table, self.balancer.ejections, cfg.probe_interval)
+        self.draining = False
+        self.started = time.time()
+
+    def summary(self) -> RouterHealth:
+        """The /health document: every backend (also one that left the table with legs still in flight)."""
+        snap, balancer, stats = self.table.snapshot(), self.balancer, self.stats
+        cands = balancer.candidates(snap)
+        weights = balancer.weights(cands)
+        listed = snap.backends()
+        keys = {b.key for b in listed}
+        listed += [b for k, b in balancer.inflight_backends.items() if k not in keys]
+        backends = tuple(
+            BackendHealth(
+                b.pod, b.key, b.role, b.revision, b.mode if b.mode in TRANSFER_MODES else None,  # type: ignore[arg-type]
+                balancer.inflight.get(b.key, 0), b.draining, b.key in balancer.ejections,
+            )  # fmt: skip
+            for b in listed
+        )
+        revisions = {}
+        for c in cands:
+            name = c.revision.revision
+            counters = stats.revisions.get(name)
+            revisions[name] = RevisionHealth(
+                mode=c.revision.mode,
+                mode_conflict=c.revision.mode_conflict,
+                prefill=len(c.prefill),
+                decode=len(c.decode),
+                ready_pairs=c.pairs if c.revision.mode is not None else 0,
+                weight=round(weights.get(name, 0.0), 6),
+                totals=stats.totals(name),
+                local=counters.local if counters else 0,
+                recent=stats.recent(name),
+                last_success_age_seconds=stats.last_success_age(name),
+            )
+        return RouterHealth(
+            "draining" if self.draining else "ok", self.table.synced, self.cfg.mode, stats.window_seconds, backends, revisions
+        )
+
+    # --- HTTP ---------------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
-        if state["draining"]:
+        if self.draining:
             resp = openai_error(503, "the router is shutting down")
             resp.force_close()
             return resp
@@ -55,7 +102,7 @@ def build_app(cfg: RouterConfig, table: EndpointTable, dispatcher: Dispatcher, m
             return openai_error(400, "The 'model' field is required", param="model")
         if not isinstance(model, str):
             return openai_error(400, "The 'model' field must be a string", param="model")
-        if model != cfg.served_model_name:
+        if model != self.cfg.served_model_name:
             return openai_error(404, f"The model `{model}` does not exist.", param="model")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -69,70 +116,46 @@ def build_app(cfg: RouterConfig, table: EndpointTable, dispatcher: Dispatcher, m
             t0=t0,
             auth=request.headers.get("Authorization"),
         )
-        return await dispatcher.handle(ctx)
+        return await self.dispatcher.handle(ctx)
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": cfg.served_model_name,
-                        "object": "model",
-                        "created": int(state["started"]),
-                        "owned_by": "vllm",
-                        "root": cfg.served_model_name,
-                        "parent": None,
-                        "permission": [],
-                    }
-                ],
-            }
-        )
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.cfg.served_model_name
+        model = {"id": name, "object": "model", "created": int(self.started), "owned_by": "vllm", "root": name, "parent": None, "permission": []}
+        return web.json_response({"object": "list", "data": [model]})
 
-    async def health(request: web.Request) -> web.Response:
-        snap = table.snapshot()
-        body = {
-            "status": "draining" if state["draining"] else "ok",
-            "mode": cfg.mode,
-            "synced": table.synced,
-            "revisions": [
-                {"revision": r.revision, "prefill": len(r.prefill), "decode": len(r.decode), "eligible": r.eligible}
-                for r in snap.revisions
-            ],
-        }
-        return web.json_response(body, status=503 if state["draining"] else 200)
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response(self.summary().to_json(), status=503 if self.draining else 200)
 
-    async def prom(request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def prom(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    for path in _KINDS:
-        app.router.add_post(path, generate)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", prom)
-    return app
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        for path in _KINDS:
+            app.router.add_post(path, self.generate)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prom)
+        return app
 
 
 async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
-    metrics = RouterMetrics()
-    table = EndpointTable()
-    table.add_listener(metrics.on_table)
-    balancer = Balancer(cfg.revision_policy, cfg.eject_seconds, on_inflight=metrics.on_inflight)
-    dispatcher = Dispatcher(cfg, table, balancer, metrics)
-    on_error = metrics.discovery_errors.inc
+    router = Router(cfg)
+    metrics = router.metrics
     if cfg.static_endpoints:
         discovery: StaticDiscovery | KubernetesDiscovery = StaticDiscovery(
-            cfg.static_endpoints, table, cfg.static_poll_seconds, on_error=on_error
+            cfg.static_endpoints, router.table, cfg.static_poll_seconds, on_error=metrics.discovery_errors.inc
         )
     else:
         assert cfg.namespace and cfg.selector
         discovery = KubernetesDiscovery(
-            cfg.namespace, cfg.selector, table, cfg.kubeconfig, on_error=on_error, on_event=metrics.discovery_events.inc
-        )
-    await dispatcher.start()
+            cfg.namespace, cfg.selector, router.table, cfg.kubeconfig,
+            on_error=metrics.discovery_errors.inc, on_event=metrics.discovery_events.inc,
+        )  # fmt: skip
+    await router.dispatcher.start()
     await discovery.start()
-    app = build_app(cfg, table, dispatcher, metrics)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=cfg.shutdown_grace, access_log=None)
+    router.prober.start()
+    runner = web.AppRunner(router.app(), handler_cancellation=True, shutdown_timeout=cfg.shutdown_grace, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True)
     await site.start()
@@ -141,19 +164,21 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "disagg-router listening on %s:%d (model %s, mode %s, discovery %s)",
+        "disagg-router listening on %s:%d (model %s, default mode %s, leg deadline %gs, discovery %s)",
         cfg.host,
         cfg.port,
         cfg.served_model_name,
         cfg.mode,
+        cfg.leg_timeout,
         f"static file {cfg.static_endpoints}" if cfg.static_endpoints else f"pods {cfg.selector!r} in {cfg.namespace}",
     )
     if ready is not None:
         ready.set()
     await stop.wait()
     log.info("shutting down: draining in-flight requests for up to %gs", cfg.shutdown_grace)
-    app[STATE]["draining"] = True
+    router.draining = True
     await runner.cleanup()  # closes the listener, waits for handlers up to shutdown_timeout, then cancels
+    await router.prober.stop()
     await discovery.stop()
-    await dispatcher.close()
+    await router.dispatcher.close()
     log.info("stopped")

@@ -515,6 +515,12 @@ class RouterSpec(ApiModel):
     max_retries: Annotated[int, Field(ge=0, le=5)] = Field(
         default=1, description="Retries on another P/D pair, only while nothing reached the client."
     )
+    disaggregation_threshold_tokens: Annotated[int, Field(ge=0, le=1048576)] = Field(
+        default=0,
+        description="Prompts shorter than this many tokens (estimated from their length, 4 bytes per "
+        "token) skip the prefill engine: a decode engine prefills them itself, which costs less than a "
+        "KV transfer for short prompts. 0 disaggregates every request.",
+    )
     decode_selection: Literal["LeastOutstanding"] = Field(
         default="LeastOutstanding",
         description="How the router picks prefill and decode within a revision: fewest requests in "

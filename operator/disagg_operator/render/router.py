@@ -31,7 +31,9 @@ def router_args(dm: DisaggregatedModel, plan: TransferPlan) -> list[str]:
         "--selector", f"{contract.LABEL_MODEL}={contract.model_label_value(dm.metadata.name)}",
         "--port", str(contract.ROUTER_PORT),
         "--leg-timeout-seconds", str(router.request_deadline_seconds),
+        "--kv-lease-seconds", str(dm.spec.kv_transfer.lease_seconds),
         "--max-retries", str(router.max_retries),
+        "--disaggregation-threshold-tokens", str(router.disaggregation_threshold_tokens),
         "--shutdown-grace-seconds", str(router.request_deadline_seconds),
     ]  # fmt: skip
 
