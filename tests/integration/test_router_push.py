@@ -37,11 +37,12 @@ def env(tmp_path_factory):
     R = h.launch_router(d, static, "push")
     Rdp = h.launch_router(d, static_dp, "push", name="router-dp")
     Rmain = h.launch_router(d, static_main, "push", name="router-main")
+    Rseq = h.launch_router(d, static, "push-sequential", name="router-seq")
     try:
-        h.wait_ready(P, D, Pdp, Ddp, Pmain, Dmain, R, Rdp, Rmain)
-        yield {"P": P, "D": D, "R": R, "Pdp": Pdp, "Ddp": Ddp, "Rdp": Rdp, "Pmain": Pmain, "Dmain": Dmain, "Rmain": Rmain}
+        h.wait_ready(P, D, Pdp, Ddp, Pmain, Dmain, R, Rdp, Rmain, Rseq)
+        yield {"P": P, "D": D, "R": R, "Pdp": Pdp, "Ddp": Ddp, "Rdp": Rdp, "Pmain": Pmain, "Dmain": Dmain, "Rmain": Rmain, "Rseq": Rseq}
     finally:
-        h.stop_all(R, Rdp, Rmain, P, D, Pdp, Ddp, Pmain, Dmain)
+        h.stop_all(R, Rdp, Rmain, Rseq, P, D, Pdp, Ddp, Pmain, Dmain)
 
 
 def _leg(sim: h.Sim, xid: str) -> dict:
@@ -94,6 +95,16 @@ def test_vllm_main_pairs_the_legs_by_the_routers_transfer_id(env, kind):
     assert _leg(D, reply.xid)["kv_transfer_params"]["transfer_id"] == transfer_id
     [push] = [e for e in P.events("push_done") if reply.xid in e["rid"]]
     assert push["matched_by"] == "transfer_id"
+
+
+def test_push_sequential_baseline_sends_decode_after_prefill_with_its_own_id(env):
+    P, D, R = env["P"], env["D"], env["Rseq"]
+    reply = asyncio.run(h.post(R.url + "/v1/completions", h.completion(prompt_words=50, max_tokens=2)))
+    assert reply.status == 200, reply.body
+    [done] = [e for e in P.events("prefill_done") if e["xid"] == reply.xid]
+    d_leg = _leg(D, reply.xid)
+    assert d_leg["t"] > done["t"]
+    assert d_leg["kv_transfer_params"]["remote_request_id"] == done["rid"]  # P's id, random suffix included
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])

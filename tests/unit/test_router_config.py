@@ -19,7 +19,7 @@ def test_contract_flags():
             "--shutdown-grace-seconds", "15", "--disaggregation-threshold-tokens", "256",
         ]
     )  # fmt: skip
-    assert (cfg.served_model_name, cfg.mode, cfg.namespace, cfg.selector) == ("qwen", "Pull", "ns", "disagg.dev/model=qwen")
+    assert (cfg.served_model_name, cfg.default_mode, cfg.namespace, cfg.selector) == ("qwen", "Pull", "ns", "disagg.dev/model=qwen")
     assert (cfg.port, cfg.leg_timeout, cfg.kv_lease_seconds, cfg.max_retries, cfg.shutdown_grace) == (8000, 20.0, 120.0, 2, 15.0)
     assert cfg.disaggregation_threshold_tokens == 256
     assert parse_args(["--served-model-name", "q", "--static-endpoints", "f.json"]).static_endpoints == "f.json"
@@ -52,4 +52,4 @@ def test_the_operators_rendered_arguments_parse(path):
     spec = model.spec
     assert cfg.kv_lease_seconds == spec.kv_transfer.lease_seconds > cfg.leg_timeout == spec.router.request_deadline_seconds
     assert cfg.disaggregation_threshold_tokens == spec.router.disaggregation_threshold_tokens
-    assert cfg.mode == rendered.plan.mode  # pods without the annotation (none: the operator writes it) get it
+    assert cfg.default_mode == rendered.plan.mode  # pods without the annotation (none: the operator writes it) get it

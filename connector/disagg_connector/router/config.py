@@ -30,10 +30,13 @@ def default_leg_timeout(lease_seconds: float) -> float:
     return lease_seconds * 2 / 3
 
 
+MODES = ("push", "pull", "push-sequential")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     served_model_name: str
-    mode: TransferMode = "Push"  # for pods that carry no transfer-mode annotation
+    mode: str = "push"  # one of MODES: the protocol of pods without a transfer-mode annotation
     namespace: str | None = None
     selector: str | None = None
     static_endpoints: str | None = None
@@ -51,6 +54,16 @@ class RouterConfig:
     static_poll_seconds: float = 0.5
     log_level: str = "INFO"
 
+    @property
+    def default_mode(self) -> TransferMode:
+        return "Pull" if self.mode == "pull" else "Push"
+
+    @property
+    def push_sequential(self) -> bool:
+        """Push revisions dispatched one leg after the other, as vLLM's 0.33-era demo proxy does: a
+        baseline for benchmarks (the legs' overlap is what push is for)."""
+        return self.mode == "push-sequential"
+
 
 def _default(name: str) -> Any:
     return {f.name: f.default for f in dataclasses.fields(RouterConfig)}[name]
@@ -64,11 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", required=True, help="the only model name this router accepts")
     p.add_argument(
         "--mode",
-        choices=("push", "pull"),
-        default=_default("mode").lower(),
+        choices=MODES,
+        default=_default("mode"),
         help="protocol for engine pods without a disagg.dev/transfer-mode annotation (each revision follows "
         "its pods' annotation): push sends both legs concurrently (NixlPushConnector), pull prefill then "
-        "decode (NixlConnector)",
+        "decode (NixlConnector); push-sequential: push, but every push revision's legs one after the other "
+        "(a benchmark baseline)",
     )
     p.add_argument("--namespace", help="namespace of the P/D pods (default: the pod's own namespace)")
     p.add_argument("--selector", help="label selector of this model's P and D pods, e.g. disagg.dev/model=NAME")
@@ -155,7 +169,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         parser.error("--probe-interval-seconds must be >= 0")
     return RouterConfig(
         served_model_name=a.served_model_name,
-        mode="Push" if a.mode == "push" else "Pull",
+        mode=a.mode,
         namespace=namespace,
         selector=a.selector,
         static_endpoints=a.static_endpoints,

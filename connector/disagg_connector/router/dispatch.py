@@ -14,6 +14,8 @@ from its pods' transfer-mode annotation:
   internal id without its random suffix.
 - Pull (``NixlConnector``): prefill leg (``do_remote_decode``, max tokens 1, not streamed), then a decode
   chosen by load *after* the prefill, within P's revision, with P's ``kv_transfer_params``.
+- ``--mode push-sequential`` (a benchmark baseline, as vLLM's 0.33-era demo proxy dispatches): push
+  revisions' legs one after the other, the decode chosen after the prefill, with P's own request id.
 - A prompt shorter than ``--disaggregation-threshold-tokens`` goes to a decode engine alone (no
   ``kv_transfer_params``): it prefills locally, which costs less than a transfer for short prompts.
 
@@ -386,9 +388,9 @@ class Dispatcher:
             return Opened(xid, rev.revision, ctx.flow, d, status, ctype, data, tl, resp)
         self.stats.dispatched(rev.revision)
         p = self.balancer.least(chosen.prefill, "prefill")
-        if ctx.flow == "push":
+        if ctx.flow == "push" and not self.cfg.push_sequential:
             return await self._attempt_push(ctx, rev, p, self.balancer.least(chosen.decode, "decode"), xid, transfer_id, tl)
-        return await self._attempt_pull(ctx, rev, p, xid, transfer_id, tl)
+        return await self._attempt_sequential(ctx, rev, p, xid, transfer_id, tl)
 
     async def _attempt_push(
         self, ctx: RequestContext, rev: RevisionView, p: Backend, d: Backend, xid: str, transfer_id: str, tl: Timeline
@@ -423,14 +425,21 @@ class Dispatcher:
             raise
         return Opened(xid, rev.revision, "push", d, status, ctype, data, tl, resp, None if p_task.done() else p_task)
 
-    async def _attempt_pull(self, ctx: RequestContext, rev: RevisionView, p: Backend, xid: str, transfer_id: str, tl: Timeline) -> Opened:
-        answer = await self._prefill_leg(ctx, p, "Pull", xid, transfer_id, tl, self.cfg.leg_timeout)
+    async def _attempt_sequential(self, ctx: RequestContext, rev: RevisionView, p: Backend, xid: str, transfer_id: str, tl: Timeline) -> Opened:
+        """Pull, and push-sequential: the prefill leg, then a decode chosen by load in P's revision."""
+        assert rev.mode is not None
+        answer = await self._prefill_leg(ctx, p, rev.mode, xid, transfer_id, tl, self.cfg.leg_timeout)
         d = self.balancer.choose_decode(self.table.snapshot(), p.revision, ctx.excluded)
         if d is None:
             raise LegFailure("no_backend", f"revision {p.revision} lost its decode engines", 503, ())
-        params = {"transfer_id": transfer_id, **answer["kv_transfer_params"]}
+        returned = answer["kv_transfer_params"]
+        if ctx.flow == "pull":
+            params = {"transfer_id": transfer_id, **returned}
+        else:  # P's identity from discovery, P's own request id from its answer (heartbeats then match)
+            rid = returned.get("remote_request_id")
+            params = p.identity.push_decode_params(rid if isinstance(rid, str) else engine_request_id(ctx.kind, xid), transfer_id)
         status, ctype, data, resp = await self._open_decode(ctx, d, xid, params, tl)
-        return Opened(xid, rev.revision, "pull", d, status, ctype, data, tl, resp)
+        return Opened(xid, rev.revision, ctx.flow, d, status, ctype, data, tl, resp)
 
     def _discard(self, d: Backend, resp: aiohttp.ClientResponse | None) -> None:
         if resp is not None:

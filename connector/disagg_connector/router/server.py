@@ -39,7 +39,7 @@ class Router:
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.table = EndpointTable(cfg.mode)
+        self.table = EndpointTable(cfg.default_mode)
         self.balancer = Balancer()
         self.stats = RouterStats()
         self.metrics = RouterMetrics(self.summary)
@@ -80,7 +80,7 @@ class Router:
                 last_success_age_seconds=stats.last_success_age(name),
             )
         return RouterHealth(
-            "draining" if self.draining else "ok", self.table.synced, self.cfg.mode, stats.window_seconds, backends, revisions
+            "draining" if self.draining else "ok", self.table.synced, self.cfg.default_mode, stats.window_seconds, backends, revisions
         )
 
     # --- HTTP ---------------------------------------------------------------------------------------
