@@ -121,6 +121,34 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(log_dir):
         h.stop_all(R, P, D)
 
 
+def test_decode_stream_that_goes_silent_ends_at_the_deadline(log_dir):
+    P = h.launch_sim(log_dir, "prefill", "push")
+    D = h.launch_sim(log_dir, "decode", "push", tpot_ms=20.0)
+    static = log_dir / "stall.json"
+    h.write_static(static, [P.static_entry(), D.static_entry()])
+    R = h.launch_router(log_dir, static, "push", leg_timeout=1.0, name="router-stall")
+    try:
+        h.wait_ready(P, D, R)
+
+        async def go():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                async with s.post(R.url + "/v1/completions", json=h.completion(max_tokens=500, stream=True)) as resp:
+                    first = await resp.content.readany()
+                    await asyncio.to_thread(D.control, stall=True)  # the engine hangs mid-stream
+                    return first + await resp.read()
+
+        try:
+            body = asyncio.run(go())
+        finally:
+            D.control(stall=False)
+        events = [e for e in body.split(b"\n\n") if e]
+        assert b"decode_stall" in events[-2] and events[-1] == b"data: [DONE]"
+        h.wait_until(lambda: D.counter("cancelled") == 1, 20, what="the stalled decode leg cancelled")
+        assert _failures(R) == {"decode_stall": 1}
+    finally:
+        h.stop_all(R, P, D)
+
+
 def test_engine_that_answers_503_then_closes_is_ejected_and_readmitted(log_dir):
     """A dead vLLM: /health 503, 500 on a request, then its API server exits. Two routers: one probes every
     backend (finds the death itself), one only probes after a failed request."""

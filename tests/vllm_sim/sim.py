@@ -59,7 +59,7 @@ Only a bidirectional turn-2 read checks the expiry first.
 - A client disconnect aborts the request (counted in ``cancelled``); an aborted prefill never pushes.
 - ``POST /sim/control {"fail_transfers": true}`` fails every KV receive of this engine (a failed NIXL
   handshake or transfer: 500 / error event under policy fail); ``{"unavailable": true}`` answers new
-  requests 503 as a paused engine does.
+  requests 503 as a paused engine does; ``{"stall": true}`` hangs the engine loop.
 
 **Timing model** (every duration multiplied by ``--time-scale``):
 - P has one accelerator: prefills run one at a time, FIFO, ``prefill_us_per_token * prompt_tokens`` each.
@@ -227,7 +227,7 @@ class Engine:
         self.dead: str | None = None
         self.stop = asyncio.Event()  # set: the API server exits (serve() returns, the ports close)
         self.side_runners: list[web.AppRunner] = []
-        self.faults: dict[str, bool] = {"fail_transfers": False, "unavailable": False}
+        self.faults: dict[str, bool] = {"fail_transfers": False, "unavailable": False, "stall": False}
         # D: requests whose P leases this engine heartbeats (base_scheduler.on_new_request), by P's engine id
         self.heartbeats: dict[str, tuple[str, int, set[str]]] = {}
         self._rr = itertools.count()
@@ -357,6 +357,8 @@ class Engine:
                     await self.wake.wait()
                 continue
             await asyncio.sleep(self.t.tpot() + stall)
+            while self.faults["stall"] and not self.dead:  # a hung engine step: nobody gets a token
+                await asyncio.sleep(0.05)
             for seq in self.running:
                 if not seq.done:
                     self.emit(seq)
@@ -647,7 +649,8 @@ class Engine:
     async def control(self, request: web.Request) -> web.Response:
         """Test hook: ``{"die": why}`` kills the engine; ``{"fail_transfers": bool}`` makes every KV receive
         fail (as a failed NIXL handshake/transfer would); ``{"unavailable": bool}`` answers new requests with
-        503 as a paused engine does (``RetryableRequestError``)."""
+        503 as a paused engine does (``RetryableRequestError``); ``{"stall": bool}`` hangs the engine
+        loop (no token for anyone, the connections stay open)."""
         msg = await request.json()
         for fault in self.faults:
             if fault in msg:

@@ -529,23 +529,27 @@ class Dispatcher:
             await out.write(o.data)
             self.metrics.child(self.metrics.ttft, o.revision, o.flow).observe(time.monotonic() - ctx.t0)
             engine_error = False
-            while True:
-                try:
-                    async with asyncio.timeout(self.cfg.leg_timeout):
-                        chunk = await resp.content.readany()
-                except (TimeoutError, aiohttp.ClientError) as e:
-                    cause = "decode_stall" if isinstance(e, TimeoutError) else "decode_stream_broken"
-                    self._failed(o.revision, o.flow, cause)
-                    log.warning("decode stream from %s ended abnormally: %s", o.decode.key, cause)
-                    if cause == "decode_stream_broken":
-                        self.balancer.ejections.suspect(o.decode.key)
-                    await out.write(sse_error(502, f"decode engine stream failed ({cause})"))
-                    break
-                if not chunk:
-                    finished = True
-                    break
-                engine_error = engine_error or _SSE_ERROR in chunk
-                await out.write(chunk)
+            stall = StallTimer(self.cfg.leg_timeout)
+            try:
+                while True:
+                    try:
+                        with stall:
+                            chunk = await resp.content.readany()
+                    except (TimeoutError, aiohttp.ClientError) as e:
+                        cause = "decode_stall" if isinstance(e, TimeoutError) else "decode_stream_broken"
+                        self._failed(o.revision, o.flow, cause)
+                        log.warning("decode stream from %s ended abnormally: %s", o.decode.key, cause)
+                        if cause == "decode_stream_broken":
+                            self.balancer.ejections.suspect(o.decode.key)
+                        await out.write(sse_error(502, f"decode engine stream failed ({cause})"))
+                        break
+                    if not chunk:
+                        finished = True
+                        break
+                    engine_error = engine_error or _SSE_ERROR in chunk
+                    await out.write(chunk)
+            finally:
+                stall.close()
             if finished and engine_error:  # the engine ended the stream with its own error event
                 finished = False
                 self._failed(o.revision, o.flow, "decode_stream_broken")
@@ -562,6 +566,46 @@ class Dispatcher:
             else:
                 resp.close()
             self.balancer.release(o.decode)
+
+
+class StallTimer:
+    """The longest wait for the next chunk of a stream: ``with timer: await read()`` raises TimeoutError
+    once the reads of one stream have waited ``limit`` seconds with nothing coming. One timer per
+    ``limit`` seconds rather than one per chunk (a per-read ``asyncio.timeout`` was a measurable part of
+    the relay's cost): it re-arms itself for the rest when a chunk came meanwhile."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.last = self.loop.time()
+        self.waiting = False
+        self.fired = False
+        self.handle = self.loop.call_later(limit, self._check)
+
+    def _check(self) -> None:
+        idle = self.loop.time() - self.last
+        if self.waiting and idle >= self.limit:
+            self.fired = True
+            assert self.task is not None
+            self.task.cancel()
+        else:
+            self.handle = self.loop.call_later(max(self.limit - idle, 0.001) if self.waiting else self.limit, self._check)
+
+    def __enter__(self) -> None:
+        self.waiting, self.last = True, self.loop.time()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self.waiting = False
+        if exc_type is asyncio.CancelledError and self.fired:
+            assert self.task is not None
+            self.task.uncancel()
+            self.fired = False
+            raise TimeoutError(f"no chunk for {self.limit:g}s")
+        return False
+
+    def close(self) -> None:
+        self.handle.cancel()
 
 
 def _sse_error_message(chunk: bytes) -> str:

@@ -38,6 +38,7 @@ class Ejections:
         self._next: dict[str, float] = {}  # ejected key -> when to probe it next
         self._delay: dict[str, float] = {}
         self._suspects: set[str] = set()
+        self.version = 0  # moves whenever the set of ejected backends does
         self.on_change: Callable[[], None] = lambda: None
 
     def __contains__(self, key: str) -> bool:
@@ -50,6 +51,7 @@ class Ejections:
         if key not in self._next:
             self._delay[key] = self.first
             self._next[key] = self.clock() + self.first
+            self.version += 1
             self.on_change()
 
     def suspect(self, key: str) -> None:
@@ -61,7 +63,8 @@ class Ejections:
         """The result of a probe: re-admit, or eject (first failure) and back off."""
         self._suspects.discard(key)
         if ok:
-            self._next.pop(key, None)
+            if self._next.pop(key, None) is not None:
+                self.version += 1
             self._delay.pop(key, None)
         elif key not in self._next:
             self.eject(key)
@@ -82,6 +85,7 @@ class Ejections:
         """Drop backends that left the table."""
         for key in [k for k in self._next if k not in keep]:
             del self._next[key], self._delay[key]
+            self.version += 1
         self._suspects &= keep
 
 
@@ -105,6 +109,7 @@ class Balancer:
         # every sequential request to the same pair.
         self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._current: dict[str, float] = defaultdict(float)  # smooth weighted round robin state
+        self._cached: tuple[Snapshot, int, list[Candidates]] | None = None  # candidates without exclusions
 
     # --- load accounting -----------------------------------------------------------------------------
     def acquire(self, b: Backend) -> None:
@@ -130,7 +135,16 @@ class Balancer:
         return not b.draining and b.key not in exclude and b.key not in self.ejections
 
     def candidates(self, snap: Snapshot, exclude: frozenset[str] | set[str] = frozenset()) -> list[Candidates]:
-        """Every revision with its usable backends, newest first (also those with no pair: /health)."""
+        """Every revision with its usable backends, newest first (also those with no pair: /health).
+        Without exclusions (every first attempt) computed once per table and ejection change."""
+        if not exclude:
+            c = self._cached
+            if c is None or c[0] is not snap or c[1] != self.ejections.version:
+                c = self._cached = (snap, self.ejections.version, self._candidates(snap, exclude))
+            return c[2]
+        return self._candidates(snap, exclude)
+
+    def _candidates(self, snap: Snapshot, exclude: frozenset[str] | set[str]) -> list[Candidates]:
         return [
             Candidates(
                 r,
