@@ -21,10 +21,18 @@ from disagg_operator import config
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"
-SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+# The two distributions: the operator (pyproject.toml) and the data plane (connector/pyproject.toml).
+DISTRIBUTIONS = {"operator": ".", "connector": "connector"}
+SCRIPTS = {
+    script: dist
+    for dist, root in DISTRIBUTIONS.items()
+    for script in tomllib.loads((REPO / root / "pyproject.toml").read_text())["project"]["scripts"]
+}
 README = (IMAGES / "README.md").read_text()
 CHART_VALUES = yaml.safe_load((REPO / "charts" / "disagg-operator" / "values.yaml").read_text())
 
+# image dir -> the distributions it installs (the router and the engines carry no operator code)
+INSTALLS = {"operator": ("connector", "operator"), "router": ("connector",), "vllm-runtime": ("connector",), "vllm-runtime-neuron": ("connector",)}
 # image dir -> (non-root?, the entry points it must carry, the reference the chart/operator use by default)
 EXPECTED = {
     "operator": (True, {"disagg-operator"}, f"{CHART_VALUES['image']['repository']}:$VERSION"),
@@ -124,6 +132,7 @@ def test_entry_points_exist(image: str) -> None:
     text = "\n".join(" ".join(c.value) for c in commands if c.cmd in {"RUN", "ENTRYPOINT", "CMD"})
     for script in wanted:
         assert script in SCRIPTS, f"{script} is not in pyproject's [project.scripts]"
+        assert SCRIPTS[script] in INSTALLS[image], f"{image}: {script} belongs to the {SCRIPTS[script]} distribution"
         assert re.search(rf"(^|[\s\"/]){re.escape(script)}\b", text), f"{image}: {script} is never run or set"
     for cmd in final(stages).commands:
         if cmd.cmd == "ENTRYPOINT":
@@ -149,13 +158,16 @@ def test_package_is_installed_from_the_copied_sources(image: str) -> None:
                 *sources, dest = cmd.value
                 for src in sources:
                     dests[src.rstrip("/")] = str(Path(workdir, dest)) if not dest.startswith("/") else dest
-        assert {"pyproject.toml", "operator", "connector"} <= set(dests), f"{image}: the package sources are not all copied"
-        root = dests["pyproject.toml"].rstrip("/")
-        root = root if not root.endswith("pyproject.toml") else str(Path(root).parent)
+        wanted = INSTALLS[image]
+        sources = {"connector"} | ({"pyproject.toml", "operator"} if "operator" in wanted else set())
+        assert set(dests) == sources | ({"README.md"} if "operator" in wanted else set()), f"{image}: copies {sorted(dests)}"
         installs = [c.value[0] for c in stage.commands if c.cmd == "RUN" and "pip install" in c.value[0]]
-        assert any(re.search(rf"pip install [^&]*\"?{re.escape(root)}/?(\[\w+\])?\"?(\s|$)", run) for run in installs), (
-            f"{image}: no `pip install {root}` of the copied package"
-        )
+        for dist in wanted:
+            root = (dests["connector"] if dist == "connector" else dests["pyproject.toml"]).rstrip("/")
+            root = str(Path(root).parent) if root.endswith("pyproject.toml") else root
+            assert any(re.search(rf"pip install [^&]*\"?{re.escape(root)}/?(\[\w+\])?\"?(\s|$)", run) for run in installs), (
+                f"{image}: no `pip install {root}` of the copied {dist} distribution"
+            )
         return
     pytest.fail(f"{image}: the package is never copied in")
 
