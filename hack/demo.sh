@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: a local control plane with fake p5en/trn2 nodes, the CRD, the
-# operator, and examples/minimal.yaml reconciled to Ready.
+# operator, and examples/minimal.yaml reconciled to Ready; then one streaming completion through the
+# model's router to simulated engines on its pods' IPs, with the answer and both legs' timings.
 #
 #   hack/demo.sh          set up, bring everything up, apply the example, wait for Ready, show it
 #   hack/demo.sh down     stop the operator and the control plane
@@ -57,5 +58,12 @@ kubectl get deployments,services,pods,poddisruptionbudgets,networkpolicies,servi
   -l "disagg.dev/model=$name" -o wide
 echo
 kubectl get dm "$name" -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
+echo
+# The pods are kwok's (no containers), on loopback IPs: simulated vLLM engines listen on them with the
+# identity each pod announces, and the router runs with its rendered arguments and its own ServiceAccount.
+log "a streaming completion through the router to simulated engines on the pods' IPs"
+router_sa="$(.venv/bin/python -c 'import sys; from disagg_connector import contract; print(contract.router_name(sys.argv[1]))' "$name")"
+.venv/bin/python -m tests.vllm_sim.pods --kubeconfig "$KUBECONFIG" --namespace default --model "$name" \
+  --token "$(kubectl create token "$router_sa" --duration=10m)"
 echo
 log "running. Stop with: hack/demo.sh down"

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -37,12 +36,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-import yaml
-from kubernetes import client, watch
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
-from tests.vllm_sim.harness import FAST, Proc, free_port, get_json, http_get
+from tests.vllm_sim.pods import LocalRouter, PodEngine, PodEngines, router_kubeconfig, start_router
 
 from ..conftest import REPO, load_example, merge
 from . import waiting
@@ -75,233 +73,18 @@ def wait_model_ready(custom: client.CustomObjectsApi, ns: str, name: str) -> dic
     return wait_for(f"{ns}/{name} Ready", ready)
 
 
-def pod_ready(pod: dict[str, Any]) -> bool:
-    return not pod["metadata"].get("deletionTimestamp") and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or []
-    )
-
-
-def router_kubeconfig(cluster: Any, namespace: str, model: str, path: Path) -> Path:
+def router_token_kubeconfig(cluster: Any, namespace: str, model: str, path: Path) -> Path:
     """A kubeconfig with nothing but a token of the router's own ServiceAccount (rendered by the operator)."""
-    sa = contract.router_name(model)
-    token = cluster.kubectl("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
-    server = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "router",
-        "clusters": [{"name": "local", "cluster": server}],
-        "users": [{"name": "router", "user": {"token": token}}],
-        "contexts": [{"name": "router", "context": {"cluster": "local", "user": "router", "namespace": namespace}}],
-    }))  # fmt: skip
-    return path
+    token = cluster.kubectl("create", "token", contract.router_name(model), "-n", namespace, "--duration=1h").stdout.strip()
+    return router_kubeconfig(cluster.kubeconfig, token, namespace, path)
 
 
-def replace_flag(args: list[str], flag: str, value: str) -> list[str]:
-    out = list(args)
-    if flag in out:
-        out[out.index(flag) + 1] = value
-    else:
-        out += [flag, value]
-    return out
+def wait_serving(engines: PodEngines, prefill: int, decode: int) -> list[PodEngine]:
+    return wait_for(f"{prefill} prefill + {decode} decode engines listening", lambda: engines.serving(prefill, decode))
 
 
-# --- simulated engines on the pods' own addresses ---------------------------------------------------
-@dataclass
-class PodEngine:
-    proc: Proc
-    pod: str
-    uid: str
-    role: str
-    revision: str
-    ip: str
-    http_port: int
-    engine_id: str
-    final: tuple[dict[str, Any], dict[str, int]] | None = None  # (legs, counters) when it was stopped
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.ip}:{self.http_port}"
-
-    def ready(self) -> bool:
-        if not self.proc.alive():
-            raise RuntimeError(f"engine for {self.pod} exited:\n{self.proc.log_text()[-3000:]}")
-        return http_get(self.url + "/health", timeout=2)[0] == 200
-
-    def counters(self) -> dict[str, int]:
-        if self.final is not None:
-            return self.final[1]
-        return get_json(self.url + "/sim/stats")["counters"]
-
-    def legs(self) -> dict[str, dict[str, Any]]:
-        """xid -> the leg_received event of every leg this engine got."""
-        if self.final is not None:
-            return self.final[0]
-        events = get_json(self.url + "/sim/events")["events"]
-        return {e["xid"]: e for e in events if e["kind"] == "leg_received"}
-
-    def stop(self) -> None:
-        """Keep what it saw, then stop it."""
-        if self.final is None and self.proc.alive():
-            self.final = (self.legs(), self.counters())
-        self.proc.stop()
-
-
-class PodEngines:
-    """Watches a model's P/D pods and runs one simulated engine per Ready pod, on that pod's IP.
-
-    Engines of deleted pods keep running (in ``gone``) until the test retires them, once the router no
-    longer routes to them and nothing in flight can still need them.
-    """
-
-    def __init__(self, api_client: Any, namespace: str, model: str, served_name: str, mode: str, log_dir: Path):
-        self.core = client.CoreV1Api(api_client)
-        self.namespace, self.model, self.served_name, self.mode = namespace, model, served_name, mode
-        self.log_dir = log_dir
-        self.engines: dict[str, PodEngine] = {}  # pod uid -> engine
-        self.gone: set[str] = set()  # uids of deleted pods whose engine still runs
-        self.lock = threading.Lock()
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._selector = f"{contract.LABEL_MODEL}={contract.model_label_value(model)},{contract.LABEL_ROLE} in (prefill,decode)"
-
-    # one pod event
-    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
-        meta = pod["metadata"]
-        uid = meta["uid"]
-        with self.lock:
-            known = uid in self.engines
-            if kind == "DELETED" or meta.get("deletionTimestamp"):
-                if known:
-                    self.gone.add(uid)
-                return
-            ip = (pod.get("status") or {}).get("podIP")
-            if known or not ip or not pod_ready(pod):
-                return
-            self.engines[uid] = self._launch(pod, ip)
-
-    def _launch(self, pod: dict[str, Any], ip: str) -> PodEngine:
-        meta = pod["metadata"]
-        ann = meta.get("annotations") or {}
-        labels = meta["labels"]
-        name, uid, role = meta["name"], meta["uid"], labels[contract.LABEL_ROLE]
-        http_port = int(ann.get(contract.ANNOTATION_HTTP_PORT, contract.HTTP_PORT))
-        side_port = int(ann.get(contract.ANNOTATION_SIDE_CHANNEL_PORT, contract.NIXL_SIDE_CHANNEL_PORT))
-        assert http_port == contract.HTTP_PORT and side_port == contract.NIXL_SIDE_CHANNEL_PORT, ann
-        engine_id = contract.engine_id(name, uid)
-        revision = labels[contract.LABEL_REVISION]
-        argv = [
-            sys.executable, "-m", "tests.vllm_sim", "--role", role, "--mode", self.mode,
-            "--host", ip, "--port", str(http_port), "--side-channel-port", str(side_port), "--engine-id", engine_id,
-            "--served-model-name", self.served_name,
-            "--tp-size", ann.get(contract.ANNOTATION_TP_SIZE, "1"), "--pp-size", ann.get(contract.ANNOTATION_PP_SIZE, "1"),
-            "--dp-size", ann.get(contract.ANNOTATION_DP_SIZE, "1"),
-            "--compat-hash", f"hash-{revision}",  # one NIXL compatibility hash per revision, as in vLLM
-        ]  # fmt: skip
-        for k, v in FAST.items():
-            argv += [f"--{k.replace('_', '-')}", str(v)]
-        proc = Proc(f"engine-{name}", argv, self.log_dir)
-        return PodEngine(proc, name, uid, role, revision, ip, http_port, engine_id)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                listed = self.core.list_namespaced_pod(self.namespace, label_selector=self._selector, _preload_content=False)
-                doc = json.loads(listed.data)
-                for pod in doc["items"]:
-                    self._on_pod("ADDED", pod)
-                with self.lock:  # pods deleted while no watch ran
-                    live = {p["metadata"]["uid"] for p in doc["items"]}
-                    self.gone |= set(self.engines) - live
-                w = watch.Watch()
-                for ev in w.stream(
-                    self.core.list_namespaced_pod, self.namespace, label_selector=self._selector,
-                    resource_version=doc["metadata"]["resourceVersion"], timeout_seconds=2, _request_timeout=30,
-                ):  # fmt: skip
-                    self._on_pod(ev["type"], ev["raw_object"])
-                    if self._stop.is_set():
-                        break
-            except Exception as e:  # noqa: BLE001 - surfaced by check()
-                self.errors.append(f"{type(e).__name__}: {e}")
-                self._stop.wait(0.5)
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="pod-engines", daemon=True)
-        self._thread.start()
-
-    def check(self) -> None:
-        assert len(self.errors) < 5, self.errors
-
-    def live(self, role: str | None = None) -> list[PodEngine]:
-        with self.lock:
-            return [e for uid, e in self.engines.items() if uid not in self.gone and (role is None or e.role == role)]
-
-    def all(self) -> list[PodEngine]:
-        with self.lock:
-            return list(self.engines.values())
-
-    def wait_serving(self, prefill: int, decode: int) -> list[PodEngine]:
-        """Wait until exactly this many live engines per role listen (their pods Ready)."""
-
-        def serving() -> list[PodEngine] | None:
-            self.check()
-            engines = self.live()
-            counts = (len([e for e in engines if e.role == "prefill"]), len([e for e in engines if e.role == "decode"]))
-            return engines if counts == (prefill, decode) and all(e.ready() for e in engines) else None
-
-        return wait_for(f"{prefill} prefill + {decode} decode engines listening", serving)
-
-    def retire_gone(self) -> list[PodEngine]:
-        with self.lock:
-            retired = [self.engines[uid] for uid in self.gone]
-            self.gone.clear()
-        for e in retired:
-            e.stop()
-        return retired
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        for e in self.all():
-            e.proc.stop()
-
-
-# --- the router as a local process ------------------------------------------------------------------
-@dataclass
-class LocalRouter:
-    proc: Proc
-    port: int
-    argv: list[str]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def health(self) -> dict[str, Any]:
-        if not self.proc.alive():
-            raise RuntimeError(f"router exited:\n{self.proc.log_text()[-3000:]}")
-        status, body = http_get(self.url + "/health", timeout=2)
-        assert status == 200, (status, body[:300])
-        return json.loads(body)
-
-    def table(self) -> dict[str, tuple[int, int]]:
-        """revision -> (prefill, decode) backends, as the router's /health pairing table shows it."""
-        return {rev: (r["prefill"], r["decode"]) for rev, r in self.health()["revisions"].items()}
-
-    def wait_table(self, expected: dict[str, tuple[int, int]]) -> None:
-        wait_for(f"router table {expected}", lambda: self.table() == expected)
-
-
-def start_router(apps: client.AppsV1Api, namespace: str, model: str, kubeconfig: Path, log_dir: Path) -> LocalRouter:
-    deploy = apps.read_namespaced_deployment(contract.router_name(model), namespace)
-    (container,) = deploy.spec.template.spec.containers
-    assert container.command == ["disagg-router"], container.command
-    rendered = list(container.args)
-    assert rendered[rendered.index("--namespace") + 1] == namespace
-    port = free_port()
-    args = replace_flag(rendered, "--port", str(port)) + ["--host", "127.0.0.1", "--kubeconfig", str(kubeconfig)]
-    argv = [sys.executable, "-m", "disagg_connector.router", *args]
-    return LocalRouter(Proc("router", argv, log_dir), port, rendered)
+def wait_table(router: LocalRouter, expected: dict[str, tuple[int, int]]) -> None:
+    wait_for(f"router table {expected}", lambda: router.table() == expected)
 
 
 # --- clients ------------------------------------------------------------------------------------------
@@ -475,15 +258,15 @@ def test_router_discovers_kwok_pods_serves_and_follows_scaling(
     assert args[args.index("--mode") + 1] == sim_mode
     assert args[args.index("--selector") + 1] == f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"
 
-    engines = PodEngines(cluster.api_client(), namespace, name, served, sim_mode, tmp_path)
+    engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path)
     router: LocalRouter | None = None
     background: BackgroundClient | None = None
     try:
         engines.start()
-        first = engines.wait_serving(2, 2)
-        router = start_router(apps, namespace, name, router_kubeconfig(cluster, namespace, name, tmp_path / "router.kubeconfig"), tmp_path)
+        first = wait_serving(engines, 2, 2)
+        router = start_router(apps, namespace, name, router_token_kubeconfig(cluster, namespace, name, tmp_path / "router.kubeconfig"), tmp_path)
         wait_for("router synced", lambda: router.health()["synced"])
-        router.wait_table({revision: (2, 2)})
+        wait_table(router, {revision: (2, 2)})
 
         # --- requests: sequential then concurrent, completions and chat, streamed and not ------------
         results = run_batch(router.url, served, 12, concurrency=1)
@@ -504,8 +287,8 @@ def test_router_discovers_kwok_pods_serves_and_follows_scaling(
         def scale(prefill: int, decode: int) -> None:
             patch = {"spec": {"prefill": {"replicas": prefill}, "decode": {"replicas": decode}}}
             custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, patch)
-            engines.wait_serving(prefill, decode)
-            router.wait_table({revision: (prefill, decode)})
+            wait_serving(engines, prefill, decode)
+            wait_table(router, {revision: (prefill, decode)})
             table_seen.append(router.table())
             background.wait_past(time.monotonic(), f"the table showed {prefill}P/{decode}D")
             assert not background.failures(), background.failures()[:3]

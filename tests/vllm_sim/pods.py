@@ -1,0 +1,319 @@
+"""Simulated engines on the pod IPs of a DisaggregatedModel, and its router as a local process.
+
+On the local control plane (kwok) pods are Running and Ready without containers, and their IPs are
+loopback addresses (hack/cluster.sh): a simulated vLLM engine can listen on each P/D pod's own IP, at the
+ports of its annotations, with ``--engine-id`` = ``contract.engine_id(pod name, pod UID)`` and tp/pp/dp from
+its annotations: exactly the identity a real vLLM pod gets from the Downward API. The router runs with the
+arguments the operator rendered into its Deployment and a token of its own ServiceAccount, so it discovers
+those pods through the API server as it would in the cluster.
+
+Used by ``tests/e2e/test_router_e2e.py`` and by the last step of ``hack/demo.sh`` (``python -m
+tests.vllm_sim.pods``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from kubernetes import client, config, watch
+
+from disagg_connector import contract
+from tests.vllm_sim.harness import FAST, Proc, free_port, get_json, http_get, wait_until
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or []
+    )
+
+
+@dataclass
+class PodEngine:
+    proc: Proc
+    pod: str
+    uid: str
+    role: str
+    revision: str
+    ip: str
+    http_port: int
+    engine_id: str
+    final: tuple[dict[str, Any], dict[str, int]] | None = None  # (legs, counters) when it was stopped
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{self.http_port}"
+
+    def ready(self) -> bool:
+        if not self.proc.alive():
+            raise RuntimeError(f"engine for {self.pod} exited:\n{self.proc.log_text()[-3000:]}")
+        return http_get(self.url + "/health", timeout=2)[0] == 200
+
+    def counters(self) -> dict[str, int]:
+        if self.final is not None:
+            return self.final[1]
+        return get_json(self.url + "/sim/stats")["counters"]
+
+    def events(self) -> list[dict[str, Any]]:
+        return get_json(self.url + "/sim/events")["events"]
+
+    def legs(self) -> dict[str, dict[str, Any]]:
+        """xid -> the leg_received event of every leg this engine got."""
+        if self.final is not None:
+            return self.final[0]
+        return {e["xid"]: e for e in self.events() if e["kind"] == "leg_received"}
+
+    def stop(self) -> None:
+        """Keep what it saw, then stop it."""
+        if self.final is None and self.proc.alive():
+            self.final = (self.legs(), self.counters())
+        self.proc.stop()
+
+
+class PodEngines:
+    """Watches a model's P/D pods and runs one simulated engine per Ready pod, on that pod's IP, in the
+    pod's own transfer mode (its annotation).
+
+    Engines of deleted pods keep running (in ``gone``) until the caller retires them, once the router no
+    longer routes to them and nothing in flight can still need them.
+    """
+
+    def __init__(self, api_client: Any, namespace: str, model: str, served_name: str, log_dir: Path, timing: dict[str, float] | None = None):
+        self.core = client.CoreV1Api(api_client)
+        self.namespace, self.model, self.served_name = namespace, model, served_name
+        self.log_dir, self.timing = log_dir, FAST if timing is None else timing
+        self.engines: dict[str, PodEngine] = {}  # pod uid -> engine
+        self.gone: set[str] = set()  # uids of deleted pods whose engine still runs
+        self.lock = threading.Lock()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._selector = f"{contract.LABEL_MODEL}={contract.model_label_value(model)},{contract.LABEL_ROLE} in (prefill,decode)"
+
+    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        uid = meta["uid"]
+        with self.lock:
+            known = uid in self.engines
+            if kind == "DELETED" or meta.get("deletionTimestamp"):
+                if known:
+                    self.gone.add(uid)
+                return
+            ip = (pod.get("status") or {}).get("podIP")
+            if known or not ip or not pod_ready(pod):
+                return
+            self.engines[uid] = self._launch(pod, ip)
+
+    def _launch(self, pod: dict[str, Any], ip: str) -> PodEngine:
+        meta = pod["metadata"]
+        ann = meta.get("annotations") or {}
+        labels = meta["labels"]
+        name, uid, role = meta["name"], meta["uid"], labels[contract.LABEL_ROLE]
+        http_port = int(ann.get(contract.ANNOTATION_HTTP_PORT, contract.HTTP_PORT))
+        side_port = int(ann.get(contract.ANNOTATION_SIDE_CHANNEL_PORT, contract.NIXL_SIDE_CHANNEL_PORT))
+        engine_id = contract.engine_id(name, uid)
+        revision = labels[contract.LABEL_REVISION]
+        argv = [
+            sys.executable, "-m", "tests.vllm_sim", "--role", role, "--mode", ann[contract.ANNOTATION_TRANSFER_MODE].lower(),
+            "--host", ip, "--port", str(http_port), "--side-channel-port", str(side_port), "--engine-id", engine_id,
+            "--served-model-name", self.served_name,
+            "--tp-size", ann.get(contract.ANNOTATION_TP_SIZE, "1"), "--pp-size", ann.get(contract.ANNOTATION_PP_SIZE, "1"),
+            "--dp-size", ann.get(contract.ANNOTATION_DP_SIZE, "1"),
+            "--compat-hash", f"hash-{revision}",  # one NIXL compatibility hash per revision, as in vLLM
+        ]  # fmt: skip
+        for k, v in self.timing.items():
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+        proc = Proc(f"engine-{name}", argv, self.log_dir)
+        return PodEngine(proc, name, uid, role, revision, ip, http_port, engine_id)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                listed = self.core.list_namespaced_pod(self.namespace, label_selector=self._selector, _preload_content=False)
+                doc = json.loads(listed.data)
+                for pod in doc["items"]:
+                    self._on_pod("ADDED", pod)
+                with self.lock:  # pods deleted while no watch ran
+                    live = {p["metadata"]["uid"] for p in doc["items"]}
+                    self.gone |= set(self.engines) - live
+                w = watch.Watch()
+                for ev in w.stream(
+                    self.core.list_namespaced_pod, self.namespace, label_selector=self._selector,
+                    resource_version=doc["metadata"]["resourceVersion"], timeout_seconds=2, _request_timeout=30,
+                ):  # fmt: skip
+                    self._on_pod(ev["type"], ev["raw_object"])
+                    if self._stop.is_set():
+                        break
+            except Exception as e:  # noqa: BLE001 - surfaced by check()
+                self.errors.append(f"{type(e).__name__}: {e}")
+                self._stop.wait(0.5)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pod-engines", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        assert len(self.errors) < 5, self.errors
+
+    def live(self, role: str | None = None) -> list[PodEngine]:
+        with self.lock:
+            return [e for uid, e in self.engines.items() if uid not in self.gone and (role is None or e.role == role)]
+
+    def all(self) -> list[PodEngine]:
+        with self.lock:
+            return list(self.engines.values())
+
+    def serving(self, prefill: int, decode: int) -> list[PodEngine] | None:
+        """The live engines if exactly this many per role listen (their pods Ready), else None."""
+        self.check()
+        engines = self.live()
+        counts = (len([e for e in engines if e.role == "prefill"]), len([e for e in engines if e.role == "decode"]))
+        return engines if counts == (prefill, decode) and all(e.ready() for e in engines) else None
+
+    def retire_gone(self) -> list[PodEngine]:
+        with self.lock:
+            retired = [self.engines[uid] for uid in self.gone]
+            self.gone.clear()
+        for e in retired:
+            e.stop()
+        return retired
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for e in self.all():
+            e.proc.stop()
+
+
+# --- the router as a local process ------------------------------------------------------------------
+@dataclass
+class LocalRouter:
+    proc: Proc
+    port: int
+    argv: list[str]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def health(self) -> dict[str, Any]:
+        if not self.proc.alive():
+            raise RuntimeError(f"router exited:\n{self.proc.log_text()[-3000:]}")
+        status, body = http_get(self.url + "/health", timeout=2)
+        assert status == 200, (status, body[:300])
+        return json.loads(body)
+
+    def table(self) -> dict[str, tuple[int, int]]:
+        """revision -> (prefill, decode) usable backends, as the router's /health shows them."""
+        return {rev: (r["prefill"], r["decode"]) for rev, r in self.health()["revisions"].items()}
+
+
+def router_kubeconfig(kubeconfig: str, token: str, namespace: str, path: Path) -> Path:
+    """A kubeconfig with nothing but a token (of the router's own ServiceAccount)."""
+    server = yaml.safe_load(Path(kubeconfig).read_text())["clusters"][0]["cluster"]
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "router",
+        "clusters": [{"name": "local", "cluster": server}],
+        "users": [{"name": "router", "user": {"token": token}}],
+        "contexts": [{"name": "router", "context": {"cluster": "local", "user": "router", "namespace": namespace}}],
+    }))  # fmt: skip
+    return path
+
+
+def replace_flag(args: list[str], flag: str, value: str) -> list[str]:
+    out = list(args)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
+def start_router(apps: client.AppsV1Api, namespace: str, model: str, kubeconfig: Path, log_dir: Path) -> LocalRouter:
+    """The router with the arguments the operator rendered (only --port replaced, --host and --kubeconfig added)."""
+    deploy = apps.read_namespaced_deployment(contract.router_name(model), namespace)
+    (container,) = deploy.spec.template.spec.containers
+    assert container.command == ["disagg-router"], container.command
+    rendered = list(container.args)
+    assert rendered[rendered.index("--namespace") + 1] == namespace
+    port = free_port()
+    args = replace_flag(rendered, "--port", str(port)) + ["--host", "127.0.0.1", "--kubeconfig", str(kubeconfig)]
+    argv = [sys.executable, "-m", "disagg_connector.router", *args]
+    return LocalRouter(Proc("router", argv, log_dir), port, rendered)
+
+
+# --- the demo's last step ---------------------------------------------------------------------------
+async def _stream(url: str, body: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async with s.post(url + "/v1/completions", json=body) as r:
+            assert r.status == 200, (r.status, await r.text())
+            events = [e[len("data: "):] for e in (await r.read()).decode().split("\n\n") if e.startswith("data: ")]
+            return {k.lower(): v for k, v in r.headers.items()}, events
+
+
+def demo(kubeconfig: str, namespace: str, model: str, token: str) -> None:
+    """Engines on the model's pod IPs, its router, one streaming completion: the answer and both legs' timings."""
+    api = config.new_client_from_config(config_file=kubeconfig)
+    custom, apps = client.CustomObjectsApi(api), client.AppsV1Api(api)
+    dm = custom.get_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, model)
+    status = dm["status"]
+    served = dm["spec"]["model"].get("servedModelName") or dm["spec"]["model"]["name"]
+    with tempfile.TemporaryDirectory(prefix="demo-router-") as tmp:
+        log_dir = Path(tmp)
+        engines = PodEngines(api, namespace, model, served, log_dir)
+        router: LocalRouter | None = None
+        try:
+            engines.start()
+            running = wait_until(lambda: engines.serving(status["prefill"]["readyReplicas"], status["decode"]["readyReplicas"]), 60,
+                                 what="simulated engines on the pods' IPs")  # fmt: skip
+            for e in running:
+                print(f"  simulated {e.role:7} engine on pod {e.pod} at {e.ip}:{e.http_port} (engine_id {e.engine_id})")
+            router = start_router(apps, namespace, model, router_kubeconfig(kubeconfig, token, namespace, log_dir / "kubeconfig"), log_dir)
+            wait_until(lambda: any(r["readyPairs"] for r in router.health()["revisions"].values()), 60, what="router with a ready pair")
+            # long enough to be disaggregated (spec.router.disaggregationThresholdTokens decides below it)
+            prompt = " ".join(["Why does pushing the KV cache shorten the time to first token?"] * 40)
+            body = {"model": served, "prompt": prompt, "max_tokens": 12, "stream": True}
+            t0 = time.perf_counter()
+            headers, events = asyncio.run(_stream(router.url, body))
+            elapsed = (time.perf_counter() - t0) * 1e3
+            text = "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]" and json.loads(e)["choices"])
+            xid = headers["x-request-id"]
+            print(f"\n  POST {router.url}/v1/completions (stream, {len(prompt)}-byte prompt) -> {served}, revision {status['revision']}, mode {status['transferMode']}")
+            print(f"  answer ({len(events) - 1} chunks, {elapsed:.1f} ms):{text}")
+            print(f"  router Server-Timing: {headers.get('server-timing')}")
+            for e in running:
+                evs = [ev for ev in e.events() if ev.get("xid") == xid]
+                if evs:
+                    got = evs[0]["t"]
+                    marks = ", ".join(f"{ev['kind']} +{(ev['t'] - got) * 1e3:.1f} ms" for ev in evs[1:])
+                    print(f"  {e.role} leg on {e.pod}: received, {marks}")
+        finally:
+            if router is not None:
+                router.proc.stop()
+            engines.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="The demo's last step: a streaming completion through the router to simulated engines on the pods' IPs.")
+    ap.add_argument("--kubeconfig", required=True)
+    ap.add_argument("--namespace", default="default")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--token", required=True, help="a token of the router's ServiceAccount (kubectl create token)")
+    a = ap.parse_args()
+    demo(a.kubeconfig, a.namespace, a.model, a.token)
+
+
+if __name__ == "__main__":
+    main()
