@@ -59,7 +59,9 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = DEADLINE, int
 def model_manifest(name: str, mode: str) -> dict[str, Any]:
     obj = copy.deepcopy(MINIMAL)
     obj["metadata"] = {"name": name}
-    merge(obj["spec"], {"kvTransfer": {"mode": mode}, "prefill": {"replicas": 2}, "decode": {"replicas": 2}})
+    merge(obj["spec"], {"kvTransfer": {"mode": mode}, "prefill": {"replicas": 2}, "decode": {"replicas": 2},
+                        # every request disaggregated (the test's prompts are short), so both legs show
+                        "router": {"disaggregationThresholdTokens": 0}})  # fmt: skip
     return obj
 
 

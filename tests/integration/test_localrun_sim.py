@@ -24,7 +24,8 @@ FAST = (("DISAGG_SIM_PROFILE", "fast"),)
 
 
 def test_engines_serve_under_the_rendered_identities_and_push_through_the_router(tmp_path: Path) -> None:
-    doc = dm({"engine": {"enablePrefixCaching": False}, "decode": {"replicas": 2}}, name="local")
+    # 64-word prompts are below the router's default disaggregation threshold: disaggregate every request
+    doc = dm({"engine": {"enablePrefixCaching": False}, "decode": {"replicas": 2}, "router": {"disaggregationThresholdTokens": 0}}, name="local")
     options = LocalOptions(gpus=("0", "1", "2"), port_base=h.free_port(), workdir=str(tmp_path), launcher=SIM, env=FAST)
     plan = local_plan(doc, options)
     with started(plan, tmp_path / "logs", startup_timeout=60) as running:
