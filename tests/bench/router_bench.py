@@ -15,8 +15,9 @@ real router (``disagg_connector.router``) and the client. Every figure is a medi
    latency (added = router - direct). Two engine models: *zero-cost* (no compute, no transfer: what the
    router itself costs, on a CPU it shares with the engines and the client) and *timed* (the simulator's
    timing model at 10 ms per output token: engines that take time, as real ones do). With ``--toy-proxy``,
-   vLLM's ``toy_proxy_server.py`` (pull, sequential legs; FastAPI, uvicorn and httpx from PyPI) runs on
-   pull engines beside a pull router.
+   vLLM's ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` (pull, sequential legs) runs on
+   pull engines beside a pull router: fetch it yourself (it is not part of this repository) and install
+   what it imports (measured with fastapi==0.163.2 uvicorn==0.54.0 httpx==0.28.1).
 2. **Short prompts: disaggregate or not.** Timed engines (the simulator's defaults: Qwen3-32B-like KV,
    H200-like prefill, 100 GB/s link), one prefill and one decode engine, push. Requests at a fixed rate with
    long-running background streams on the decode engine; per prompt length, the mean TTFT of the probe

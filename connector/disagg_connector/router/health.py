@@ -44,6 +44,7 @@ CAUSES: dict[str, str] = {
     # request that is the KV load (vLLM answers a failed load with 500 "Internal server error").
     "decode_failed": TRANSFER,
     "kv_wait_timeout": DEADLINE,  # the decode leg's first token (i.e. the KV) did not come in time
+    "decode_timeout": DEADLINE,  # a non-streaming decode leg did not answer within --request-timeout-seconds
     "decode_rejected": CLIENT,
     "decode_stream_broken": ENGINE,  # the decode stream broke after its first token (error event sent)
     "decode_stall": DEADLINE,  # the decode stream went silent longer than the deadline mid-body
