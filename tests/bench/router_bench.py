@@ -261,6 +261,8 @@ def main() -> None:
     ap.add_argument("--toy-proxy", type=Path, help="vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py")
     ap.add_argument("--skip-headroom", action="store_true")
     ap.add_argument("--skip-short", action="store_true")
+    ap.add_argument("--sim-vs-real", action="store_true",
+                    help="also replay the committed H200 runs with the calibrated simulator (tests/bench/sim_vs_real.py, ~12 min)")
     a = ap.parse_args()
     runs = a.runs or (1 if a.quick else 3)
     seconds = 2.0 if a.quick else 4.0
@@ -274,6 +276,10 @@ def main() -> None:
             lines += asyncio.run(headroom(log_dir, [1, 16, 64], seconds, runs, a.toy_proxy))
         if not a.skip_short:
             lines += asyncio.run(short_prompts(log_dir, lengths, rate=20.0, probes=10 if a.quick else 30, background=8))
+    if a.sim_vs_real:
+        from tests.bench import sim_vs_real
+
+        lines += sim_vs_real.compare()
     lines.append(f"\n# total run time {time.monotonic() - t0:.0f} s")
     print("\n".join(lines))
 

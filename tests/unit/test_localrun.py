@@ -294,3 +294,20 @@ def test_markdown_shows_every_cell_and_ratios_to_the_baseline() -> None:
     assert "| 100 | 1 | router-pull | 3/3 | 400 | 400 | 400 | 400 | 80.0 |" in md
     assert "| 100 | 1 | router-push | 3/3 | 200 | 200 | 200 | 200 | 100 |" in md
     assert "## Ratio to router-pull" in md and "| 100 | 1 | 0.50 | 0.50 | 1.25 |" in md
+
+
+def test_runs_merge_into_one_report() -> None:
+    def run(name: str, ttft: float, prompt: int) -> dict[str, Any]:
+        recs = [record(mode=name, prompt_tokens=prompt, index=i, first_token=10.0 + ttft) for i in range(2)]
+        return {"command": f"bench {name}", "started": name, "cells": [report.summary_dict(loadgen.summarize(recs))],
+                "groups": [{"transfer_mode": name, "modes": [name], "backend": "UCX", "revision": "r", "plan": "p", "overrides": []}],
+                "warmup": [], "environment": {},
+                "sweep": {"modes": [name], "prompts": [prompt], "rates": [1.0], "max_tokens": 8, "cell_seconds": 1,
+                          "min_requests": 2, "seed": 0}}
+
+    merged = report.merge([run("router-push", 0.2, 100), run("router-pull", 0.4, 100), run("router-pull", 0.5, 200)])
+    assert merged["sweep"]["modes"] == ["router-push", "router-pull"] and merged["sweep"]["prompts"] == [100, 200]
+    assert len(merged["cells"]) == 3 and len(merged["groups"]) == 3
+    assert merged["command"] == "bench router-push ; bench router-pull ; bench router-pull"
+    md = report.markdown(merged, "router-pull")
+    assert "## Ratio to router-pull" in md and "| 100 | 1 | 0.50 | 0.50 |" in md

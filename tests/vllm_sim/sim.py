@@ -62,10 +62,12 @@ Only a bidirectional turn-2 read checks the expiry first.
   requests 503 as a paused engine does; ``{"stall": true}`` hangs the engine loop.
 
 **Timing model** (every duration multiplied by ``--time-scale``):
-- P has one accelerator: prefills run one at a time, FIFO, ``prefill_us_per_token * prompt_tokens`` each.
+- P has one accelerator: prefills run one at a time, FIFO, ``prefill_base_ms + prefill_us_per_token *
+  prompt_tokens`` each.
 - D runs an engine loop of steps of ``tpot_ms``; each step emits one token to every running request.
   Requests are scheduled (and push registrations sent) at step boundaries, and a request whose KV arrived
-  joins the batch at the next boundary. Work that vLLM does inline in D's loop stalls the step for
+  joins the batch at the next boundary, ``kv_pickup_ms`` after it arrived (0 by default; vLLM 0.26.0 on one
+  H200 took ~0.1 s, tests/vllm_sim/calibration.json). Work that vLLM does inline in D's loop stalls the step for
   everyone: pull's descriptor prep + transfer submission, ``descriptor_prep_us_per_block * blocks``
   (blocks of ``block_size`` tokens), and local (re)compute of a prompt, ``prefill_us_per_token *
   prompt_tokens``. Push preps descriptors in P's background writer thread, which merges contiguous blocks
@@ -147,9 +149,14 @@ class Timing:
     descriptor_prep_us_per_block: float = 400.0
     block_size: int = 128
     scale: float = 1.0
+    prefill_base_ms: float = 0.0
+    kv_pickup_ms: float = 0.0
 
     def prefill(self, n: int) -> float:
-        return n * self.prefill_us_per_token * 1e-6 * self.scale
+        return (self.prefill_base_ms * 1e3 + n * self.prefill_us_per_token) * 1e-6 * self.scale
+
+    def kv_pickup(self) -> float:
+        return self.kv_pickup_ms / 1000 * self.scale
 
     def xfer(self, n: int) -> float:
         return n * self.kv_bytes_per_token * 8 / (self.link_gbps * 1e9) * self.scale
@@ -211,6 +218,7 @@ class Engine:
         self.t = Timing(
             a.prefill_us_per_token, a.tpot_ms, a.kv_bytes_per_token, a.link_gbps, a.registration_rtt_ms,
             a.step_ms, a.descriptor_prep_us_per_block, a.block_size, a.time_scale,
+            prefill_base_ms=a.prefill_base_ms, kv_pickup_ms=a.kv_pickup_ms,
         )
         self.compute = asyncio.Lock()
         self.compute_until = 0.0
@@ -377,8 +385,16 @@ class Engine:
         seq.kv_ready = True
         self.stop_heartbeat(seq)
         self.by_rid.pop(seq.rid, None)
-        self.ready.append(seq)
-        self.wake.set()
+        pickup = self.t.kv_pickup()  # D's engine notices the received KV this much later
+        if pickup > 0:
+            asyncio.get_running_loop().call_later(pickup, self.join_batch, seq)
+        else:
+            self.join_batch(seq)
+
+    def join_batch(self, seq: Seq) -> None:
+        if not seq.done:
+            self.ready.append(seq)
+            self.wake.set()
 
     def schedule(self, seq: Seq) -> float:
         """At a step boundary: allocate blocks and start what the request needs; returns inline work (s)."""
@@ -909,6 +925,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", type=float, default=t.step_ms, help="P's idle engine step (notification pick-up)")
     p.add_argument("--descriptor-prep-us-per-block", type=float, default=t.descriptor_prep_us_per_block)
     p.add_argument("--block-size", type=int, default=t.block_size)
+    p.add_argument("--prefill-base-ms", type=float, default=t.prefill_base_ms, help="fixed part of every prefill (API server, scheduling)")
+    p.add_argument("--kv-pickup-ms", type=float, default=t.kv_pickup_ms, help="D notices received KV this much after the last notice")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--record-bodies", action="store_true", help="keep every response's bytes for /sim/body")
     p.add_argument("--log-events", action="store_true")

@@ -21,6 +21,7 @@ import random
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -104,6 +105,21 @@ async def _engine_version(plan: LocalPlan) -> str | None:
             return None
 
 
+WARMUP_RETRY_SECONDS = 60.0
+
+
+async def _warm_up(session: aiohttp.ClientSession, t: loadgen.Target, name: str, prompt: int, body: dict[str, Any]) -> loadgen.RequestRecord:
+    """One request; a 503 is retried for a while: a router re-admits engines only at its next health
+    probe, seconds after they first answer /health (seen with real engines)."""
+    deadline = time.monotonic() + WARMUP_RETRY_SECONDS
+    while True:
+        rec = loadgen.RequestRecord(name, prompt, 0.0, 0, 0.0)
+        await loadgen.send(session, t, body, rec)
+        if rec.status != 503 or time.monotonic() > deadline:
+            return rec
+        await asyncio.sleep(1.0)
+
+
 async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, results: dict[str, Any], save: Callable[[], None]) -> None:
     plan = running.plan
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -111,10 +127,8 @@ async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, resu
         for m in modes:  # warm-up: one request per prompt length, one after the other (kept apart)
             for prompt in sweep.prompts:
                 rng = random.Random(_seed(sweep.seed, "warmup", m.name, prompt))
-                rec = loadgen.RequestRecord(m.name, prompt, 0.0, 0, 0.0)
                 body = loadgen.completion_body(plan.served_model_name, loadgen.random_prompt(prompt, rng), sweep.max_tokens)
-                await loadgen.send(session, target(plan, m), body, rec)
-                results["warmup"].append(rec.as_dict())
+                results["warmup"].append((await _warm_up(session, target(plan, m), m.name, prompt, body)).as_dict())
         save()
         for prompt in sweep.prompts:
             for rate in sweep.rates:

@@ -3,6 +3,7 @@
     disagg-localrun plan  -f dm.yaml [options]        # what would run: command lines, env, ports, GPUs
     disagg-localrun up    -f dm.yaml [options]        # start, wait until healthy, serve until Ctrl-C
     disagg-localrun bench -f dm.yaml [options] --modes router-push,direct-push --prompts 1024,4096 --rates 1,4
+    disagg-localrun report a/results.json b/results.json --baseline router-pull   # one table of several runs
 
 The engines get the operator's rendered `vllm serve` arguments and env (docs/localrun.md); what a local
 run changes is an explicit option and is printed with the plan and the results.
@@ -11,6 +12,7 @@ run changes is an explicit option and is printed with the plan and the results.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -23,6 +25,7 @@ import yaml
 
 from ..api.validation import SpecError
 from ..manifests import load_all
+from . import report
 from .bench import Sweep, mode, run_bench
 from .kube_env import UnresolvableEnv
 from .plan import LocalOptions, LocalRunError, describe, local_plan
@@ -142,6 +145,20 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(a: argparse.Namespace) -> int:
+    runs = []
+    for path in a.results:
+        try:
+            runs.append(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise LocalRunError(f"cannot read results {path}: {e}") from None
+    merged = report.merge(runs)
+    if a.baseline and a.baseline not in merged["sweep"]["modes"]:
+        raise LocalRunError(f"--baseline {a.baseline}: the results hold {', '.join(merged['sweep']['modes'])}")
+    sys.stdout.write(report.markdown(merged, a.baseline))
+    return 0
+
+
 def _modes(text: str) -> list[Any]:
     try:
         return [mode(m) for m in text.split(",") if m]
@@ -174,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out", default=".localrun/bench", help="results and logs folder")
     bench.set_defaults(func=cmd_bench)
+    rep = sub.add_parser("report", help="one markdown report of several results.json (e.g. push and pull runs)")
+    rep.add_argument("results", nargs="+", help="results.json files")
+    rep.add_argument("--baseline", help="the mode the ratios are to (default: the first)")
+    rep.set_defaults(func=cmd_report, filename="-")
     return parser
 
 

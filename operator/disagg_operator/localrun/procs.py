@@ -29,7 +29,7 @@ KEY_LOG_PATTERNS = (
     r"Using .*(backend|attention)",
     r"FlashAttention|FLASH_ATTN",
     r"Model Runner|model runner",
-    r"KV cache (size|memory)|GPU KV cache|Maximum concurrency|num_gpu_blocks",
+    r"GPU KV cache size|Maximum concurrency|for KV Cache",
     r"NIXL|Nixl|nixl",
     r"UCX|ucx",
     r"KV Transfer metrics",
@@ -43,7 +43,7 @@ class StartupFailed(RuntimeError):
     pass
 
 
-def key_log_lines(text: str, limit: int = 60, patterns: Sequence[str] = KEY_LOG_PATTERNS) -> list[str]:
+def key_log_lines(text: str, limit: int = 80, patterns: Sequence[str] = KEY_LOG_PATTERNS) -> list[str]:
     """The lines of a log that match one of `patterns`, each distinct message once, at most `limit`."""
     rx = re.compile("|".join(f"(?:{p})" for p in patterns))
     seen: set[str] = set()

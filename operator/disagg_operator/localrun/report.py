@@ -31,8 +31,34 @@ def cell_line(s: CellSummary) -> str:
             f"p50 {_ms(s.ttft.p50)} p90 {_ms(s.ttft.p90)} ms  TPOT mean {_ms(s.tpot.mean)} p50 {_ms(s.tpot.p50)} ms")
 
 
+def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' results as one (e.g. push and pull measured in two calls): every cell, group and
+    warm-up request; modes, prompts and rates in the order first seen."""
+    def union(key: str) -> list[Any]:
+        out: list[Any] = []
+        for r in runs:
+            out += [x for x in r["sweep"][key] if x not in out]
+        return out
+
+    first = runs[0]
+    return {
+        **first,
+        "command": " ; ".join(r["command"] for r in runs),
+        "started": ", ".join(r["started"] for r in runs),
+        "sweep": {**first["sweep"], "modes": union("modes"), "prompts": union("prompts"), "rates": union("rates")},
+        "groups": [g for r in runs for g in r["groups"]],
+        "cells": [c for r in runs for c in r["cells"]],
+        "warmup": [w for r in runs for w in r["warmup"]],
+        "records": [x for r in runs for x in r.get("records", [])],
+    }
+
+
 def _cells(results: dict[str, Any]) -> list[dict[str, Any]]:
-    return results.get("cells", [])
+    """Cells by prompt, rate, then mode, in the sweep's orders."""
+    sweep = results["sweep"]
+    order = {key: {v: i for i, v in enumerate(sweep[key])} for key in ("prompts", "rates", "modes")}
+    return sorted(results.get("cells", []), key=lambda c: (order["prompts"].get(c["prompt_tokens"], 0),
+                                                           order["rates"].get(c["rate"], 0), order["modes"].get(c["mode"], 0)))
 
 
 def main_table(results: dict[str, Any]) -> list[str]:

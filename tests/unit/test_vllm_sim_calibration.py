@@ -1,0 +1,105 @@
+"""The simulator as a stand-in for `vllm serve` (tests/vllm_sim/as_vllm.py) and its calibration from real runs
+(tests/vllm_sim/calibrate.py, calibration.json)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from disagg_operator.localrun.plan import LocalOptions, local_plan
+from tests.vllm_sim import calibrate, sim
+from tests.vllm_sim.as_vllm import CALIBRATION, profile, sim_argv
+
+from ..conftest import dm
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--") and not argv[i + 1].startswith("--")}
+
+
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+def test_the_simulator_reads_a_rendered_command_line_like_vllm(mode: str) -> None:
+    plan = local_plan(dm({"kvTransfer": {"leaseSeconds": 90}, "engine": {"blockSize": 64}}),
+                      LocalOptions(gpus=("0", "1"), transfer_mode=mode))  # type: ignore[arg-type]
+    for e in plan.engines:
+        args = sim.build_parser().parse_args(sim_argv(e.argv[1:], e.env, {"tpot_ms": 3.0}))
+        assert (args.role, args.mode) == (e.role, mode.lower())
+        assert args.engine_id == e.engine_id and args.port == e.http_port
+        assert (args.host, args.side_channel_port) == ("127.0.0.1", e.side_channel_port)
+        assert (args.lease_seconds, args.kv_load_failure_policy, args.block_size, args.tpot_ms) == (90.0, "fail", 64, 3.0)
+        assert args.served_model_name == plan.served_model_name
+
+
+def test_peers_of_different_configs_fail_the_handshake() -> None:
+    def compat(*extra: str) -> str:
+        kv = '{"kv_connector":"NixlPushConnector","kv_role":"kv_producer"}'
+        return _flags(sim_argv(["serve", "m", "--kv-transfer-config", kv, *extra], {}, {}))["--compat-hash"]
+
+    assert compat() == compat("--enforce-eager")  # flags vLLM's hash ignores
+    assert compat() != compat("--block-size", "64") and compat() != compat("--dtype", "float16")
+
+
+def test_what_the_simulator_cannot_be_is_refused() -> None:
+    with pytest.raises(SystemExit, match="kv_connector"):
+        sim_argv(["serve", "m", "--kv-transfer-config", '{"kv_connector":"LMCacheConnector","kv_role":"kv_producer"}'], {}, {})
+
+
+def test_every_profile_is_a_set_of_simulator_flags() -> None:
+    profiles = json.loads(CALIBRATION.read_text())["profiles"]
+    assert {"fast", "h200-1gpu-push", "h200-1gpu-pull-tcp"} <= set(profiles)
+    for name in profiles:
+        flags = [x for k, v in profile(name).items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        sim.build_parser().parse_args(["--role", "prefill", "--engine-id", "e", *flags])
+    with pytest.raises(SystemExit, match="no calibration profile"):
+        profile("no-such-profile")
+
+
+# --- fitting -------------------------------------------------------------------------------------------------
+def test_least_squares_recovers_a_line() -> None:
+    assert calibrate.least_squares([1.0, 2.0, 4.0], [5.0, 7.0, 11.0]) == pytest.approx((3.0, 2.0))
+
+
+def test_transfer_rate_is_weighted_by_bytes() -> None:
+    lines = [
+        "INFO [metrics.py:103] KV Transfer metrics: Num successful transfers=2, Avg xfer time (ms)=10.0, P90 xfer time (ms)=12, "
+        "Avg post time (ms)=1, P90 post time (ms)=1, Avg MB per transfer=100.0, Throughput (MB/s)=1, Avg number of descriptors=3",
+        "INFO Engine 000: Avg prompt throughput: 1.0 tokens/s",
+        "INFO KV Transfer metrics: Num successful transfers=1, Avg xfer time (ms)=30.0, Avg MB per transfer=400.0",
+    ]
+    assert calibrate.transfer_gbps(lines) == pytest.approx((200 + 400) / (20 + 30) * 8)
+    with pytest.raises(ValueError):
+        calibrate.transfer_gbps(["nothing here"])
+
+
+def _cell(mode: str, prompt: int, rate: float, **p50: float) -> dict[str, Any]:
+    stats = lambda v: {"mean": v, "p50": v, "p90": v, "p99": v, "n": 1}  # noqa: E731
+    return {"mode": mode, "prompt_tokens": prompt, "rate": rate, "ok": 1,
+            **{k: stats(p50.get(k)) for k in ("ttft", "tpot", "e2e", "prefill_leg", "after_prefill")}}
+
+
+def test_fit_from_runs_whose_figures_follow_the_model() -> None:
+    # A world that follows the simulator's own model with known parameters, 1 GB/s link, 1 KB of KV per token.
+    base, per_token, tpot, rtt, pickup, kv = 0.02, 10e-6, 0.025, 0.05, 0.03, 1000
+    lengths = [1000, 4000, 16000]
+    xfer = lambda n: n * kv * 8 / 8e9  # noqa: E731
+    prefill = lambda n: base + per_token * n  # noqa: E731
+    push_cells = []
+    for n in lengths:
+        after = xfer(n) + rtt / 2 + tpot + pickup
+        push_cells += [_cell("direct-push", n, 1.0, prefill_leg=prefill(n), after_prefill=after, tpot=tpot, ttft=prefill(n) + after),
+                       _cell("router-push", n, 1.0, tpot=tpot, ttft=prefill(n) + after),
+                       _cell("direct-push", n, 8.0, prefill_leg=9.0, after_prefill=9.0, tpot=1.0, ttft=9.0)]  # loaded: ignored
+    metrics = f"KV Transfer metrics: Num successful transfers=10, Avg xfer time (ms)={xfer(4000) * 1e3}, Avg MB per transfer=4.0"
+    push = {"sweep": {"rates": [1.0, 8.0]}, "cells": push_cells,
+            "groups": [{"key_log_lines": {"prefill-0-push": [metrics], "decode-0-push": []}}]}
+    seq_extra = rtt / 2 + calibrate.STEP_MS / 2000
+    sequential = {"sweep": {"rates": [1.0]}, "cells": [
+        c for n in lengths for c in (_cell("router-push", n, 1.0, ttft=0.2), _cell("router-push-sequential", n, 1.0, ttft=0.2 + seq_extra))]}
+    fitted = calibrate.fit_push(push, sequential, kv)
+    assert fitted["prefill_base_ms"] == pytest.approx(20.0, abs=0.01)
+    assert fitted["prefill_us_per_token"] == pytest.approx(10.0, abs=0.001)
+    assert fitted["tpot_ms"] == pytest.approx(25.0) and fitted["link_gbps"] == pytest.approx(8.0)
+    assert fitted["registration_rtt_ms"] == pytest.approx(50.0, abs=0.1)
+    assert fitted["kv_pickup_ms"] == pytest.approx(30.0, abs=0.1)
