@@ -90,11 +90,7 @@ class EngineLaunch:
     uid: str
     argv: tuple[str, ...]
     env: dict[str, str]
-    http_port: int
-    side_channel_port: int
-    tp_size: int
-    pp_size: int
-    dp_size: int
+    annotations: dict[str, str]  # the rendered pod's identity annotations, with this process's ports
     gpus: tuple[str, ...]
     secret_names: tuple[str, ...] = ()
 
@@ -103,28 +99,28 @@ class EngineLaunch:
         return contract.engine_id(self.name, self.uid)
 
     @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
-
-    @property
     def host(self) -> str:
         return self.env["VLLM_NIXL_SIDE_CHANNEL_HOST"]
 
-    def identities(self) -> list[EngineIdentity]:
-        """The NIXL identities a router would read from this engine's pod (one per DP rank)."""
-        return contract.identities_from_pod(self.name, self.uid, self.host, self.annotations())
+    @property
+    def http_port(self) -> int:
+        return int(self.annotations[contract.ANNOTATION_HTTP_PORT])
 
-    def annotations(self) -> dict[str, str]:
-        return {
-            contract.ANNOTATION_TP_SIZE: str(self.tp_size),
-            contract.ANNOTATION_PP_SIZE: str(self.pp_size),
-            contract.ANNOTATION_DP_SIZE: str(self.dp_size),
-            contract.ANNOTATION_SIDE_CHANNEL_PORT: str(self.side_channel_port),
-            contract.ANNOTATION_HTTP_PORT: str(self.http_port),
-        }
+    @property
+    def side_channel_port(self) -> int:
+        return int(self.annotations[contract.ANNOTATION_SIDE_CHANNEL_PORT])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    def identities(self) -> list[EngineIdentity]:
+        """The NIXL identities a router reads from this engine's pod (one per DP rank), by the contract."""
+        return contract.identities_from_pod(self.name, self.uid, self.host, self.annotations)
 
     def static_entry(self, revision: str) -> dict[str, Any]:
         """This engine in the router's --static-endpoints format (router/discovery.py)."""
+        ident = self.identities()[0]
         return {
             "role": self.role,
             "revision": revision,
@@ -133,9 +129,9 @@ class EngineLaunch:
             "host": self.host,
             "http_port": self.http_port,
             "side_channel_port": self.side_channel_port,
-            "tp_size": self.tp_size,
-            "pp_size": self.pp_size,
-            "dp_size": self.dp_size,
+            "tp_size": ident.tp_size,
+            "pp_size": ident.pp_size,
+            "dp_size": int(self.annotations.get(contract.ANNOTATION_DP_SIZE, "1")),
         }
 
     def command_line(self) -> str:
@@ -352,12 +348,14 @@ def local_plan(
         role_spec = getattr(dm.spec, role)
         deployment = deployments[role]
         container = _container(deployment, ENGINE_CONTAINER)
-        par = role_spec.parallelism
+        template_annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         for index in range(role_spec.replicas):
             name = f"{deployment['metadata']['name']}-local-{index}"
             uid = new_uid()
             http_port = ports.take()
-            side_port = ports.take(par.data)
+            side_port = ports.take(role_spec.parallelism.data)
+            annotations = {**template_annotations, contract.ANNOTATION_HTTP_PORT: str(http_port),
+                           contract.ANNOTATION_SIDE_CHANNEL_PORT: str(side_port)}
             entries = container.get("env", [])
             env = resolve_env(entries, DownwardValues(name, uid, options.host, dm.metadata.namespace), secrets)
             secret_names = tuple(e["name"] for e in entries if "secretKeyRef" in (e.get("valueFrom") or {}))
@@ -374,8 +372,7 @@ def local_plan(
                 argv = set_flag(argv, flag, value)
             argv = [*options.launcher, *argv[1:], *options.extra_args]
             engines.append(
-                EngineLaunch(role, index, name, uid, tuple(argv), env, http_port, side_port, par.tensor, par.pipeline,
-                             par.data, gpus[role, index], secret_names)
+                EngineLaunch(role, index, name, uid, tuple(argv), env, annotations, gpus[role, index], secret_names)
             )
 
     static_path = f"{options.workdir}/endpoints.json"
