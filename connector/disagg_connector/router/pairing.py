@@ -97,7 +97,8 @@ class Candidates:
 
     @property
     def pairs(self) -> int:
-        return min(len(self.prefill), len(self.decode))
+        """Ready pairs: none while the revision's transfer mode is in doubt."""
+        return min(len(self.prefill), len(self.decode)) if self.revision.mode is not None else 0
 
 
 class Balancer:
@@ -157,13 +158,13 @@ class Balancer:
     @staticmethod
     def weights(cands: Sequence[Candidates]) -> dict[str, float]:
         """Each serving revision's share of new requests: its ready pairs over all ready pairs."""
-        serving = {c.revision.revision: c.pairs for c in cands if c.pairs and c.revision.mode is not None}
+        serving = {c.revision.revision: c.pairs for c in cands if c.pairs}
         total = sum(serving.values())
         return {rev: n / total for rev, n in serving.items()}
 
     def pick(self, snap: Snapshot, exclude: frozenset[str] | set[str] = frozenset()) -> Candidates | None:
         """The revision of the next request, in proportion to ready pairs; None when none can serve."""
-        serving = [c for c in self.candidates(snap, exclude) if c.pairs and c.revision.mode is not None]
+        serving = [c for c in self.candidates(snap, exclude) if c.pairs]
         if len(serving) <= 1:
             return serving[0] if serving else None
         total = sum(c.pairs for c in serving)

@@ -72,7 +72,7 @@ class Router:
                 mode_conflict=c.revision.mode_conflict,
                 prefill=len(c.prefill),
                 decode=len(c.decode),
-                ready_pairs=c.pairs if c.revision.mode is not None else 0,
+                ready_pairs=c.pairs,
                 weight=round(weights.get(name, 0.0), 6),
                 totals=stats.totals(name),
                 local=counters.local if counters else 0,
