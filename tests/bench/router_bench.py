@@ -23,6 +23,8 @@ real router (``disagg_connector.router``) and the client. Every figure is a medi
    long-running background streams on the decode engine; per prompt length, the mean TTFT of the probe
    requests and the background streams' mean time per output token, disaggregated vs local (the decode
    engine prefills: ``--disaggregation-threshold-tokens`` above the prompt).
+3. **JSON per request**: the router parses the client's body and writes both legs' bodies; the standard
+   library against orjson (which the router uses), per prompt length.
 """
 
 from __future__ import annotations
@@ -254,6 +256,26 @@ async def _short_cell(s: aiohttp.ClientSession, url: str, length: int, rate: flo
     return statistics.fmean(ttfts) * 1e3, statistics.fmean(tpots) * 1e3
 
 
+def json_cost() -> list[str]:
+    """The router's JSON work per request (parse the client's body, write both legs' bodies): json, the
+    standard library, against orjson, which the router uses. Medians of 5 timings."""
+    import json
+    import timeit
+
+    import orjson
+
+    out = ["", "## JSON per request: parse the body, write both legs (microseconds, median of 5)", "",
+           "| prompt words | body bytes | json us | orjson us | orjson/json |", "|---|---|---|---|---|"]  # fmt: skip
+    for words in (64, 1024, 16384):
+        body = h.completion(prompt_words=words, max_tokens=128, stream=True)
+        raw = json.dumps(body).encode()
+        n = max(20, 200_000 // (words + 50))
+        std = statistics.median(timeit.repeat(lambda: (json.loads(raw), json.dumps(body).encode(), json.dumps(body).encode()), number=n, repeat=5)) / n
+        fast = statistics.median(timeit.repeat(lambda: (orjson.loads(raw), orjson.dumps(body), orjson.dumps(body)), number=n, repeat=5)) / n
+        out.append(f"| {words} | {len(raw)} | {std * 1e6:.1f} | {fast * 1e6:.1f} | {fast / std:.2f} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one run per cell, shorter cells")
@@ -274,6 +296,7 @@ def main() -> None:
         log_dir = Path(tmp)
         if not a.skip_headroom:
             lines += asyncio.run(headroom(log_dir, [1, 16, 64], seconds, runs, a.toy_proxy))
+        lines += json_cost()
         if not a.skip_short:
             lines += asyncio.run(short_prompts(log_dir, lengths, rate=20.0, probes=10 if a.quick else 30, background=8))
     if a.sim_vs_real:

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from disagg_connector import contract
@@ -283,7 +284,7 @@ class Dispatcher:
         self, ctx: RequestContext, p: Backend, mode: str, xid: str, transfer_id: str, tl: Timeline, deadline: float | None
     ) -> dict[str, Any]:
         """The prefill leg to completion; returns P's JSON answer."""
-        payload = json.dumps(prefill_body(ctx.kind, ctx.body, transfer_id)).encode()
+        payload = orjson.dumps(prefill_body(ctx.kind, ctx.body, transfer_id))
         with self.balancer.track(p):
             async with self._leg("prefill", p, deadline, "prefill_timeout"):
                 resp = await self.client().post(p.base_url + ctx.path, data=payload, headers=self._headers(ctx, xid, p, True))
@@ -296,7 +297,7 @@ class Dispatcher:
         if resp.status != 200:
             self._engine_status("prefill", p, resp.status, data, resp.headers.get("Content-Type", "application/json"))
         try:
-            answer = json.loads(data)
+            answer = orjson.loads(data)
             if not isinstance(answer, dict):
                 raise ValueError("not an object")
         except ValueError as e:
@@ -329,7 +330,7 @@ class Dispatcher:
             body.pop("kv_transfer_params", None)  # never let a client steer the engines' KV transfer
         else:
             body["kv_transfer_params"] = params
-        payload = json.dumps(body).encode()
+        payload = orjson.dumps(body)
         deadline, cause = self._decode_deadline(ctx)
         self.balancer.acquire(d)
         try:
