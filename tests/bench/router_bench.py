@@ -14,7 +14,9 @@ real router (``disagg_connector.router``) and the client. Every figure is a medi
    work without the router. Compared: requests per second (router / direct) and the median end-to-end
    latency (added = router - direct). Two engine models: *zero-cost* (no compute, no transfer: what the
    router itself costs, on a CPU it shares with the engines and the client) and *timed* (the simulator's
-   timing model at 10 ms per output token: engines that take time, as real ones do). With ``--toy-proxy``,
+   timing model at 10 ms per output token: engines that take time, as real ones do); and timed again with
+   the router on a core of its own and the engines and the client on the other (``sched_setaffinity``; the
+   direct client there too), as in a cluster, where the router's pod has its own CPU. With ``--toy-proxy``,
    vLLM's ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`` (pull, sequential legs) runs on
    pull engines beside a pull router: fetch it yourself (it is not part of this repository) and install
    what it imports (measured with fastapi==0.163.2 uvicorn==0.54.0 httpx==0.28.1).
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import shlex
 import statistics
 import subprocess
@@ -142,14 +145,25 @@ async def headroom(log_dir: Path, levels: list[int], seconds: float, runs: int, 
            "", "| engines | streams | direct req/s | router req/s | router/direct | direct p50 ms | router p50 ms | added p50 ms |",
            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     toy_rows: list[str] = []
-    for label, timing in (("zero-cost", ZERO), ("timed 10 ms/token", TIMED)):
-        P = h.launch_sim(log_dir, "prefill", "push", revision=label[:4], **timing)
-        D = h.launch_sim(log_dir, "decode", "push", revision=label[:4], **timing)
-        static = log_dir / f"headroom-{label[:4]}.json"
+    variants = [("zero-cost", ZERO, False), ("timed 10 ms/token", TIMED, False)]
+    if len(os.sched_getaffinity(0)) >= 2:
+        variants.append(("timed, router on its own core", TIMED, True))
+    for label, timing, pinned in variants:
+        tag = f"{label[:4]}{'-pin' if pinned else ''}"
+        P = h.launch_sim(log_dir, "prefill", "push", revision=tag, **timing)
+        D = h.launch_sim(log_dir, "decode", "push", revision=tag, **timing)
+        static = log_dir / f"headroom-{tag}.json"
         h.write_static(static, [P.static_entry(), D.static_entry()])
-        R = h.launch_router(log_dir, static, "push", name=f"router-{label[:4]}")
+        R = h.launch_router(log_dir, static, "push", name=f"router-{tag}")
         procs: list[Any] = [R, P, D]
         toy_url = None
+        everywhere = os.sched_getaffinity(0)
+        if pinned:  # as in a cluster, where the router's pod has a CPU of its own: it on one core, the rest on another
+            cores = sorted(everywhere)
+            for proc in (P.proc, D.proc):
+                os.sched_setaffinity(proc.pid, {cores[0]})
+            os.sched_setaffinity(0, {cores[0]})
+            os.sched_setaffinity(R.proc.pid, {cores[1]})
         try:
             if toy_proxy is not None and label == "zero-cost":
                 Pp = h.launch_sim(log_dir, "prefill", "pull", revision="toy", **timing)
@@ -181,6 +195,7 @@ async def headroom(log_dir: Path, levels: list[int], seconds: float, runs: int, 
                         toy_rows.append(f"| {c} | {rp.rps:.0f} | {t.rps:.0f} | {rp.rps / t.rps:.2f} | {rp.p50_ms:.1f} | {t.p50_ms:.1f} |")
         finally:
             h.stop_all(*procs)
+            os.sched_setaffinity(0, everywhere)
     if toy_rows:
         out += ["", "vLLM's toy proxy (pull, zero-cost engines), against this router in pull mode:", "",
                 "| streams | router req/s | toy proxy req/s | router/toy | router p50 ms | toy p50 ms |", "|---|---|---|---|---|---|", *toy_rows]  # fmt: skip
