@@ -81,13 +81,21 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 
 
+# --- extended resources the operator requests for an engine pod (the user sets counts, never names) ---
+ACCELERATOR_RESOURCES: Mapping[str, str] = {"nvidia": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+HUGEPAGES_RESOURCE = "hugepages-2Mi"
+DEVICE_RESOURCES = (*ACCELERATOR_RESOURCES.values(), EFA_RESOURCE, HUGEPAGES_RESOURCE)
+
 # Downward API env vars that the engine id is assembled from inside the pod ($(VAR) expansion).
 ENV_POD_NAME = "POD_NAME"
 ENV_POD_UID = "POD_UID"
 ENV_POD_IP = "POD_IP"
 
 MAX_NAME_LENGTH = 63
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# A Service name (DNS-1035 label, up to 63 characters): what every child name must be.
+DNS_1035_LABEL_RE = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_DNS_LABEL = re.compile(DNS_1035_LABEL_RE)
 
 
 def short_hash(text: str, length: int = 8) -> str:

@@ -24,6 +24,8 @@ import re
 import sys
 from typing import Sequence
 
+from disagg_connector import contract
+
 REASONS: tuple[str, ...] = (
     "NixlImportFailed",
     "NixlBackendUnavailable",
@@ -147,7 +149,7 @@ def check_efa(n: int) -> str:
         raise PreflightFailure(
             "EfaDevicesMissing",
             f"{n} EFA devices requested but {have} /dev/infiniband/uverbs* devices are in the container{seen}; "
-            "request vpc.amazonaws.com/efa on an EFA-enabled instance with the EFA device plugin running, or lower efa.count",
+            f"request {contract.EFA_RESOURCE} on an EFA-enabled instance with the EFA device plugin running, or lower efa.count",
         )
     return f"efa={have}/{n}"
 
@@ -155,14 +157,10 @@ def check_efa(n: int) -> str:
 def check_accelerators(kind: str, n: int) -> str:
     if kind == "none" or n <= 0:
         return "accelerators=none"
-    if kind == "nvidia":
-        found = [p for p in glob.glob(_p("dev", "nvidia*")) if re.search(r"/nvidia\d+$", p)]
-        resource = "nvidia.com/gpu"
-    elif kind == "neuron":
-        found = [p for p in glob.glob(_p("dev", "neuron*")) if re.search(r"/neuron\d+$", p)]
-        resource = "aws.amazon.com/neuron"
-    else:
+    if kind not in contract.ACCELERATOR_RESOURCES:
         raise ValueError(kind)
+    found = [p for p in glob.glob(_p("dev", f"{kind}*")) if re.search(rf"/{kind}\d+$", p)]
+    resource = contract.ACCELERATOR_RESOURCES[kind]
     if len(found) < n:
         raise PreflightFailure(
             "AcceleratorsMissing",
@@ -192,7 +190,7 @@ def check_hugepages(nbytes: int) -> str:
         raise PreflightFailure(
             "HugepagesMissing",
             f"{_fmt_bytes(nbytes)} of 2Mi hugepages requested but {'; '.join(problems)}; "
-            "request hugepages-2Mi in the pod's resources and reserve them on the node (vm.nr_hugepages), or lower network.efa.hugepages",
+            f"request {contract.HUGEPAGES_RESOURCE} in the pod's resources and reserve them on the node (vm.nr_hugepages), or lower network.efa.hugepages",
         )
     return f"hugepages={_fmt_bytes(nbytes)}"
 

@@ -9,15 +9,13 @@ no request at all: in steady state the operator writes nothing.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
-
-from kubernetes.utils.quantity import parse_quantity
 
 from disagg_connector import contract
 
+from .quantity import parse_quantity
+
 HASH_ANNOTATION = f"{contract.API_GROUP}/applied-hash"
-_QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i|[numkMGTPE])?$")
 
 
 def manifest_hash(obj: dict[str, Any]) -> str:
@@ -42,9 +40,10 @@ def _same_scalar(want: Any, have: Any) -> bool:
         return True
     if isinstance(want, str) and isinstance(have, (str, int)):
         # Quantities come back normalised ("1.5Gi" -> "1536Mi", "8" -> 8 in int-or-string fields).
-        have_text = str(have)
-        if _QUANTITY.match(want) and _QUANTITY.match(have_text):
-            return parse_quantity(want) == parse_quantity(have_text)
+        try:
+            return parse_quantity(want) == parse_quantity(str(have))
+        except ValueError:
+            return False
     if isinstance(want, int) and isinstance(have, str):
         return str(want) == have
     return False

@@ -21,10 +21,10 @@ from .render import Rendered
 # Scheduler messages count nodes per cause: "0/8 nodes are available: 6 Insufficient vpc.amazonaws.com/efa, ...".
 _INSUFFICIENT = re.compile(r"(\d+) Insufficient ([\w./-]*\w)")
 CAPACITY_REASONS = {
-    "nvidia.com/gpu": ("InsufficientGPUs", "GPUs"),
-    "aws.amazon.com/neuron": ("InsufficientNeuronDevices", "Neuron devices"),
-    "vpc.amazonaws.com/efa": ("InsufficientEFADevices", "EFA devices"),
-    "hugepages-2Mi": ("InsufficientHugepages", "2Mi hugepages"),
+    contract.ACCELERATOR_RESOURCES["nvidia"]: ("InsufficientGPUs", "GPUs"),
+    contract.ACCELERATOR_RESOURCES["neuron"]: ("InsufficientNeuronDevices", "Neuron devices"),
+    contract.EFA_RESOURCE: ("InsufficientEFADevices", "EFA devices"),
+    contract.HUGEPAGES_RESOURCE: ("InsufficientHugepages", "2Mi hugepages"),
     "cpu": ("InsufficientCPU", "CPU"),
     "memory": ("InsufficientMemory", "memory"),
 }

@@ -87,6 +87,40 @@ INVALID = [
                                         "engine": {"vllmVersion": "0.24.0", "image": "example.com/vllm:0.24.0"},
                                         "prefill": {"parallelism": {"pipeline": 2}, "accelerator": {"count": 2}}},
      "spec.kvTransfer.mode", "pipelined prefill from 0.26.0 on"),
+    # Mistakes the API server would only refuse child by child, or vLLM would silently obey.
+    ("toleration-exists-with-value", {"prefill": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+     "spec.prefill.tolerations[0].value", "operator Exists matches any value"),
+    ("toleration-equal-without-key", {"decode": {"tolerations": [{"operator": "Equal", "value": "v"}]}},
+     "spec.decode.tolerations[0].operator", "without a key must use operator Exists"),
+    ("toleration-seconds-not-noexecute", {"decode": {"tolerations": [{"key": "k", "operator": "Exists",
+                                                                      "effect": "NoSchedule", "tolerationSeconds": 30}]}},
+     "spec.decode.tolerations[0].tolerationSeconds", "only to effect NoExecute"),
+    ("node-selector-bad-key", {"prefill": {"nodeSelector": {"bad key!": "x"}}},
+     "spec.prefill.nodeSelector", "Kubernetes label keys"),
+    ("router-node-selector-bad-key", {"router": {"nodeSelector": {"-zone": "a"}}},
+     "spec.router.nodeSelector", "Kubernetes label keys"),
+    ("service-annotation-bad-key", {"router": {"service": {"annotations": {"lb type": "nlb"}}}},
+     "spec.router.service.annotations", "Kubernetes label keys"),
+    ("node-selector-bad-value", {"decode": {"nodeSelector": {"zone": "us east"}}},
+     "spec.decode.nodeSelector.zone", "pattern"),
+    ("memory-limit-below-request", {"decode": {"resources": {"requests": {"memory": "64Gi"}, "limits": {"memory": "1Gi"}}}},
+     "spec.decode.resources.limits", "must not be below"),
+    ("cpu-limit-below-request", {"prefill": {"resources": {"requests": {"cpu": 8}, "limits": {"cpu": "500m"}}}},
+     "spec.prefill.resources.limits", "must not be below"),
+    ("gpu-in-resources", {"decode": {"resources": {"requests": {"nvidia.com/gpu": 4}}}},
+     "spec.decode.resources.requests", "accelerator.count"),
+    ("efa-in-resources", {"prefill": {"resources": {"limits": {"vpc.amazonaws.com/efa": 16}}}},
+     "spec.prefill.resources.requests", "efa.count"),
+    ("hugepages-in-resources", {"prefill": {"resources": {"requests": {"hugepages-2Mi": "1Gi", "memory": "8Gi"}}}},
+     "spec.prefill.resources.requests", "spec.network.efa.hugepages"),
+    ("managed-flag-underscores", {"engine": {"extraArgs": ["--kv_transfer_config={\"kv_role\":\"kv_both\"}"]}},
+     "spec.engine.extraArgs", "flags the operator manages"),
+    ("managed-flag-underscore-tp", {"prefill": {"extraArgs": ["--tensor_parallel_size=2"]}},
+     "spec.prefill.extraArgs", "flags the operator manages"),
+    ("managed-flag-abbreviated", {"decode": {"extraArgs": ["--tensor-parallel", "2"]}},
+     "spec.decode.extraArgs", "abbreviation"),
+    ("managed-flag-short", {"decode": {"extraArgs": ["-tp=2"]}}, "spec.decode.extraArgs", "flags the operator manages"),
+    ("config-file-flag", {"engine": {"extraArgs": ["--config", "file.yaml"]}}, "spec.engine.extraArgs", "--config"),
 ]
 
 
@@ -94,6 +128,14 @@ INVALID = [
 def test_invalid_spec_names_field_and_fix(patch: dict, path: str, phrase: str) -> None:
     found = problems(dm(patch))
     assert any(p == path and phrase in m for p, m in found), found
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-small", "3b-chat", "llama-3.1-70b"])
+def test_model_name_must_be_a_service_name(name: str) -> None:
+    obj = dm()
+    obj["metadata"]["name"] = name
+    found = problems(obj)
+    assert any(p == "metadata.name" and "qwen3-5-small, not qwen3.5-small" in m for p, m in found), found
 
 
 def test_missing_model_is_reported() -> None:
@@ -119,12 +161,23 @@ VALID_EDGES = [
     ("efa-without-hugepages", {"prefill": {"efa": {"count": 1}}, "decode": {"efa": {"count": 1}},
                                "network": {"efa": {"hugepages": "0"}}}),
     ("int-quantities", {"prefill": {"resources": {"requests": {"cpu": 8, "memory": "1.5Gi"}}}}),
-    ("unrelated-extra-args", {"engine": {"extraArgs": ["--max-num-seqs", "256", "--portable-flag"]}}),
     ("vllm-version-with-image", {"engine": {"vllmVersion": "0.26.0", "image": "vllm/vllm-openai:v0.26.0"}}),
     ("vllm-version-of-default-image", {"engine": {"vllmVersion": "0.33.0"}}),
     ("push-pipelined-prefill-on-0.26", {"kvTransfer": {"mode": "Push"},
                                         "engine": {"vllmVersion": "0.26.0", "image": "vllm/vllm-openai:v0.26.0"},
                                         "prefill": {"parallelism": {"pipeline": 2}, "accelerator": {"count": 2}}}),
+    ("unrelated-extra-args", {"engine": {"extraArgs": ["--max-num-seqs", "256", "--model-loader-extra-config", "{}"]}}),
+    ("unmanaged-underscore-flags", {"engine": {"extraArgs": ["--max_num_seqs=256", "--kv-cache-memory-bytes", "30G",
+                                                             "--model-impl", "vllm", "-O3"]}}),
+    ("labels-and-tolerations", {"prefill": {"nodeSelector": {"topology.kubernetes.io/zone": "us-east-1a",
+                                                             "node.kubernetes.io/instance-type": "p5en.48xlarge"},
+                                            "tolerations": [{"operator": "Exists"},
+                                                            {"key": "k", "operator": "Exists", "effect": "NoExecute",
+                                                             "tolerationSeconds": 30}]},
+                                "router": {"service": {"annotations": {
+                                    "service.beta.kubernetes.io/aws-load-balancer-type": "nlb"}}}}),
+    ("limits-at-requests", {"decode": {"resources": {"requests": {"cpu": "500m", "memory": "64Gi"},
+                                                     "limits": {"cpu": "0.5", "memory": "65536Mi"}}}}),
     ("neuron-any-count", {"prefill": {"accelerator": {"type": "neuron", "count": 16}, "parallelism": {"tensor": 64}},
                           "decode": {"accelerator": {"type": "neuron", "count": 16}, "parallelism": {"tensor": 64}}}),
 ]

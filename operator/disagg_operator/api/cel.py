@@ -10,10 +10,14 @@ second, hand-written copy of any rule to drift.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 from functools import lru_cache
 from typing import Any
 
 import celpy
+from celpy import celtypes
+
+from ..quantity import parse_quantity
 
 
 @dataclass(frozen=True)
@@ -36,10 +40,43 @@ class CelRule:
         return entry
 
 
+class Quantity(celtypes.StringType):
+    """A Kubernetes quantity as the API server's CEL quantity library sees it (compared by value)."""
+
+    @property
+    def value(self) -> Decimal:
+        return parse_quantity(str(self))
+
+
+def _is_quantity(text: celtypes.StringType) -> celtypes.BoolType:
+    try:
+        parse_quantity(str(text))
+    except ValueError:
+        return celtypes.BoolType(False)
+    return celtypes.BoolType(True)
+
+
+def _compare_to(left: Quantity, right: Quantity) -> celtypes.IntType:
+    a, b = left.value, right.value
+    return celtypes.IntType((a > b) - (a < b))
+
+
+# The part of the Kubernetes CEL libraries our rules use (the API server has them built in; cel-python
+# does not): the strings extension's replace/split and the quantity library. Each is tested against the
+# API server's own verdict by the e2e admission cases.
+KUBERNETES_FUNCTIONS = {
+    "replace": lambda text, old, new: celtypes.StringType(str(text).replace(str(old), str(new))),
+    "split": lambda text, sep: celtypes.ListType([celtypes.StringType(p) for p in str(text).split(str(sep))]),
+    "quantity": lambda text: Quantity(str(text)),
+    "isQuantity": _is_quantity,
+    "compareTo": _compare_to,
+}
+
+
 @lru_cache(maxsize=None)
 def _program(rule: str) -> Any:
     env = celpy.Environment()
-    return env.program(env.compile(rule))
+    return env.program(env.compile(rule), functions=KUBERNETES_FUNCTIONS)
 
 
 def holds(rule: CelRule, node: dict[str, Any]) -> bool:

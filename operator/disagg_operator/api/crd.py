@@ -19,7 +19,7 @@ import yaml
 
 from disagg_connector import contract
 
-from .models import DisaggregatedModelSpec, DisaggregatedModelStatus
+from .models import DisaggregatedModel, DisaggregatedModelSpec, DisaggregatedModelStatus
 
 CRD_FILE = f"{contract.API_GROUP}_{contract.PLURAL}.yaml"
 
@@ -138,6 +138,7 @@ def build_crd() -> dict[str, Any]:
                                 "spec": openapi_schema(DisaggregatedModelSpec),
                                 "status": _status_schema(),
                             },
+                            "x-kubernetes-validations": [r.to_schema() for r in DisaggregatedModel.cel_rules],
                         }
                     },
                 }

@@ -91,7 +91,26 @@ FreeForm = Annotated[
 ]
 
 Name = Annotated[str, Field(min_length=1, max_length=253)]
-LabelMap = Annotated[dict[str, str], Field(max_length=64)]
+
+# Kubernetes label syntax (apimachinery validation.IsQualifiedName / IsValidLabelValue): a key is an optional
+# DNS-subdomain prefix and '/', then a name of up to 63 alphanumerics, '-', '_', '.'; a value is such a name
+# or empty. The API server refuses a pod that breaks it, so admission refuses the spec first.
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+QUALIFIED_NAME_RE = rf"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{_LABEL_NAME}$"
+LABEL_VALUE_RE = rf"^({_LABEL_NAME})?$"
+LABEL_SYNTAX = "[prefix/]name, the name up to 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric"
+
+LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_RE)]
+LabelMap = Annotated[dict[str, LabelValue], Field(max_length=64)]
+AnnotationMap = Annotated[dict[str, Annotated[str, Field(max_length=65536)]], Field(max_length=64)]
+
+
+def _keys_rule(field: str, what: str) -> CelRule:
+    return CelRule(
+        rule=f"self.{field}.all(k, size(k) <= 317 && k.matches('{QUALIFIED_NAME_RE}'))",
+        message=f"{what} keys must be Kubernetes label keys ({LABEL_SYNTAX}): rename the offending key",
+        field_path=f".{field}",
+    )
 Port = Annotated[int, Field(ge=1024, le=65000)]
 VllmVersion = Literal[contract.VLLM_VERSIONS]  # type: ignore[valid-type]
 # The vLLM release each default engine image runs (config.py tags the images with it).
@@ -126,18 +145,31 @@ MANAGED_ENV = (
 )
 
 
+# `--config FILE` makes vLLM read any flag, managed ones included, from a YAML file.
+CONFIG_FLAG = "--config"
+
+
 def _cel_list(items: tuple[str, ...]) -> str:
     return "[" + ", ".join(f"'{i}'" for i in items) + "]"
 
 
+_LONG_FLAGS = tuple(f for f in MANAGED_FLAGS if f.startswith("--")) + (CONFIG_FLAG,)
+_SHORT_FLAGS = tuple(f for f in MANAGED_FLAGS if not f.startswith("--"))
+# vLLM's parser reads `--a_b` as `--a-b` (argparse_utils.FlexibleArgumentParser), `--a.b v` as a JSON key of
+# `--a`, and argparse takes any unambiguous prefix (`--tensor-parallel` is `--tensor-parallel-size`). So an
+# argument is refused when its option name, up to '=' or '.', with '_' read as '-', begins a managed flag.
+_OPTION = "a.split('=')[0].split('.')[0].replace('_', '-')"
 _NO_MANAGED_FLAGS = CelRule(
     rule=(
-        f"self.extraArgs.all(a, !{_cel_list(MANAGED_FLAGS)}.exists(f, "
-        "a == f || a.startsWith(f + '=') || a.startsWith(f + '.')))"
+        f"self.extraArgs.all(a, !(a.startsWith('--') && size(a) > 2 && "
+        f"{_cel_list(_LONG_FLAGS)}.exists(f, f.startsWith({_OPTION}))) && "
+        f"!{_cel_list(_SHORT_FLAGS)}.exists(f, a == f || a.startsWith(f + '=')))"
     ),
     message=(
-        "extraArgs must not set flags the operator manages (" + ", ".join(MANAGED_FLAGS) + "): "
-        "use the matching spec fields (model, engine.blockSize, kvTransfer, parallelism) instead"
+        "extraArgs must not set flags the operator manages (" + ", ".join(MANAGED_FLAGS) + "), in any "
+        "spelling vLLM reads as one of them (underscores for dashes, an abbreviation such as "
+        "--tensor-parallel, a dotted key such as --kv-transfer-config.kv_role), nor --config (a file that can "
+        "set any flag): use the matching spec fields (model, engine.blockSize, kvTransfer, parallelism) instead"
     ),
     field_path=".extraArgs",
 )
@@ -170,13 +202,32 @@ EnvList = Annotated[list[EnvVar], Field(max_length=128)]
 class Toleration(ApiModel):
     """A Kubernetes toleration, passed to the pods as written."""
 
-    key: str | None = Field(
+    cel_rules = (
+        CelRule(
+            rule="self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            message="a toleration with operator Exists matches any value: remove value, or use operator Equal",
+            field_path=".value",
+        ),
+        CelRule(
+            rule="self.operator == 'Exists' || has(self.key) && self.key != ''",
+            message="a toleration without a key must use operator Exists (it then tolerates every taint): "
+            "set key, or operator Exists",
+            field_path=".operator",
+        ),
+        CelRule(
+            rule="!has(self.tolerationSeconds) || has(self.effect) && self.effect == 'NoExecute'",
+            message="tolerationSeconds applies only to effect NoExecute: set effect NoExecute or remove tolerationSeconds",
+            field_path=".tolerationSeconds",
+        ),
+    )
+
+    key: Annotated[str, Field(max_length=317, pattern=QUALIFIED_NAME_RE)] | None = Field(
         default=None, description="Taint key to tolerate; unset with operator Exists tolerates every taint."
     )
     operator: Literal["Exists", "Equal"] = Field(
         default="Equal", description="Equal matches key and value; Exists matches any value of the key."
     )
-    value: str | None = Field(default=None, description="Taint value to match (operator Equal only).")
+    value: LabelValue | None = Field(default=None, description="Taint value to match (operator Equal only).")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect to match; unset matches every effect."
     )
@@ -394,6 +445,27 @@ class EfaSpec(ApiModel):
 class ResourceRequirements(ApiModel):
     """Kubernetes container resources."""
 
+    cel_rules = (
+        CelRule(
+            rule=(
+                "['cpu', 'memory'].all(r, !(r in self.requests) || !(r in self.limits) || "
+                "!isQuantity(string(self.requests[r])) || !isQuantity(string(self.limits[r])) || "
+                "quantity(string(self.limits[r])).compareTo(quantity(string(self.requests[r]))) >= 0)"
+            ),
+            message="resources.limits must not be below resources.requests for cpu or memory (Kubernetes refuses "
+            "the pod): raise the limit or lower the request",
+            field_path=".limits",
+        ),
+        CelRule(
+            rule=(
+                f"!{_cel_list(contract.DEVICE_RESOURCES)}.exists(r, r in self.requests || r in self.limits)"
+            ),
+            message="resources must not name " + ", ".join(contract.DEVICE_RESOURCES) + ": the operator "
+            "requests them itself from accelerator.count, efa.count and spec.network.efa.hugepages: set those",
+            field_path=".requests",
+        ),
+    )
+
     requests: Annotated[dict[str, Quantity], Field(max_length=32)] = Field(
         default_factory=dict,
         description="Resource requests (cpu, memory, ...). On engines the operator adds the accelerator, "
@@ -438,6 +510,7 @@ class RoleSpec(ApiModel):
         ),
         _NO_MANAGED_FLAGS,
         _NO_MANAGED_ENV,
+        _keys_rule("nodeSelector", "nodeSelector"),
     )
 
     replicas: Annotated[int, Field(ge=0, le=1000)] = Field(
@@ -486,19 +559,23 @@ class RoleSpec(ApiModel):
 class ServiceSpec(ApiModel):
     """The router's Service, the model's one endpoint for clients."""
 
+    cel_rules = (_keys_rule("annotations", "Service annotation"),)
+
     type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
         default="ClusterIP", description="Kubernetes Service type."
     )
     port: Annotated[int, Field(ge=1, le=65535)] = Field(
         default=contract.ROUTER_PORT, description="Service port clients connect to (status.router.url)."
     )
-    annotations: LabelMap = Field(
+    annotations: AnnotationMap = Field(
         default_factory=dict, description="Annotations of the Service (load balancer settings, say)."
     )
 
 
 class RouterSpec(ApiModel):
     """The router: an OpenAI-compatible endpoint that sends each request's prefill and decode legs."""
+
+    cel_rules = (_keys_rule("nodeSelector", "nodeSelector"),)
 
     replicas: Annotated[int, Field(ge=0, le=100)] = Field(
         default=2, description="Router pods; two by default so one can restart while the other serves."
@@ -856,8 +933,22 @@ class ObjectMeta(BaseModel):
     generation: int | None = None
 
 
+# Services are named after the model, and a Service name must be a DNS-1035 label: refuse at admission
+# what the API server would refuse child by child (child names longer than 63 characters are shortened
+# with a hash by contract.fit_name, so length is no problem).
+MODEL_RULES = (
+    CelRule(
+        rule=f"self.metadata.name.matches('{contract.DNS_1035_LABEL_RE}')",
+        message="metadata.name must start with a letter and hold only lower-case letters, digits and '-' "
+        "(Services are named after the model and Kubernetes refuses dots there): e.g. qwen3-5-small, not qwen3.5-small",
+        field_path=".metadata.name",
+    ),
+)
+
+
 class DisaggregatedModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    cel_rules: ClassVar[tuple[CelRule, ...]] = MODEL_RULES
 
     api_version: Literal["disagg.dev/v1alpha1"] = Field(
         default=f"{contract.API_GROUP}/{contract.API_VERSION}", alias="apiVersion"

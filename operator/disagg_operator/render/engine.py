@@ -5,19 +5,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kubernetes.utils.quantity import parse_quantity
-
 from disagg_connector import contract
 
 from ..api.models import DisaggregatedModel, RoleSpec
 from ..config import RenderDefaults
+from ..quantity import parse_quantity
 from ..resolve import TransferPlan
 from . import placement, vllm
 from .meta import metadata
 
-ACCELERATOR_RESOURCE = {"nvidia": "nvidia.com/gpu", "neuron": "aws.amazon.com/neuron"}
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
-HUGEPAGES_RESOURCE = "hugepages-2Mi"
+ACCELERATOR_RESOURCE = contract.ACCELERATOR_RESOURCES
+EFA_RESOURCE = contract.EFA_RESOURCE
+HUGEPAGES_RESOURCE = contract.HUGEPAGES_RESOURCE
 HEALTH_PATH = "/health"
 STARTUP_PERIOD_SECONDS = 10
 PREFLIGHT_COMMAND = "disagg-preflight"
