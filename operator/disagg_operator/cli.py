@@ -107,8 +107,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the operator (kopf) against the cluster of the kubeconfig or the pod's service account."""
     import kopf
 
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from . import handlers  # registers the handlers
 
+    handlers.OPTIONS = handlers.Options(
+        workers=args.workers,
+        resync_seconds=args.resync_seconds,
+        metrics_port=args.metrics_port or None,
+        metrics_address=args.metrics_address,
+        peering=None if args.standalone else args.peering,
+        priority=args.priority,
+        clusterwide=not args.namespace,
+    )
     kopf.configure(verbose=args.verbose)
     kopf.run(
         standalone=args.standalone,
@@ -137,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--peering", default=contract.OPERATOR_NAME, help="kopf peering object for HA (default %(default)s)")
     run.add_argument("--priority", type=int, default=0, help="peering priority; the highest active replica works")
     run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
+    run.add_argument("--metrics-port", type=int, default=8081, help="port of /metrics (Prometheus); 0 turns it off")
+    run.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics listens on")
+    run.add_argument("--workers", type=int, default=4, help="models reconciled at once (default %(default)s)")
+    run.add_argument("--resync-seconds", type=float, default=300.0,
+                     help="every model is reconciled at least this often, events or not (default %(default)s)")
     run.add_argument("-v", "--verbose", action="store_true")
     run.set_defaults(func=cmd_run)
     rbac = sub.add_parser("rbac", help="print the ClusterRole the operator needs")

@@ -1,53 +1,67 @@
-"""Kopf registrations: thin triggers of one reconcile. No logic lives here.
+"""Kopf registrations: indexes that mirror the cluster, and events that queue a model. No logic here.
 
-Triggers:
-- the DisaggregatedModel itself: resume (operator start), create, update of spec or metadata;
-- its children: any event of a Deployment or Pod that carries our managed-by label reconciles the
-  owning model. This replaces a periodic timer: kopf timers put a finalizer on every CR (a deletion
-  would hang while the operator is down), and watching children reacts in seconds instead of a
-  period, while an unchanged world produces no events and so no work.
-
-Handlers are plain `def`: they call the synchronous kubernetes client, so kopf runs them in its
-thread pool instead of blocking the event loop.
+- One watch per kind the operator reads: DisaggregatedModels, every kind it renders (render.MANAGED_KINDS)
+  and Pods, each filtered to our managed-by label. Each feeds an index (cache.py) and queues the owning model
+  (found by its model label) on every event. kopf lists everything at start, which queues every model once.
+- The controller (reconcile.py) owns the work queue, the worker threads, retries with backoff and the
+  resync; kopf handlers only add keys.
+- No handler that persists state on the CR (kopf's create/update/resume keep diff-bases and progress in
+  annotations) and no timer or daemon: kopf gives those a finalizer, so deleting a model would hang while
+  the operator is down. The resync runs in the controller instead.
+- All handlers are `async def` and do no I/O: no thread per event.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import kopf
 
 from disagg_connector import contract
 
+from .cache import CHILD_INDEX_PREFIX, MODEL_NAMES_INDEX, MODELS_INDEX, PODS_INDEX, IndexCache, index_key, slim, slim_pod
 from .config import RenderDefaults
-from .kube import Cluster, load_api_client
-from .reconcile import Reconciler
+from .kube import REQUEST_TIMEOUT, Cluster, load_api_client
+from .metrics import OperatorMetrics
+from .reconcile import Controller, Reconciler
+from .render import MANAGED_KINDS
 
 log = logging.getLogger(__name__)
 
 MODEL = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 MANAGED = {contract.LABEL_MANAGED_BY: contract.OPERATOR_NAME}
-ANNOTATION_PREFIX = contract.API_GROUP
-
-_reconciler: Reconciler | None = None
 
 
-def reconciler() -> Reconciler:
-    global _reconciler
-    if _reconciler is None:
-        _reconciler = Reconciler(Cluster(load_api_client()), RenderDefaults.from_env())
-    return _reconciler
+@dataclass(frozen=True)
+class Options:
+    """Operator settings from the command line (cli.py sets them before kopf starts)."""
+
+    workers: int = 4
+    resync_seconds: float = 300.0
+    metrics_port: int | None = 8081
+    metrics_address: str = "0.0.0.0"
+    peering: str | None = None  # None: standalone, always active
+    priority: int = 0
+    clusterwide: bool = True
+
+
+OPTIONS = Options()
+CACHE = IndexCache()
+_controller: Controller | None = None
+
+
+def controller() -> Controller:
+    if _controller is None:
+        raise RuntimeError("the operator has not started")
+    return _controller
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
     """Kopf settings, on purpose (see docs/design.md, "Kopf, on purpose")."""
-    # Our own annotation prefix: no collision with other kopf operators, one GitOps ignore rule.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
-    )
-    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"  # never added: no handler needs one
     # Watches that go quiet behind load balancers are restarted (kopf #847, #1276).
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -56,48 +70,118 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.networking.connect_timeout = 10
     # Only warnings become Kubernetes Events on the CR; info stays in the operator's log.
     settings.posting.level = logging.WARNING
-    # Sync handlers run in this pool: enough for many models reconciling at once on 1-2 CPUs.
-    settings.execution.max_workers = 16
-    # A failed reconcile (API down, conflict) is retried after this many seconds.
-    settings.execution.default_backoff = 10
+
+
+class PeeringGate:
+    """Whether this replica may work now. kopf pauses its own handlers when a peer of higher (or equal)
+    priority is alive (docs/peering.rst); our workers and resync run outside kopf, so they read the same
+    peering object and apply the same rule. Cached for a few seconds: one GET per period, not per pass."""
+
+    TTL = 5.0
+
+    def __init__(self, cluster: Cluster, name: str, priority: int, clusterwide: bool):
+        self.cluster, self.name, self.priority, self.clusterwide = cluster, name, priority, clusterwide
+        self._cached: dict[str, tuple[float, bool]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, namespace: str) -> bool:
+        scope = "" if self.clusterwide else namespace
+        with self._lock:
+            at, active = self._cached.get(scope, (0.0, True))
+            if time.monotonic() - at < self.TTL:
+                return active
+        active = self._read(scope)
+        with self._lock:
+            self._cached[scope] = (time.monotonic(), active)
+        return active
+
+    def _read(self, namespace: str) -> bool:
+        kind = "ClusterKopfPeering" if self.clusterwide else "KopfPeering"
+        probe = {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": {"name": self.name, "namespace": namespace or None}}
+        try:
+            peering = self.cluster.get(probe)
+        except Exception as error:  # unreadable: keep working; kopf's own pause still holds its handlers
+            log.info("peering %s not readable (%s); staying active", self.name, error)
+            return True
+        return peering_allows(peering or {}, self.priority, time.time())
+
+
+def peering_allows(peering: Mapping[str, Any], priority: int, now: float) -> bool:
+    """kopf's rule: pause while another live peer has a higher priority, or the same one (then all pause)."""
+    from datetime import datetime
+
+    same = 0
+    for info in (peering.get("status") or {}).values():
+        try:
+            seen = datetime.fromisoformat(str(info.get("lastseen")).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        if seen + float(info.get("lifetime") or 60) < now:
+            continue  # dead
+        peer = int(info.get("priority") or 0)
+        if peer > priority:
+            return False
+        same += peer == priority
+    return same <= 1  # this replica itself is one of them
 
 
 @kopf.on.startup()
 def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global _controller
     configure(settings)
-    reconciler()
+    cluster = Cluster(load_api_client())
+    metrics = OperatorMetrics(workers=OPTIONS.workers)
+    reconciler = Reconciler(CACHE, cluster, RenderDefaults.from_env(), metrics)
+    gate = PeeringGate(cluster, OPTIONS.peering, OPTIONS.priority, OPTIONS.clusterwide) if OPTIONS.peering else None
+    _controller = Controller(reconciler, workers=OPTIONS.workers, resync_seconds=OPTIONS.resync_seconds,
+                             active=(lambda key: gate(key[0])) if gate else (lambda key: True))  # fmt: skip
+    _controller.start()
+    if OPTIONS.metrics_port is not None:
+        metrics.serve(OPTIONS.metrics_port, OPTIONS.metrics_address)
+    log.info("operator started: %d workers, resync every %.0f s, API timeout %s s", OPTIONS.workers,
+             OPTIONS.resync_seconds, REQUEST_TIMEOUT)  # fmt: skip
 
 
-@kopf.on.resume(*MODEL)
-@kopf.on.create(*MODEL)
-@kopf.on.update(*MODEL)
-def reconcile_model(namespace: str, name: str, **_: Any) -> None:
-    reconciler().trigger(namespace, name)
+@kopf.on.cleanup()
+def cleanup(**_: Any) -> None:
+    if _controller is not None:
+        _controller.stop()
 
 
-def _owner(labels: dict[str, str], meta: dict[str, Any]) -> str | None:
-    for owner in meta.get("ownerReferences") or []:
-        if owner.get("kind") == contract.KIND and owner.get("controller"):
-            return str(owner["name"])
-    return None
+@kopf.index(*MODEL, id=MODELS_INDEX)
+async def index_model(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {(namespace, name): slim(body)}
 
 
-@kopf.index(*MODEL)
-async def model_by_label(namespace: str, name: str, **_: Any) -> dict[tuple[str, str], str]:
-    """CR names by their (possibly shortened) model label value: pods are owned by ReplicaSets, so a
-    pod event finds its model through its label. Async: no I/O, and no thread per indexed object."""
+@kopf.index(*MODEL, id=MODEL_NAMES_INDEX)
+async def index_model_name(namespace: str, name: str, **_: Any) -> dict[tuple[str, str], str]:
+    """CR names by their (possibly shortened) model label value: how a child's event finds its model."""
     return {(namespace, contract.model_label_value(name)): name}
 
 
-@kopf.on.event("deployments", labels=MANAGED)
-def deployment_event(meta: kopf.Meta, namespace: str, labels: dict[str, str], **_: Any) -> None:
-    owner = _owner(dict(labels), dict(meta))
-    if owner:
-        reconciler().trigger(namespace, owner)
+async def index_child(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {index_key(namespace, labels): slim(body)}
 
 
-@kopf.on.event("pods", labels=MANAGED)
-def pod_event(namespace: str, labels: dict[str, str], model_by_label: kopf.Index, **_: Any) -> None:
-    names = model_by_label.get((namespace, labels.get(contract.LABEL_MODEL, "")), [])
-    for name in names:
-        reconciler().trigger(namespace, name, full=False)
+async def index_pod(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {index_key(namespace, labels): slim_pod(body)}
+
+
+@kopf.on.event(*MODEL, id="model_event")
+async def model_event(namespace: str, name: str, **kwargs: Any) -> None:
+    CACHE.bind(kwargs)
+    controller().enqueue(namespace, name)
+
+
+async def child_event(namespace: str, labels: kopf.Labels, **kwargs: Any) -> None:
+    CACHE.bind(kwargs)
+    for name in CACHE.models_named(*index_key(namespace, labels)):
+        controller().enqueue(namespace, name)
+
+
+for _api_version, _kind, _plural in MANAGED_KINDS:
+    kopf.index(_api_version, _plural, labels=MANAGED, id=f"{CHILD_INDEX_PREFIX}{_plural}")(index_child)
+    kopf.on.event(_api_version, _plural, labels=MANAGED, id=f"event_{_plural}")(child_event)
+kopf.index("v1", "pods", labels=MANAGED, id=PODS_INDEX)(index_pod)
+kopf.on.event("v1", "pods", labels=MANAGED, id="event_pods")(child_event)
+

@@ -12,24 +12,20 @@ from typing import Any
 
 from disagg_connector import contract
 
-from .kube import MANAGED_KINDS
+from .render import MANAGED_KINDS
 
 WRITE = ["get", "list", "watch", "create", "update", "patch", "delete"]
 READ = ["get", "list", "watch"]
 
 
-def _group(api_version: str) -> str:
+def group_of(api_version: str) -> str:
     return api_version.rsplit("/", 1)[0] if "/" in api_version else ""
-
-
-def _plural(kind: str) -> str:
-    return {"NetworkPolicy": "networkpolicies"}.get(kind, kind.lower() + "s")
 
 
 def rules() -> list[dict[str, Any]]:
     by_group: dict[str, list[str]] = {}
-    for api_version, kind in MANAGED_KINDS:
-        by_group.setdefault(_group(api_version), []).append(_plural(kind))
+    for api_version, _, plural in MANAGED_KINDS:
+        by_group.setdefault(group_of(api_version), []).append(plural)
     managed = [{"apiGroups": [g], "resources": sorted(r), "verbs": WRITE} for g, r in sorted(by_group.items())]
     return [
         {"apiGroups": [contract.API_GROUP], "resources": [contract.PLURAL], "verbs": ["get", "list", "watch", "patch"]},

@@ -1,138 +1,249 @@
-"""One idempotent reconcile of a DisaggregatedModel: parse -> render -> apply drifted children ->
-compute status -> retire old revisions once the new one is ready -> write status if it changed.
+"""One reconcile pass of a DisaggregatedModel, and the controller that runs passes.
 
-Called from every trigger (create, update, resume, a child's event). Safe to run any number of times:
-an unchanged world makes no write at all.
+A pass reads top-down:
+1. read the model from the cache (gone or being deleted: nothing to do, the garbage collector has it);
+2. parse and render it (an invalid spec gets `InvalidSpec` in status, nothing running is touched);
+3. plan from what the cache holds; if the plan writes, probe its writes and plan again with what the
+   probes found (planner.py: nothing half-applied);
+4. execute the plan; a failed write turns into its reason in status;
+5. write status if it changed: on every outcome, errors included.
+A pass that could not do all it planned is retried with capped exponential backoff; every model is
+also re-queued every resync period, which repairs what no event announced.
+
+The controller owns the work queue and its worker threads. kopf's handlers only add keys to it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-from disagg_connector import contract
+import urllib3.exceptions
+from kubernetes.client.exceptions import ApiException
 
+from . import executor, planner
 from . import status as status_mod
-from .api.models import DisaggregatedModel
 from .api.validation import SpecError, parse
+from .cache import Cache
 from .config import RenderDefaults
-from .drift import needs_apply, stamped
-from .kube import MANAGED_KINDS, Cluster, key_of
-
-DEPLOYMENTS_ONLY = tuple(k for k in MANAGED_KINDS if k[1] == "Deployment")
+from .kube import Cluster, error_message
+from .metrics import CONTROLLER, OperatorMetrics
 from .render import render
+from .state import ChildProblem, Desired, ModelRef, Observed
+from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
+
+ModelKey = tuple[str, str]  # (namespace, name)
+TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@dataclass(frozen=True)
+class PassResult:
+    result: str  # success | blocked | error | invalid | gone
+    reason: str | None = None
+
+    @property
+    def retry(self) -> bool:
+        return self.result in ("blocked", "error")
+
+
+def _resource_version(obj: Mapping[str, Any] | None) -> int:
+    try:
+        return int((obj or {}).get("metadata", {}).get("resourceVersion") or 0)
+    except ValueError:  # opaque on some servers: then the cache is taken as fresh
+        return 0
+
+
 class Reconciler:
-    def __init__(self, cluster: Cluster, defaults: RenderDefaults, now: Callable[[], str] = utc_now):
+    def __init__(self, cache: Cache, cluster: Cluster, defaults: RenderDefaults, metrics: OperatorMetrics,
+                 now: Callable[[], str] = utc_now):  # fmt: skip
+        self.cache = cache
         self.cluster = cluster
         self.defaults = defaults
+        self.metrics = metrics
         self.now = now
-        # One reconcile per model at a time; triggers that arrive meanwhile fold into one more pass.
-        self._locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
-        # Pending passes per model: True = full (every child kind), False = Deployments and status only.
-        self._dirty: dict[tuple[str, str], bool] = {}
+        # The status we last wrote per model, with the resourceVersion the write produced: until the cache
+        # has caught up with our own write, that is the status this pass starts from.
+        self._written: dict[ModelKey, tuple[int, dict[str, Any]]] = {}
         self._guard = threading.Lock()
 
-    def trigger(self, namespace: str, name: str, full: bool = True) -> None:
-        """Reconcile the named model, coalescing bursts (e.g. every pod of a rollout turning Ready).
+    def reconcile(self, key: ModelKey) -> PassResult:
+        namespace, name = key
+        body = self.cache.model(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            with self._guard:
+                self._written.pop(key, None)
+            return PassResult("gone")
+        previous = self._previous_status(key, body)
+        try:
+            return self._reconcile(key, body, previous)
+        except Exception as error:  # a bug: say so in status (if the API lets us), retry with backoff
+            log.exception("reconcile of %s/%s failed", namespace, name)
+            status = status_mod.unservable(
+                "InternalError", f"the operator failed on this model ({type(error).__name__}: {error}); see its log",
+                "retrying with backoff", body["metadata"].get("generation"), previous, self.now(),
+                phase=(previous or {}).get("phase") or "Pending")  # fmt: skip
+            try:
+                self._write_if_changed(key, previous, status)
+            except Exception:
+                log.info("status of %s/%s not written either", namespace, name)
+            return PassResult("error", "InternalError")
 
-        `full=False` is for pod events: a pod changing says nothing about Services or RBAC, so the pass
-        reads only Deployments and Pods (3 reads instead of 9) to refresh status and retire revisions.
-        """
-        key = (namespace, name)
+    def _reconcile(self, key: ModelKey, body: Mapping[str, Any], previous: Mapping[str, Any] | None) -> PassResult:
+        namespace, name = key
+        meta = body["metadata"]
+        try:
+            model = parse({k: body[k] for k in ("apiVersion", "kind", "spec") if k in body}
+                          | {"metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation") if k in meta}})
+            rendered = render(model, self.defaults)
+        except SpecError as error:  # a spec admission would have refused: an older CRD, or none
+            self._write_if_changed(key, previous, status_mod.invalid_status(
+                [str(p) for p in error.problems], meta.get("generation"), previous, self.now()))
+            return PassResult("invalid", "InvalidSpec")
+        except ValueError as error:
+            self._write_if_changed(key, previous, status_mod.invalid_status([str(error)], meta.get("generation"), previous, self.now()))
+            return PassResult("invalid", "InvalidSpec")
+
+        desired = Desired(ModelRef(namespace, name, meta["uid"], meta.get("generation")), model, rendered, previous)
+        observed = Observed(children=self.cache.children(namespace, name, meta["uid"]), pods=self.cache.pods(namespace, name))
+        now = self.now()
+        try:
+            plan = planner.plan(desired, observed, now)
+            if plan.applies:
+                probes = executor.probe(plan, self.cluster, desired.ref.uid)
+                if probes:
+                    plan = planner.plan(desired, observed.with_probes(probes.foreign, probes.refused), now)
+            outcome = executor.execute(plan, self.cluster, on_done=self._count)
+        except TRANSPORT_ERRORS as error:
+            problem = ChildProblem("ApiUnavailable", "API", "server", f"the API server did not answer ({error}); retrying")
+            self._try_write_failure(key, desired, observed, problem)
+            return PassResult("error", "ApiUnavailable")
+        except ApiException as error:  # a GET of a probe refused (RBAC, say)
+            problem = ChildProblem("ApplyFailed", "API", "request", error_message(error))
+            self._try_write_failure(key, desired, observed, problem)
+            return PassResult("error", "ApplyFailed")
+
+        if outcome.ok:
+            status = plan.status
+        else:
+            assert outcome.failure is not None
+            status = status_mod.write_failed(desired, observed, plan.status, outcome.failure, outcome.done, outcome.total, now)
+        self._write_if_changed(key, previous, status)
+        if plan.problems:
+            return PassResult("blocked", plan.problems[0].reason)
+        if outcome.failure is not None:
+            return PassResult("error", outcome.failure.reason)
+        return PassResult("success")
+
+    def _count(self, action: planner.Action) -> None:
+        counter = self.metrics.applied if isinstance(action, planner.Apply) else self.metrics.deleted
+        counter.labels(action.obj["kind"]).inc()
+
+    def _previous_status(self, key: ModelKey, body: Mapping[str, Any]) -> dict[str, Any] | None:
         with self._guard:
-            lock = self._locks[key]
-            self._dirty[key] = self._dirty.get(key, False) or full
-        if not lock.acquire(blocking=False):
-            return  # the running pass sees the dirty flag and goes again
+            written = self._written.get(key)
+        if written and written[0] > _resource_version(body):
+            return written[1]
+        return body.get("status")
+
+    def _try_write_failure(self, key: ModelKey, desired: Desired, observed: Observed, problem: ChildProblem) -> None:
         try:
-            while True:
-                with self._guard:
-                    if key not in self._dirty:
-                        return
-                    pass_full = self._dirty.pop(key)
-                body = self.cluster.get_model(namespace, name)
-                if body is None or body["metadata"].get("deletionTimestamp"):
-                    return  # children go with the garbage collector
-                self.reconcile(body, full=pass_full)
+            base = status_mod.compute(desired, observed, self.now())
+            status = status_mod.write_failed(desired, observed, base, problem, 0, 0, self.now())
+            self._write_if_changed(key, desired.previous_status, status)
+        except (ApiException, *TRANSPORT_ERRORS):
+            log.info("status of %s/%s not written either: the API server is unavailable", *key)
+
+    def _write_if_changed(self, key: ModelKey, previous: Mapping[str, Any] | None, status: dict[str, Any]) -> None:
+        old = previous or {}
+        if all(old.get(k) == v for k, v in status.items()):
+            return
+        try:
+            written = self.cluster.write_status(key[0], key[1], status)
+        except ApiException as error:
+            if error.status == 404:  # deleted meanwhile
+                return
+            raise
+        with self._guard:
+            self._written[key] = (_resource_version(written), status)
+
+
+class Controller:
+    """The work queue, its workers and the resync: every trigger ends up as a key in the queue."""
+
+    def __init__(self, reconciler: Reconciler, workers: int = 4, resync_seconds: float = 300.0,
+                 active: Callable[[ModelKey], bool] = lambda key: True):  # fmt: skip
+        self.reconciler = reconciler
+        self.metrics = reconciler.metrics
+        self.queue: WorkQueue[ModelKey] = WorkQueue()
+        self.workers = workers
+        self.resync_seconds = resync_seconds
+        self.active = active
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+
+    def enqueue(self, namespace: str, name: str) -> None:
+        self.queue.add((namespace, name))
+
+    def start(self) -> None:
+        self.metrics.watch(lambda: (len(self.queue), self.queue.adds, self.queue.retries), self.phases)
+        for n in range(self.workers):
+            self._threads.append(threading.Thread(target=self._work, name=f"reconcile-{n}", daemon=True))
+        self._threads.append(threading.Thread(target=self._resync, name="resync", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.queue.shutdown()
+
+    def phases(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for namespace, name in self.reconciler.cache.model_keys():
+            body = self.reconciler.cache.model(namespace, name) or {}
+            phase = (body.get("status") or {}).get("phase") or "Unknown"
+            counts[phase] = counts.get(phase, 0) + 1
+        return counts
+
+    def _resync(self) -> None:
+        while not self._stop.wait(self.resync_seconds):
+            for key in self.reconciler.cache.model_keys():
+                if self.active(key):
+                    self.queue.add(key)
+
+    def _work(self) -> None:
+        while (key := self.queue.get()) is not None:
+            try:
+                if self.active(key):  # a standby replica leaves the work to the active one
+                    self._pass(key)
+            finally:
+                self.queue.done(key)
+
+    def _pass(self, key: ModelKey) -> None:
+        gauge = self.metrics.active_workers.labels(CONTROLLER)
+        gauge.inc()
+        started = time.monotonic()
+        try:
+            result = self.reconciler.reconcile(key)
         finally:
-            lock.release()
-
-    def reconcile(self, body: dict[str, Any], full: bool = True) -> None:
-        meta = body["metadata"]
-        namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
-        generation = meta.get("generation")
-        previous = body.get("status")
-        try:
-            dm = parse({k: body[k] for k in ("apiVersion", "kind", "spec") if k in body} | {"metadata": _slim(meta)})
-            rendered = render(dm, self.defaults)
-        except SpecError as error:
-            log.warning("DisaggregatedModel %s/%s is invalid: %s", namespace, name, error)
-            self._write_if_changed(body, status_mod.invalid_status([str(p) for p in error.problems], generation, previous, self.now()))
-            return
-        except ValueError as error:  # a spec admission would have refused (CRD bypassed or older)
-            self._write_if_changed(body, status_mod.invalid_status([str(error)], generation, previous, self.now()))
-            return
-
-        kinds = MANAGED_KINDS if full else DEPLOYMENTS_ONLY
-        live = self.cluster.owned_children(namespace, name, uid, kinds)
-        listed = {kind for _, kind in kinds}
-        desired = {key_of(obj): stamped(obj) for obj in rendered.objects if obj["kind"] in listed}
-        for key, obj in desired.items():
-            if needs_apply(obj, live.get(key)):
-                log.info("applying %s %s/%s", key[0], namespace, key[1])
-                live[key] = self.cluster.apply(obj)
-
-        stale = {key: obj for key, obj in live.items() if key not in desired}
-        old_engines = {k: o for k, o in stale.items() if _is_engine_deployment(o)}
-        self.cluster.delete(o for k, o in stale.items() if k not in old_engines)
-
-        observed = status_mod.Observed(
-            deployments=[o for k, o in live.items() if (k[0] == "Deployment" and k not in stale) or k in old_engines],
-            pods=self.cluster.pods(namespace, name),
-        )
-        new_status = self._status(dm, rendered, observed, body)
-        ready = next(c for c in new_status["conditions"] if c["type"] == "Ready")["status"] == "True"
-        if ready and old_engines:
-            # The new revision serves on its own now: retire the old pairs (never earlier, never mixed).
-            self.cluster.delete(old_engines.values())
-            retired = {o["metadata"].get("labels", {}).get(contract.LABEL_REVISION) for o in old_engines.values()}
-            observed = status_mod.Observed(
-                deployments=[d for d in observed.deployments if key_of(d) not in old_engines],
-                pods=[p for p in observed.pods if p["metadata"].get("labels", {}).get(contract.LABEL_REVISION) not in retired],
-            )
-            new_status = self._status(dm, rendered, observed, body)
-        self._write_if_changed(body, new_status)
-
-    def _status(self, dm: DisaggregatedModel, rendered: Any, observed: status_mod.Observed, body: dict[str, Any]) -> dict[str, Any]:
-        meta = body["metadata"]
-        return status_mod.compute(
-            rendered, observed, name=meta["name"], namespace=meta["namespace"], router_port=dm.spec.router.service.port,
-            generation=meta.get("generation"), previous_status=body.get("status"), now=self.now(),
-        )  # fmt: skip
-
-    def _write_if_changed(self, body: dict[str, Any], new_status: dict[str, Any]) -> None:
-        old = body.get("status") or {}
-        if all(old.get(k) == v for k, v in new_status.items()):
-            return
-        meta = body["metadata"]
-        self.cluster.write_status(meta["namespace"], meta["name"], new_status)
-
-
-def _slim(meta: dict[str, Any]) -> dict[str, Any]:
-    return {k: meta[k] for k in ("name", "namespace", "uid", "generation") if meta.get(k) is not None}
-
-
-def _is_engine_deployment(obj: dict[str, Any]) -> bool:
-    labels = obj.get("metadata", {}).get("labels") or {}
-    return obj["kind"] == "Deployment" and labels.get(contract.LABEL_ROLE) in contract.ENGINE_ROLES
+            gauge.dec()
+            self.metrics.reconcile_time.labels(CONTROLLER).observe(time.monotonic() - started)
+        if result.retry:
+            delay = self.queue.add_rate_limited(key)
+            self.metrics.reconcile_total.labels(CONTROLLER, "error" if result.result == "error" else "requeue").inc()
+            self.metrics.errors_by_reason.labels(result.reason or "Unknown").inc()
+            if result.result == "error":
+                self.metrics.reconcile_errors.labels(CONTROLLER).inc()
+            log.info("%s/%s: %s (%s); next try in %.0f s", *key, result.result, result.reason, delay)
+        else:
+            self.queue.forget(key)
+            self.metrics.reconcile_total.labels(CONTROLLER, "success").inc()

@@ -1,22 +1,25 @@
-"""Status from what is observed: pure, observed children -> status dict with conditions.
+"""Status from what is observed, and from what a pass could not do: pure functions only.
 
 Ready means the *current* revision's prefill, decode and router are ready, never that old pods happen
 to satisfy a count (Dynamo #3567). A pod that cannot be scheduled becomes a capacity reason naming the
-resource; a crash loop and a failed fabric preflight have reasons of their own. A condition's
-lastTransitionTime moves only when its status flips, so an unchanged world yields an identical status
-and no write.
+resource; a crash loop, a failed fabric preflight and a Deployment that cannot create pods have reasons of
+their own. A pass that cannot write (a child refused by the API server, a same-named object someone else
+owns, a failed write) says so in Ready (and Degraded, while something still serves), naming the child and
+the API server's message. A condition's lastTransitionTime moves only when its status flips, so an
+unchanged world yields an identical status and no write.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
 from disagg_connector import contract
 from disagg_connector.preflight import parse_termination_message
 
-from .render import Rendered
+from .api.models import DisaggregatedModelStatus
+from .state import ChildProblem, Desired, Obj, Observed, revision_of, role_of
 
 # Scheduler messages count nodes per cause: "0/8 nodes are available: 6 Insufficient vpc.amazonaws.com/efa, ...".
 _INSUFFICIENT = re.compile(r"(\d+) Insufficient ([\w./-]*\w)")
@@ -30,33 +33,14 @@ CAPACITY_REASONS = {
 }
 CRASH_WAITING_REASONS = {"CrashLoopBackOff"}
 IMAGE_WAITING_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "FabricReady")
 
 
-@dataclass(frozen=True)
-class Observed:
-    """Children as the API returned them (plain dicts), already filtered to this model."""
-
-    deployments: list[dict[str, Any]] = field(default_factory=list)
-    pods: list[dict[str, Any]] = field(default_factory=list)
-
-
-def _labels(obj: dict[str, Any]) -> dict[str, str]:
-    return obj.get("metadata", {}).get("labels") or {}
-
-
-def _role(obj: dict[str, Any]) -> str | None:
-    return _labels(obj).get(contract.LABEL_ROLE)
-
-
-def _revision(obj: dict[str, Any]) -> str | None:
-    return _labels(obj).get(contract.LABEL_REVISION)
-
-
-def _terminating(pod: dict[str, Any]) -> bool:
+def _terminating(pod: Obj) -> bool:
     return bool(pod.get("metadata", {}).get("deletionTimestamp"))
 
 
-def _pod_ready(pod: dict[str, Any]) -> bool:
+def pod_ready(pod: Obj) -> bool:
     conditions = pod.get("status", {}).get("conditions") or []
     return not _terminating(pod) and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
@@ -64,28 +48,68 @@ def _pod_ready(pod: dict[str, Any]) -> bool:
 def role_counts(observed: Observed, role: str, revision: str) -> dict[str, int]:
     """replicas: pods of the role across revisions; updated: of the current revision; ready: current
     revision pods that are Ready (the only ones that can serve paired with the current revision)."""
-    pods = [p for p in observed.pods if _role(p) == role and not _terminating(p)]
-    current = [p for p in pods if _revision(p) == revision]
+    pods = [p for p in observed.pods if role_of(p) == role and not _terminating(p)]
+    current = [p for p in pods if revision_of(p) == revision]
     return {
         "replicas": len(pods),
-        "readyReplicas": sum(1 for p in current if _pod_ready(p)),
+        "readyReplicas": sum(1 for p in current if pod_ready(p)),
         "updatedReplicas": len(current),
     }
 
 
 def desired_replicas(observed: Observed, role: str, revision: str) -> int | None:
     for deploy in observed.deployments:
-        if _role(deploy) == role and _revision(deploy) in (revision, None):
+        if role_of(deploy) == role and revision_of(deploy) in (revision, None):
             return int(deploy.get("spec", {}).get("replicas", 1))
     return None
 
 
-def router_ready(observed: Observed) -> int:
-    return sum(1 for p in observed.pods if _role(p) == "router" and _pod_ready(p))
+@dataclass(frozen=True)
+class Readiness:
+    """Counts of the current revision and whether it serves on its own (the fact the planner retires on)."""
+
+    revision: str
+    roles: Mapping[str, Mapping[str, int]]
+    wanted: Mapping[str, int | None]
+    routers_ready: int
+    routers_wanted: int
+
+    @property
+    def engines_ready(self) -> bool:
+        return all(
+            self.wanted[r] is not None and self.roles[r]["readyReplicas"] >= max(1, self.wanted[r] or 0)
+            for r in contract.ENGINE_ROLES
+        )
+
+    @property
+    def ready(self) -> bool:
+        return self.engines_ready and self.routers_ready >= self.routers_wanted
+
+    def summary(self) -> str:
+        def want(r: str) -> str:
+            return "?" if self.wanted[r] is None else str(self.wanted[r])
+
+        engines = ", ".join(f"{r} {self.roles[r]['readyReplicas']}/{want(r)}" for r in contract.ENGINE_ROLES)
+        return f"{engines}, router {self.routers_ready}/{self.routers_wanted} ready at revision {self.revision}"
+
+
+def readiness(desired: Desired, observed: Observed) -> Readiness:
+    revision = desired.revision
+    return Readiness(
+        revision=revision,
+        roles={role: role_counts(observed, role, revision) for role in contract.ENGINE_ROLES},
+        wanted={role: desired_replicas(observed, role, revision) for role in contract.ENGINE_ROLES},
+        routers_ready=sum(1 for p in observed.pods if role_of(p) == "router" and pod_ready(p)),
+        routers_wanted=desired_replicas(observed, "router", revision) or 0,
+    )
+
+
+def something_serves(observed: Observed) -> bool:
+    return any(pod_ready(p) for p in observed.pods)
 
 
 def old_revisions(observed: Observed, revision: str) -> set[str]:
-    return {r for d in observed.deployments if (r := _revision(d)) and r != revision}
+    return {r for d in observed.deployments if (r := revision_of(d)) and r != revision}
 
 
 @dataclass(frozen=True)
@@ -94,7 +118,7 @@ class Problem:
     message: str
 
 
-def _unschedulable(pod: dict[str, Any]) -> Problem | None:
+def _unschedulable(pod: Obj) -> Problem | None:
     for cond in pod.get("status", {}).get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
             text = cond.get("message", "")
@@ -105,12 +129,12 @@ def _unschedulable(pod: dict[str, Any]) -> Problem | None:
             if known:
                 reason = CAPACITY_REASONS[known[0]][0]
                 what = ", ".join(f"{m} ({CAPACITY_REASONS[m][1]})" for m in known)
-                return Problem(reason, f"{_role(pod)} pod {name} cannot be scheduled: no node has enough {what}. {text}")
-            return Problem("Unschedulable", f"{_role(pod)} pod {name} cannot be scheduled: {text}")
+                return Problem(reason, f"{role_of(pod)} pod {name} cannot be scheduled: no node has enough {what}. {text}")
+            return Problem("Unschedulable", f"{role_of(pod)} pod {name} cannot be scheduled: {text}")
     return None
 
 
-def _container_problem(pod: dict[str, Any]) -> Problem | None:
+def _container_problem(pod: Obj) -> Problem | None:
     name = pod["metadata"]["name"]
     status = pod.get("status", {})
     for cs in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
@@ -118,13 +142,25 @@ def _container_problem(pod: dict[str, Any]) -> Problem | None:
         last = (cs.get("lastState") or {}).get("terminated") or {}
         if waiting.get("reason") in CRASH_WAITING_REASONS:
             detail = f" (exit code {last.get('exitCode')}: {last.get('message') or last.get('reason')})" if last else ""
-            return Problem("CrashLoop", f"{_role(pod)} pod {name}: container {cs.get('name')} is crash-looping{detail}")
+            return Problem("CrashLoop", f"{role_of(pod)} pod {name}: container {cs.get('name')} is crash-looping{detail}")
         if waiting.get("reason") in IMAGE_WAITING_REASONS:
-            return Problem("ImagePullFailed", f"{_role(pod)} pod {name}: {waiting.get('message') or waiting.get('reason')}")
+            return Problem("ImagePullFailed", f"{role_of(pod)} pod {name}: {waiting.get('message') or waiting.get('reason')}")
     return None
 
 
-def _preflight_results(pods: Iterable[dict[str, Any]]) -> tuple[list[Problem], int]:
+def _pod_creation_problem(deployment: Obj) -> Problem | None:
+    """The ReplicaSet cannot create pods (quota, PodSecurity, a missing PriorityClass, a LimitRange): the
+    Deployment controller copies the ReplicaSet's ReplicaFailure condition up, with the API server's words."""
+    for cond in deployment.get("status", {}).get("conditions") or []:
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            text = cond.get("message", "")
+            reason = "QuotaExceeded" if "exceeded quota" in text else "PodCreationFailed"
+            name = deployment["metadata"]["name"]
+            return Problem(reason, f"{role_of(deployment)} Deployment {name} cannot create pods: {text}")
+    return None
+
+
+def _preflight_results(pods: Iterable[Obj]) -> tuple[list[Problem], int]:
     """(failures, passes) of the preflight init containers of P and D pods."""
     failures, passes = [], 0
     for pod in pods:
@@ -139,16 +175,16 @@ def _preflight_results(pods: Iterable[dict[str, Any]]) -> tuple[list[Problem], i
                 else:
                     parsed = parse_termination_message(state.get("message") or "")
                     reason, message = parsed or ("PreflightFailed", state.get("message") or state.get("reason") or "")
-                    failures.append(Problem(reason, f"{_role(pod)} pod {pod['metadata']['name']}: {message}"))
+                    failures.append(Problem(reason, f"{role_of(pod)} pod {pod['metadata']['name']}: {message}"))
                 break
     return failures, passes
 
 
 def condition(
-    type_: str, ok: bool | None, reason: str, message: str, generation: int | None, previous: dict[str, dict[str, Any]], now: str
+    type_: str, ok: bool | None, reason: str, message: str, generation: int | None, previous: Mapping[str, Any], now: str
 ) -> dict[str, Any]:
     status = "Unknown" if ok is None else ("True" if ok else "False")
-    before = previous.get(type_)
+    before = _previous_conditions(previous).get(type_)
     changed = before is None or before.get("status") != status
     return {
         "type": type_,
@@ -160,88 +196,73 @@ def condition(
     }
 
 
-def _previous_conditions(previous_status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+def _previous_conditions(previous_status: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in (previous_status or {}).get("conditions") or [] if "type" in c}
 
 
+def _typed(status: dict[str, Any]) -> dict[str, Any]:
+    """The status through its API model: a misspelled or misplaced key fails here, not silently in the
+    API server's pruning."""
+    return DisaggregatedModelStatus.model_validate(status).model_dump(by_alias=True, exclude_none=True)
+
+
+def unservable(
+    reason: str, message: str, next_step: str, generation: int | None, previous_status: Mapping[str, Any] | None,
+    now: str, phase: str = "Invalid",
+) -> dict[str, Any]:
+    """The pass could not get as far as a plan: say why and what to do; keep the counts already reported."""
+    kept = {k: v for k, v in (previous_status or {}).items() if k in ("prefill", "decode", "router", "revision")}
+    conditions = [
+        condition("Ready", False, reason, message, generation, previous_status or {}, now),
+        condition("Progressing", False, reason, next_step, generation, previous_status or {}, now),
+    ]  # fmt: skip
+    return _typed({**kept, "observedGeneration": generation, "phase": phase, "conditions": conditions})
+
+
 def invalid_status(
-    problems: list[str], generation: int | None, previous_status: dict[str, Any] | None, now: str
+    problems: list[str], generation: int | None, previous_status: Mapping[str, Any] | None, now: str
 ) -> dict[str, Any]:
     """The spec passed admission (or none ran) but cannot be served: say what to change, keep the rest."""
-    prev = _previous_conditions(previous_status)
-    message = "; ".join(problems)
-    kept = {k: v for k, v in (previous_status or {}).items() if k in ("prefill", "decode", "router", "revision")}
-    return {
-        **kept,
-        "observedGeneration": generation,
-        "phase": "Invalid",
-        "conditions": [
-            condition("Ready", False, "InvalidSpec", message, generation, prev, now),
-            condition("Progressing", False, "InvalidSpec", "fix the spec; nothing running was changed", generation, prev, now),
-        ],
-    }
+    return unservable("InvalidSpec", "; ".join(problems), "fix the spec; nothing running was changed",
+                      generation, previous_status, now)  # fmt: skip
 
 
-def compute(
-    rendered: Rendered,
-    observed: Observed,
-    *,
-    name: str,
-    namespace: str,
-    router_port: int,
-    generation: int | None,
-    previous_status: dict[str, Any] | None,
-    now: str,
-) -> dict[str, Any]:
-    revision = rendered.revision
-    prev = _previous_conditions(previous_status)
-    roles = {role: role_counts(observed, role, revision) for role in contract.ENGINE_ROLES}
-    wanted = {role: desired_replicas(observed, role, revision) for role in contract.ENGINE_ROLES}
-    router_wanted = desired_replicas(observed, "router", revision) or 0
-    routers = router_ready(observed)
+def compute(desired: Desired, observed: Observed, now: str) -> dict[str, Any]:
+    """The status of what is observed, assuming this pass can do what it plans."""
+    ref, plan, revision = desired.ref, desired.rendered.plan, desired.revision
+    previous = desired.previous_status or {}
+    facts = readiness(desired, observed)
     old = old_revisions(observed, revision)
 
-    engine_pods = [p for p in observed.pods if _role(p) in contract.ENGINE_ROLES and not _terminating(p)]
-    current_pods = [p for p in engine_pods if _revision(p) == revision]
+    engine_pods = [p for p in observed.pods if role_of(p) in contract.ENGINE_ROLES and not _terminating(p)]
+    current_pods = [p for p in engine_pods if revision_of(p) == revision]
+    current_deployments = [d for d in observed.deployments if revision_of(d) in (revision, None)]
     fabric_failures, fabric_passes = _preflight_results(current_pods)
     capacity = next(filter(None, map(_unschedulable, current_pods)), None)
     crash = next(filter(None, map(_container_problem, observed.pods)), None)
+    creation = next(filter(None, map(_pod_creation_problem, current_deployments)), None)
+    summary = facts.summary()
 
-    def role_ready(role: str) -> bool:
-        want = wanted[role]
-        return want is not None and roles[role]["readyReplicas"] >= max(1, want)
-
-    engines_ready = all(role_ready(r) for r in contract.ENGINE_ROLES)
-    ready = engines_ready and routers >= router_wanted
-    summary = ", ".join(
-        f"{r} {roles[r]['readyReplicas']}/{wanted[r] if wanted[r] is not None else '?'}" for r in contract.ENGINE_ROLES
-    ) + f", router {routers}/{router_wanted} ready at revision {revision}"
-
-    if ready:
+    first_problem = (fabric_failures[0] if fabric_failures else None) or crash or creation or capacity
+    if facts.ready:
         ready_cond = ("Ready", True, "Ready", summary)
-    elif fabric_failures:
-        ready_cond = ("Ready", False, fabric_failures[0].reason, fabric_failures[0].message)
-    elif crash:
-        ready_cond = ("Ready", False, crash.reason, crash.message)
-    elif capacity:
-        ready_cond = ("Ready", False, capacity.reason, capacity.message)
-    elif any(wanted[r] == 0 for r in contract.ENGINE_ROLES):
+    elif first_problem:
+        ready_cond = ("Ready", False, first_problem.reason, first_problem.message)
+    elif any(facts.wanted[r] == 0 for r in contract.ENGINE_ROLES):
         ready_cond = ("Ready", False, "ScaledToZero", f"a role has 0 replicas: {summary}")
     else:
         ready_cond = ("Ready", False, "WaitingForPods", summary)
 
-    rolling = bool(old)
-    progressing = not ready or rolling
-    if rolling:
+    if old:
         progress_cond = ("Progressing", True, "RolloutInProgress",
                          f"revision {revision} is coming up; revisions {', '.join(sorted(old))} keep serving until it is ready")
-    elif progressing:
+    elif not facts.ready:
         progress_cond = ("Progressing", True, "WaitingForPods", summary)
     else:
         progress_cond = ("Progressing", False, "Complete", f"revision {revision} is fully rolled out")
 
-    short = [r for r in contract.ENGINE_ROLES if wanted[r] and 0 < roles[r]["readyReplicas"] < wanted[r]]
-    degraded_problem = crash or (fabric_failures[0] if fabric_failures else None)
+    short = [r for r in contract.ENGINE_ROLES if facts.wanted[r] and 0 < facts.roles[r]["readyReplicas"] < (facts.wanted[r] or 0)]
+    degraded_problem = crash or (fabric_failures[0] if fabric_failures else None) or (creation if something_serves(observed) else None)
     if degraded_problem:
         degraded = ("Degraded", True, degraded_problem.reason, degraded_problem.message)
     elif short:
@@ -252,21 +273,58 @@ def compute(
     if fabric_failures:
         fabric = ("FabricReady", False, fabric_failures[0].reason, fabric_failures[0].message)
     elif fabric_passes:
-        fabric = ("FabricReady", True, "PreflightPassed", f"{rendered.plan.backend} preflight passed on {fabric_passes} pod(s)")
+        fabric = ("FabricReady", True, "PreflightPassed", f"{plan.backend} preflight passed on {fabric_passes} pod(s)")
     else:
         fabric = ("FabricReady", None, "NoPreflightYet", "no prefill or decode pod has run its preflight yet")
 
-    conditions = [condition(t, ok, reason, msg, generation, prev, now) for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric)]
-    phase = "Ready" if ready else ("Degraded" if degraded[1] else ("Progressing" if any(roles[r]["updatedReplicas"] for r in roles) else "Pending"))
-    return {
-        "observedGeneration": generation,
-        "phase": phase,
-        "transferMode": rendered.plan.mode,
-        "transferModeReason": rendered.plan.reason,
-        "backend": rendered.plan.backend,
+    conditions = [condition(t, ok, reason, msg, ref.generation, previous, now)
+                  for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric)]  # fmt: skip
+    return _typed({
+        "observedGeneration": ref.generation,
+        "phase": _phase(facts, degraded[1]),
+        "transferMode": plan.mode,
+        "transferModeReason": plan.reason,
+        "backend": plan.backend,
         "revision": revision,
-        "prefill": roles["prefill"],
-        "decode": roles["decode"],
-        "router": {"readyReplicas": routers, "url": contract.router_url(name, namespace, router_port)},
+        "prefill": facts.roles["prefill"],
+        "decode": facts.roles["decode"],
+        "router": {"readyReplicas": facts.routers_ready, "url": contract.router_url(ref.name, ref.namespace, desired.model.spec.router.service.port)},
         "conditions": conditions,
-    }
+    })  # fmt: skip
+
+
+def _phase(facts: Readiness, degraded: bool) -> str:
+    if facts.ready:
+        return "Ready"
+    if degraded:
+        return "Degraded"
+    return "Progressing" if any(facts.roles[r]["updatedReplicas"] for r in contract.ENGINE_ROLES) else "Pending"
+
+
+def _with_failure(desired: Desired, status: Mapping[str, Any], reason: str, message: str, serving: bool, now: str) -> dict[str, Any]:
+    """Ready=False with the pass's own reason (and Degraded while the model still serves); the counts and
+    the other conditions stay as observed. Transitions are judged against the status the pass began with."""
+    previous, generation = desired.previous_status or {}, desired.ref.generation
+    kept = {c["type"]: c for c in status.get("conditions") or []}
+    kept["Ready"] = condition("Ready", False, reason, message, generation, previous, now)
+    if serving:
+        kept["Degraded"] = condition("Degraded", True, reason, message, generation, previous, now)
+    conditions = [kept[t] for t in CONDITION_TYPES if t in kept]
+    phase = "Degraded" if serving else status.get("phase")
+    return _typed({**status, "phase": phase, "conditions": conditions})
+
+
+def blocked(desired: Desired, observed: Observed, problems: Iterable[ChildProblem], now: str) -> dict[str, Any]:
+    """Nothing of this pass was written, because of these problems (the first one's reason leads)."""
+    found = list(problems)
+    message = "nothing was changed: " + "; ".join(p.describe() for p in found)
+    base = compute(desired, observed, now)
+    return _with_failure(desired, base, found[0].reason, message, something_serves(observed), now)
+
+
+def write_failed(
+    desired: Desired, observed: Observed, planned: Mapping[str, Any], failure: ChildProblem, done: int, total: int, now: str
+) -> dict[str, Any]:
+    """A write failed after `done` of `total` actions; the rest is retried with backoff."""
+    message = f"{done} of {total} changes made, then {failure.describe()}; retrying"
+    return _with_failure(desired, planned, failure.reason, message, something_serves(observed), now)

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from disagg_connector import contract
-from disagg_operator.api.validation import parse
-from disagg_operator.render import render
-from disagg_operator.status import Observed, compute, invalid_status
+from disagg_operator.state import Observed, key_of
+from disagg_operator.status import compute, invalid_status
 
-from ..conftest import dm
+from .world import desired
 
-RENDERED = render(parse(dm()))
-REV = RENDERED.revision
+WORLD = desired()
+REV = WORLD.revision
 
 
-def deployment(role: str, replicas: int, revision: str | None = REV) -> dict[str, Any]:
+def deployment(role: str, replicas: int, revision: str | None = REV, **status: Any) -> dict[str, Any]:
     labels = contract.child_labels("m", role, revision if role != "router" else None)
-    return {"kind": "Deployment", "metadata": {"name": f"m-{role}", "labels": labels}, "spec": {"replicas": replicas}}
+    name = f"m-{role}-{revision}" if role != "router" else "m-router"
+    obj = {"kind": "Deployment", "metadata": {"name": name, "labels": labels}, "spec": {"replicas": replicas}}
+    return {**obj, "status": status} if status else obj
 
 
 def pod(role: str, name: str, ready: bool = True, revision: str | None = REV, **status: Any) -> dict[str, Any]:
@@ -26,18 +29,21 @@ def pod(role: str, name: str, ready: bool = True, revision: str | None = REV, **
     return {"metadata": {"name": name, "labels": labels}, "status": {"conditions": conditions, **status}}
 
 
+def world(deployments: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Observed:
+    return Observed(children={key_of(d): d for d in deployments}, pods=tuple(pods))
+
+
 def status_of(observed: Observed, previous: dict | None = None, now: str = "t1") -> dict[str, Any]:
-    return compute(RENDERED, observed, name="m", namespace="ns", router_port=8000, generation=3,
-                   previous_status=previous, now=now)  # fmt: skip
+    return compute(desired(previous=previous), observed, now)
 
 
 def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
     return next(c for c in status["conditions"] if c["type"] == type_)
 
 
-FULL = Observed(
-    deployments=[deployment("prefill", 1), deployment("decode", 1), deployment("router", 1)],
-    pods=[pod("prefill", "p1"), pod("decode", "d1"), pod("router", "r1")],
+FULL = world(
+    [deployment("prefill", 1), deployment("decode", 1), deployment("router", 1)],
+    [pod("prefill", "p1"), pod("decode", "d1"), pod("router", "r1")],
 )
 
 
@@ -52,11 +58,11 @@ def test_ready_when_current_revision_and_router_are_ready() -> None:
 
 
 def test_old_revision_pods_never_count_as_ready() -> None:
-    observed = Observed(
-        deployments=[deployment("prefill", 1), deployment("decode", 1), deployment("router", 1),
-                     deployment("prefill", 1, "old"), deployment("decode", 1, "old")],
-        pods=[pod("prefill", "p-old", revision="old"), pod("decode", "d-old", revision="old"),
-              pod("prefill", "p1", ready=False), pod("decode", "d1"), pod("router", "r1")],
+    observed = world(
+        [deployment("prefill", 1), deployment("decode", 1), deployment("router", 1),
+         deployment("prefill", 1, "old"), deployment("decode", 1, "old")],
+        [pod("prefill", "p-old", revision="old"), pod("decode", "d-old", revision="old"),
+         pod("prefill", "p1", ready=False), pod("decode", "d1"), pod("router", "r1")],
     )  # fmt: skip
     status = status_of(observed)
     assert cond(status, "Ready")["status"] == "False"
@@ -72,7 +78,7 @@ def test_unschedulable_pod_names_the_missing_resource() -> None:
     pending["status"]["conditions"].append(
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
     )
-    observed = Observed(deployments=FULL.deployments, pods=[pod("prefill", "p1"), pending, pod("router", "r1")])
+    observed = world(FULL.deployments, [pod("prefill", "p1"), pending, pod("router", "r1")])
     ready = cond(status_of(observed), "Ready")
     assert ready["reason"] == "InsufficientEFADevices"
     assert "vpc.amazonaws.com/efa (EFA devices)" in ready["message"] and "d1" in ready["message"]
@@ -83,7 +89,7 @@ def test_crash_loop_has_its_own_reason() -> None:
         "name": "vllm", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
         "lastState": {"terminated": {"exitCode": 1, "message": "CUDA out of memory"}},
     }])  # fmt: skip
-    observed = Observed(deployments=FULL.deployments, pods=[crashing, pod("decode", "d1"), pod("router", "r1")])
+    observed = world(FULL.deployments, [crashing, pod("decode", "d1"), pod("router", "r1")])
     status = status_of(observed)
     assert cond(status, "Ready")["reason"] == "CrashLoop" and "CUDA out of memory" in cond(status, "Ready")["message"]
     assert cond(status, "Degraded")["status"] == "True"
@@ -94,7 +100,7 @@ def test_preflight_failure_becomes_the_fabric_condition() -> None:
         "name": "preflight",
         "state": {"terminated": {"exitCode": 1, "message": "NixlBackendUnavailable: LIBFABRIC did not instantiate"}},
     }])  # fmt: skip
-    observed = Observed(deployments=FULL.deployments, pods=[failed, pod("decode", "d1"), pod("router", "r1")])
+    observed = world(FULL.deployments, [failed, pod("decode", "d1"), pod("router", "r1")])
     fabric = cond(status_of(observed), "FabricReady")
     assert (fabric["status"], fabric["reason"]) == ("False", "NixlBackendUnavailable")
     assert "LIBFABRIC did not instantiate" in fabric["message"]
@@ -104,7 +110,7 @@ def test_transition_time_moves_only_when_status_flips() -> None:
     first = status_of(FULL, now="t1")
     again = status_of(FULL, previous=first, now="t2")
     assert again == first  # unchanged world: identical status, so no write
-    degraded = Observed(deployments=FULL.deployments, pods=[pod("prefill", "p1", ready=False), pod("decode", "d1"), pod("router", "r1")])
+    degraded = world(FULL.deployments, [pod("prefill", "p1", ready=False), pod("decode", "d1"), pod("router", "r1")])
     flipped = status_of(degraded, previous=first, now="t3")
     assert cond(flipped, "Ready")["lastTransitionTime"] == "t3"
     assert cond(flipped, "FabricReady")["lastTransitionTime"] == "t1"
@@ -115,3 +121,21 @@ def test_invalid_spec_status_keeps_what_runs() -> None:
     status = invalid_status(["spec.x: bad"], 4, first, "t9")
     assert status["phase"] == "Invalid" and status["prefill"] == first["prefill"]
     assert cond(status, "Ready")["reason"] == "InvalidSpec" and "spec.x: bad" in cond(status, "Ready")["message"]
+
+
+def test_a_deployment_that_cannot_create_pods_says_why() -> None:
+    failure = {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+               "message": 'pods "m-decode-x" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1'}
+    blocked = deployment("decode", 1, conditions=[failure])
+    status = status_of(world([deployment("prefill", 1), blocked, deployment("router", 1)],
+                             [pod("prefill", "p1"), pod("router", "r1")]))
+    ready = cond(status, "Ready")
+    assert ready["reason"] == "QuotaExceeded" and "exceeded quota: gpus" in ready["message"]
+    assert f"decode Deployment m-decode-{REV}" in ready["message"]
+    assert cond(status, "Degraded")["reason"] == "QuotaExceeded"  # the prefill and router still run
+
+
+def test_status_has_the_api_shape() -> None:
+    with pytest.raises(ValueError):
+        from disagg_operator.status import _typed
+        _typed({"phase": "Ready", "readyReplica": 1})

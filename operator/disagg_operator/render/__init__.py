@@ -20,6 +20,18 @@ from .meta import pod_disruption_budget
 
 REVISION_LENGTH = 10
 
+# Every kind render() produces, with its API version and resource name: the operator watches, writes and
+# cleans up exactly these (and its RBAC grants exactly these). A test ties the list to render()'s output.
+MANAGED_KINDS: tuple[tuple[str, str, str], ...] = (
+    ("apps/v1", "Deployment", "deployments"),
+    ("v1", "Service", "services"),
+    ("v1", "ServiceAccount", "serviceaccounts"),
+    ("rbac.authorization.k8s.io/v1", "Role", "roles"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+    ("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+)
+
 
 @dataclass(frozen=True)
 class Rendered:
