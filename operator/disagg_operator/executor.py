@@ -64,7 +64,7 @@ def probe(plan: Plan, cluster: Cluster, owner_uid: str) -> Probes:
         if live is not None and not _controlled_by(live, owner_uid):
             foreign[action.key] = live
     refused: dict[Key, ChildProblem] = {}
-    for action in plan.applies:
+    for action in plan.dry_runs:
         if action.key in foreign:
             continue
         try:

@@ -24,7 +24,7 @@ from typing import Any, Union
 
 from . import status as status_mod
 from .drift import needs_apply, stamped
-from .state import ChildProblem, Desired, Key, Obj, Observed, is_engine_deployment, key_of, revision_of
+from .state import ChildProblem, Desired, Key, Obj, Observed, is_engine_deployment, key_of, revision_of, role_of
 
 # Who may depend on whom: a RoleBinding needs its Role and ServiceAccount, pods need their Services'
 # names for DNS, the router discovers the engines. Deletions go after every write.
@@ -70,10 +70,17 @@ class Plan:
     def creates(self) -> tuple[Apply, ...]:
         return tuple(a for a in self.applies if a.why == "create")
 
+    @property
+    def dry_runs(self) -> tuple[Apply, ...]:
+        """The writes a dry run can judge now. A RoleBinding to a Role this same plan creates cannot be:
+        RBAC's escalation check looks the Role up, and a dry run stores nothing, so it is not there yet."""
+        created = {a.key for a in self.creates}
+        return tuple(a for a in self.applies
+                     if not (a.obj["kind"] == "RoleBinding" and ("Role", a.obj["roleRef"]["name"]) in created))
+
 
 def _apply_rank(obj: Obj) -> tuple[int, int]:
-    role = (obj.get("metadata", {}).get("labels") or {}).get("disagg.dev/role", "")
-    return APPLY_ORDER.index(obj["kind"]), ROUTER_LAST.get(role, 0)
+    return APPLY_ORDER.index(obj["kind"]), ROUTER_LAST.get(role_of(obj) or "", 0)
 
 
 def ownership_conflict(key: Key, found: Obj) -> ChildProblem:
@@ -102,7 +109,6 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
 
     problems = [ownership_conflict(k, observed.foreign[k]) for k in wanted if k in observed.foreign]
     problems += [observed.refused[k] for k in wanted if k in observed.refused]
-    readiness = status_mod.readiness(desired, observed)
     if problems:
         status = status_mod.blocked(desired, observed, problems, now)
         return Plan(actions=(), status=status, ready=False, problems=tuple(problems))
@@ -112,6 +118,7 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
         for k, obj in sorted(wanted.items(), key=lambda item: _apply_rank(item[1]))
         if needs_apply(obj, observed.children.get(k))
     ]
+    readiness = status_mod.readiness(desired, observed)
     stale = {k: o for k, o in observed.children.items() if k not in wanted}
     deletes = [Delete(o, "stale") for k, o in stale.items() if not is_engine_deployment(o)]
     if readiness.ready:

@@ -50,6 +50,7 @@ def utc_now() -> str:
 class PassResult:
     result: str  # success | blocked | error | invalid | gone
     reason: str | None = None
+    detail: str = ""
 
     @property
     def retry(self) -> bool:
@@ -139,9 +140,9 @@ class Reconciler:
             status = status_mod.write_failed(desired, observed, plan.status, outcome.failure, outcome.done, outcome.total, now)
         self._write_if_changed(key, previous, status)
         if plan.problems:
-            return PassResult("blocked", plan.problems[0].reason)
+            return PassResult("blocked", plan.problems[0].reason, plan.problems[0].describe())
         if outcome.failure is not None:
-            return PassResult("error", outcome.failure.reason)
+            return PassResult("error", outcome.failure.reason, outcome.failure.describe())
         return PassResult("success")
 
     def _count(self, action: planner.Action) -> None:
@@ -243,7 +244,7 @@ class Controller:
             self.metrics.errors_by_reason.labels(result.reason or "Unknown").inc()
             if result.result == "error":
                 self.metrics.reconcile_errors.labels(CONTROLLER).inc()
-            log.info("%s/%s: %s (%s); next try in %.0f s", *key, result.result, result.reason, delay)
+            log.info("%s/%s: %s (%s: %s); next try in %.0f s", *key, result.result, result.reason, result.detail, delay)
         else:
             self.queue.forget(key)
             self.metrics.reconcile_total.labels(CONTROLLER, "success").inc()

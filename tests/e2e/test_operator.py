@@ -217,6 +217,7 @@ SCHEMA_PHRASES = {
     "bad-source": "spec.model.source.uri",
     "port-out-of-range": "should be greater than or equal to 1024",
     "vllm-version-unknown": 'Unsupported value: "0.30.0"',
+    "node-selector-bad-value": "spec.decode.nodeSelector.zone in body should match",
 }
 
 

@@ -179,3 +179,11 @@ def test_a_write_that_fails_half_way(code: int, message: str, reason: str) -> No
 def test_api_refusals_get_stable_reasons(code: int, message: str, reason: str) -> None:
     assert executor.problem_from_error("Service", "s", code, message).reason == reason
 
+
+
+def test_every_write_is_dry_run_except_a_binding_to_a_role_made_in_the_same_pass() -> None:
+    first = planner.plan(WORLD, Observed(), NOW)
+    assert {a.key for a in first.applies} - {a.key for a in first.dry_runs} == {("RoleBinding", "m-router")}
+    role = next(o for o in WORLD.rendered.objects if o["kind"] == "Role")
+    later = planner.plan(WORLD, Observed({key_of(role): live(role)}), NOW)
+    assert {a.key for a in later.dry_runs} == {a.key for a in later.applies}

@@ -96,7 +96,8 @@ Name = Annotated[str, Field(min_length=1, max_length=253)]
 # DNS-subdomain prefix and '/', then a name of up to 63 alphanumerics, '-', '_', '.'; a value is such a name
 # or empty. The API server refuses a pod that breaks it, so admission refuses the spec first.
 _LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-QUALIFIED_NAME_RE = rf"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{_LABEL_NAME}$"
+# (`[.]`, not an escaped dot: the expression also sits inside CEL string literals, where `\.` is no escape.)
+QUALIFIED_NAME_RE = rf"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{_LABEL_NAME}$"
 LABEL_VALUE_RE = rf"^({_LABEL_NAME})?$"
 LABEL_SYNTAX = "[prefix/]name, the name up to 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric"
 
@@ -941,8 +942,7 @@ MODEL_RULES = (
         rule=f"self.metadata.name.matches('{contract.DNS_1035_LABEL_RE}')",
         message="metadata.name must start with a letter and hold only lower-case letters, digits and '-' "
         "(Services are named after the model and Kubernetes refuses dots there): e.g. qwen3-5-small, not qwen3.5-small",
-        field_path=".metadata.name",
-    ),
+    ),  # no fieldPath: the API server accepts none into metadata; the message names the field
 )
 
 

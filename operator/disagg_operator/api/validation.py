@@ -68,7 +68,7 @@ def _models_with_paths(model: BaseModel, path: str) -> Iterator[tuple[ApiModel, 
 def rule_problems(dm: DisaggregatedModel) -> list[Problem]:
     # The root rules see what the API server lets CEL see of metadata: the name.
     root = {"metadata": {"name": dm.metadata.name}}
-    problems = [Problem(r.field_path.lstrip("."), r.message) for r in dm.cel_rules if not holds(r, root)]
+    problems = [Problem("metadata.name", r.message) for r in dm.cel_rules if not holds(r, root)]
     for model, path in _models_with_paths(dm.spec, "spec"):
         if not model.cel_rules:
             continue
