@@ -209,8 +209,10 @@ def test_deployment_is_locked_down(value_set, tmp_path: Path) -> None:
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, (name, probe)
     port = values.get("healthPort", 8080)
-    assert container["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"}]
+    assert container["ports"] == [{"name": "health", "containerPort": port, "protocol": "TCP"},
+                                  {"name": "metrics", "containerPort": values.get("metricsPort", 8081), "protocol": "TCP"}]
     assert f"http://0.0.0.0:{port}/healthz" in container["args"]
+    assert container["args"][container["args"].index("--metrics-port") + 1] == str(values.get("metricsPort", 8081))
     assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
 
@@ -302,13 +304,13 @@ def test_service_and_service_monitor(tmp_path: Path) -> None:
     (svc,) = by_kind(docs, "Service")
     selector = deployment(docs)["spec"]["selector"]["matchLabels"]
     assert svc["spec"]["selector"] == selector
-    assert svc["spec"]["ports"] == [{"name": "http-health", "port": 8080, "targetPort": "health", "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [{"name": "http-metrics", "port": 8081, "targetPort": "metrics", "protocol": "TCP"}]
     assert not by_kind(docs, "ServiceMonitor"), "the ServiceMonitor is opt-in"
 
     docs = render(VALUE_SETS["customised"], tmp_path)
     (monitor,) = by_kind(docs, "ServiceMonitor")
     (svc,) = by_kind(docs, "Service")
-    assert monitor["spec"]["endpoints"] == [{"port": "http-health", "path": "/metrics", "interval": "1m"}]
+    assert monitor["spec"]["endpoints"] == [{"port": "http-metrics", "path": "/metrics", "interval": "1m"}]
     assert all(svc["metadata"]["labels"][k] == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
     assert monitor["metadata"]["labels"]["release"] == "prom"
 
