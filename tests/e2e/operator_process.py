@@ -20,25 +20,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def default_command(liveness_url: str) -> list[str]:
-    return [sys.executable, "-m", "disagg_operator.cli", "run", "--standalone", "--liveness", liveness_url]
+# e2e runs resync often enough to be seen within a test (production default: 300 s).
+E2E_RESYNC_SECONDS = 15
+
+
+def default_command(liveness_url: str, metrics_port: int) -> list[str]:
+    return [sys.executable, "-m", "disagg_operator.cli", "run", "--standalone", "--liveness", liveness_url,
+            "--metrics-port", str(metrics_port), "--metrics-address", "127.0.0.1",
+            "--resync-seconds", str(E2E_RESYNC_SECONDS)]  # fmt: skip
 
 
 class OperatorProcess:
-    """`command` gets the liveness URL to serve and returns the argv (default: a standalone operator);
-    the chart's e2e passes the chart Deployment's own command line instead."""
+    """`command` gets the liveness URL and a free metrics port to serve and returns the argv (default: a
+    standalone operator); the chart's e2e passes the chart Deployment's own command line instead."""
 
     def __init__(
         self,
         kubeconfig: str,
         log_dir: Path,
         extra_env: dict[str, str] | None = None,
-        command: Callable[[str], list[str]] = default_command,
+        command: Callable[[str, int], list[str]] = default_command,
     ):
         self.kubeconfig = kubeconfig
         self.log_dir = log_dir
         self.extra_env = extra_env or {}
         self.command = command
+        self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -53,7 +60,7 @@ class OperatorProcess:
         env = {**os.environ, **self.extra_env, "KUBECONFIG": self.kubeconfig, "PYTHONUNBUFFERED": "1",
                "PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"}  # fmt: skip
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(self.command(url), cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.command(url, self.metrics_port), cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -73,7 +73,7 @@ def chart_operator(deployment: client.V1Deployment, kubeconfig: Path, log_dir: P
     (container,) = deployment.spec.template.spec.containers
     env = {e.name: e.value for e in container.env or [] if e.value is not None}
 
-    def command(liveness_url: str) -> list[str]:
+    def command(liveness_url: str, _metrics_port: int) -> list[str]:  # the chart's args name their own
         args = list(container.args)
         args[args.index("--liveness") + 1] = liveness_url
         return [*container.command, *args, *extra_args]

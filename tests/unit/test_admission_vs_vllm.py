@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ..support.vllm_cli import check_command_lines
+from ..support.vllm_cli import CHECKED_VERSIONS, check_command_lines
 from .test_api import INVALID, VALID_EDGES
 from .test_vllm_cmdlines import command_lines
 
@@ -35,13 +35,14 @@ REFUSED = [(case, _extra_args(patch)) for case, patch, path, _ in INVALID if pat
 ADMITTED = [(case, _extra_args(patch)) for case, patch in VALID_EDGES if _extra_args(patch)]
 
 
-def test_refused_and_admitted_extra_args_as_vllm_reads_them() -> None:
+@pytest.mark.parametrize("version", CHECKED_VERSIONS)
+def test_refused_and_admitted_extra_args_as_vllm_reads_them(version: str) -> None:
     assert len(REFUSED) >= 6 and ADMITTED
     (base,) = [i for i in command_lines(dm()) if i["id"].endswith("/prefill")]
     lines = [{"id": "base", "argv": base["argv"]}]
     # --config file.yaml fails here because vLLM opens the (absent) file: it would read flags from it.
     lines += [{"id": case, "argv": base["argv"] + args} for case, args in REFUSED + ADMITTED]
-    results = {r_id["id"]: r for r_id, r in zip(lines, check_command_lines(lines))}
+    results = {r_id["id"]: r for r_id, r in zip(lines, check_command_lines(lines, version))}
     rendered = results["base"]["parsed"]
     assert results["base"]["ok"], results["base"]["error"]
 

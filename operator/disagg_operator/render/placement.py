@@ -40,12 +40,15 @@ def affinity(dm: DisaggregatedModel, role_name: contract.Role) -> dict[str, Any]
 
     def add(kind: str, strength: str, term: dict[str, Any]) -> None:
         section = result.setdefault(kind, {})
+        if not isinstance(section, dict):
+            return  # a malformed user affinity goes to the API server as written, which says what is wrong
         if strength == "Required":
-            section.setdefault("requiredDuringSchedulingIgnoredDuringExecution", []).append(term)
+            field, entry = "requiredDuringSchedulingIgnoredDuringExecution", term
         else:
-            section.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
-                {"weight": 100, "podAffinityTerm": term}
-            )
+            field, entry = "preferredDuringSchedulingIgnoredDuringExecution", {"weight": 100, "podAffinityTerm": term}
+        terms = section.setdefault(field, [])
+        if isinstance(terms, list):
+            terms.append(entry)
 
     if placement.zone != "None":
         add("podAffinity", placement.zone, _term(model, engines, ZONE_KEY))
