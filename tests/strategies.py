@@ -139,3 +139,15 @@ BREAKERS = [
                                         _set("prefill.accelerator.type", "nvidia"), _set("decode.accelerator.type", "nvidia")],
      "spec.engine.vllmVersion"),
 ]
+
+
+# Mutations that pass admission (a free-form field the CRD cannot describe) but make the API server refuse a
+# child: the operator must say so in status (ChildRejected), never crash or half-apply.
+CHILD_BREAKERS = [
+    ("affinity-without-terms", [_set("decode.affinity", {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}})]),
+    ("affinity-empty-topology-key", [_set("prefill.affinity", {"podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": {"matchLabels": {"a": "b"}}, "topologyKey": ""}]}})]),
+    ("affinity-not-a-list", [_set("prefill.affinity", {"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"x": 1}}})]),
+    ("metrics-peer-garbage", [_set("network.networkPolicy", {"enabled": True, "metricsFrom": [{"podSelector": {"matchLabels": {"bad key!": "x"}}}]})]),
+]

@@ -32,7 +32,8 @@ from tests.support import chart_sync
 from tests.support.helm import CHART, helm, values_args
 
 from ..conftest import REPO, load_example
-from .operator_process import OperatorProcess
+from .operator_process import OperatorProcess, free_port
+from .test_resilience import scrape
 from .waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
@@ -271,7 +272,8 @@ def test_install_run_upgrade_uninstall(cluster, helm_env) -> None:
     apps = client.AppsV1Api(api)
 
     # --- 1. install, cluster-wide, one replica ------------------------------------------------------------
-    notes = install(cluster, env, "install", {})
+    metrics_port = free_port()  # the chart's operator runs here as a local process: a port no one else holds
+    notes = install(cluster, env, "install", {"metricsPort": metrics_port})
     assert "kind: DisaggregatedModel" in notes and "kubectl apply" in notes, notes
     assert "keeps the CRD and every" in notes
     dep = apps.read_namespaced_deployment(fullname, ns)
@@ -312,13 +314,23 @@ def test_install_run_upgrade_uninstall(cluster, helm_env) -> None:
     since = now_rfc3339()
     kubeconfig = token_kubeconfig(cluster, token, env["tmp"] / "sa-kubeconfig")
     op = chart_operator(dep, kubeconfig, env["tmp"], ["--namespace", a])
-    assert op.command("x")[:3] == ["disagg-operator", "run", "--standalone"] and op.extra_env["DISAGG_ENGINE_IMAGE"]
+    assert op.command("x", 0)[:3] == ["disagg-operator", "run", "--standalone"] and op.extra_env["DISAGG_ENGINE_IMAGE"]
     env["operators"].append(op.start())
+    # /metrics through the chart's Service: its targetPort names the container port the operator serves on.
+    (svc,) = client.CoreV1Api(api).list_namespaced_service(ns, label_selector=f"{RELEASE_LABEL}={release}").items
+    (svc_port,) = svc.spec.ports
+    (port,) = [p.container_port for p in dep.spec.template.spec.containers[0].ports if p.name == svc_port.target_port]
+    assert port == metrics_port and svc_port.name == "http-metrics"
+    before = scrape(port)
     custom.create_namespaced_custom_object(GROUP, VERSION, a, PLURAL, model("qwen"))
     try:
         first = wait_ready(custom, a, "qwen")
     except AssertionError:
         raise AssertionError(f"not Ready; operator log:\n{op.log()[-6000:]}") from None
+    after = scrape(port)
+    success = 'controller_runtime_reconcile_total{controller="disaggregatedmodel",result="success"}'
+    assert after[success] > before.get(success, 0)
+    assert after['disagg_operator_children_applied_total{kind="Deployment"}'] >= 3
     assert engine_images(api, a, "qwen") == {op.extra_env["DISAGG_ENGINE_IMAGE"]}, "the engine image default comes from the chart"
     if cluster.audit_log:
         writes = sa_writes(cluster, sa_user, since)
@@ -370,7 +382,7 @@ def test_install_run_upgrade_uninstall(cluster, helm_env) -> None:
     # a new revision with the new engine image, and the operator keeps the KopfPeering alive.
     since = now_rfc3339()
     op = chart_operator(dep, kubeconfig, env["tmp"], [])
-    argv = op.command("x")
+    argv = op.command("x", 0)
     assert argv[:2] == ["/bin/sh", "-c"] and "--peering" in argv and "--standalone" not in argv
     env["operators"].append(op.start())
 

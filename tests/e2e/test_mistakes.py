@@ -89,7 +89,7 @@ MISTAKES = [
     Mistake("missing-priority-class", {"prefill": {"priorityClassName": "gold"}, "decode": {"priorityClassName": "gold"}},
             "PodCreationFailed", ("Deployment m-", "no PriorityClass with name gold")),
     Mistake("namespace-gpu-quota", {}, "QuotaExceeded", ("Deployment m-", "exceeded quota: no-gpus"), _quota),
-    Mistake("namespace-limit-range", {}, "PodCreationFailed", ("Deployment m-", "maximum memory usage per Container is 16Gi"),
+    Mistake("namespace-limit-range", {}, "PodCreationFailed", ("Deployment m-", "must be less than or equal to memory limit of 16Gi"),
             _limit_range),
     Mistake("pod-security-restricted", {}, "PodCreationFailed", ("Deployment m-", "violates PodSecurity", "IPC_LOCK"), _restricted),
     Mistake("router-service-name-taken", {}, "OwnershipConflict", ("Service m-router", "never changes or deletes it"),

@@ -218,6 +218,9 @@ SCHEMA_PHRASES = {
     "port-out-of-range": "should be greater than or equal to 1024",
     "vllm-version-unknown": 'Unsupported value: "0.30.0"',
     "node-selector-bad-value": "spec.decode.nodeSelector.zone in body should match",
+    "priority-class-not-a-name": "spec.prefill.priorityClassName in body should match",
+    "scheduler-not-a-name": "spec.decode.schedulerName in body should match",
+    "image-with-space": "spec.engine.image in body should match",
 }
 
 

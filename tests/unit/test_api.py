@@ -121,6 +121,9 @@ INVALID = [
      "spec.decode.extraArgs", "abbreviation"),
     ("managed-flag-short", {"decode": {"extraArgs": ["-tp=2"]}}, "spec.decode.extraArgs", "flags the operator manages"),
     ("config-file-flag", {"engine": {"extraArgs": ["--config", "file.yaml"]}}, "spec.engine.extraArgs", "--config"),
+    ("priority-class-not-a-name", {"prefill": {"priorityClassName": "Gold_Class"}}, "spec.prefill.priorityClassName", "pattern"),
+    ("scheduler-not-a-name", {"decode": {"schedulerName": "my scheduler"}}, "spec.decode.schedulerName", "pattern"),
+    ("image-with-space", {"engine": {"image": "vllm/vllm-openai: v0.33.0"}}, "spec.engine.image", "pattern"),
 ]
 
 

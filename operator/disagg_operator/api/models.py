@@ -102,6 +102,11 @@ LABEL_VALUE_RE = rf"^({_LABEL_NAME})?$"
 LABEL_SYNTAX = "[prefix/]name, the name up to 63 letters, digits, '-', '_' or '.', starting and ending alphanumeric"
 
 LabelValue = Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_RE)]
+# Names of other objects the pods refer to (PriorityClass, scheduler): DNS-1123 subdomains.
+DNS_SUBDOMAIN_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ObjectName = Annotated[str, Field(max_length=253, pattern=DNS_SUBDOMAIN_RE)]
+# A container image reference: Kubernetes refuses leading or trailing whitespace (and any inside breaks pulls).
+Image = Annotated[str, Field(min_length=1, max_length=1024, pattern=r"^\S+$")]
 LabelMap = Annotated[dict[str, LabelValue], Field(max_length=64)]
 AnnotationMap = Annotated[dict[str, Annotated[str, Field(max_length=65536)]], Field(max_length=64)]
 
@@ -297,7 +302,7 @@ class EngineSpec(ApiModel):
 
     cel_rules = (_NO_MANAGED_FLAGS, _NO_MANAGED_ENV)
 
-    image: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+    image: Image | None = Field(
         default=None,
         description="vLLM runtime image (vLLM + EFA + NIXL + disagg_connector). Unset: the "
         "operator's default, so one operator setting moves every model.",
@@ -534,10 +539,10 @@ class RoleSpec(ApiModel):
         default=None,
         description="Kubernetes affinity; the operator adds its own P/D placement terms to it.",
     )
-    priority_class_name: Annotated[str, Field(max_length=253)] | None = Field(
+    priority_class_name: ObjectName | None = Field(
         default=None, description="PriorityClass of the pods. Unset: the cluster default."
     )
-    scheduler_name: Annotated[str, Field(max_length=253)] | None = Field(
+    scheduler_name: ObjectName | None = Field(
         default=None, description="Scheduler of the pods (a gang scheduler, say). Unset: default-scheduler."
     )
     autoscaling: AutoscalingSpec | None = Field(
@@ -581,7 +586,7 @@ class RouterSpec(ApiModel):
     replicas: Annotated[int, Field(ge=0, le=100)] = Field(
         default=2, description="Router pods; two by default so one can restart while the other serves."
     )
-    image: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+    image: Image | None = Field(
         default=None, description="Router image. Unset: the operator's default."
     )
     service: ServiceSpec = _sub(ServiceSpec, "The router's Service.")
