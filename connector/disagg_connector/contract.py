@@ -18,6 +18,12 @@ PLURAL = "disaggregatedmodels"
 SINGULAR = "disaggregatedmodel"
 SHORT_NAMES = ("dm", "dmodel")
 
+# The scale target of one engine role: its name survives revisions (kubectl scale, HPA, KEDA point at it).
+ROLE_KIND = "DisaggregatedRole"
+ROLE_PLURAL = "disaggregatedroles"
+ROLE_SINGULAR = "disaggregatedrole"
+ROLE_SHORT_NAMES = ("dmrole",)
+
 OPERATOR_NAME = "disagg-operator"
 FIELD_MANAGER = OPERATOR_NAME
 
@@ -136,6 +142,11 @@ def role_service_name(model: str, role: Role) -> str:
 def engine_deployment_name(model: str, role: Role, revision: str) -> str:
     """P and D Deployments carry the revision: a new revision is a new pair, never a mixed rollout."""
     return fit_name(model, role, revision)
+
+
+def role_scaler_name(model: str, role: Role) -> str:
+    """The DisaggregatedRole (and its HPA) of one engine role: no revision in it."""
+    return fit_name(model, role)
 
 
 def router_name(model: str) -> str:

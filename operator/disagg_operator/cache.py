@@ -20,7 +20,7 @@ from typing import Any, Iterable, Mapping, Protocol
 
 from disagg_connector import contract
 
-from .state import Key, Obj, key_of
+from .state import Key, Obj, controlled_by, key_of
 
 MODELS_INDEX = "models"
 MODEL_NAMES_INDEX = "model_names"
@@ -60,11 +60,6 @@ class Cache(Protocol):
     def models_named(self, namespace: str, label: str) -> list[str]: ...
     def children(self, namespace: str, name: str, uid: str) -> dict[Key, Obj]: ...
     def pods(self, namespace: str, name: str) -> tuple[Obj, ...]: ...
-
-
-def controlled_by(obj: Obj, uid: str) -> bool:
-    owners = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(o.get("uid") == uid and o.get("controller") for o in owners)
 
 
 class IndexCache:

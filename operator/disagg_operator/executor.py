@@ -13,22 +13,30 @@ server unreachable) propagate, so the pass fails and is retried.
 
 from __future__ import annotations
 
+import json
 import logging
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable
+
+from disagg_connector import contract
+from disagg_connector.router.health import HealthDocumentError, parse_health
 
 from kubernetes.client.exceptions import ApiException
 
 from .kube import Cluster, error_message
-from .planner import Apply, Delete, Plan
-from .state import ChildProblem, Key, Obj
+from .planner import Action, Annotate, Apply, Delete, Plan, Scale, SetStatus
+from .retirement import RouterView
+from .state import ChildProblem, Key, Obj, Observed, controlled_by, role_of
 
 log = logging.getLogger(__name__)
 
 
 def problem_from_error(kind: str, name: str, status: int | None, message: str) -> ChildProblem:
     """The condition reason for an API server's refusal: what the user would search for."""
-    if status == 422 or status == 400:
+    # Server-side apply answers 500 "failed to create typed patch object" for a value of the wrong type
+    # (a list where the schema wants a map, say): a refusal of the content like a 422.
+    if status in (400, 422) or (status == 500 and "failed to create typed patch object" in message):
         reason = "ChildRejected"
     elif status == 403:
         reason = "QuotaExceeded" if "exceeded quota" in message else "Forbidden"
@@ -41,11 +49,6 @@ def problem_from_error(kind: str, name: str, status: int | None, message: str) -
 
 def _problem(obj: Obj, error: ApiException) -> ChildProblem:
     return problem_from_error(obj["kind"], obj["metadata"]["name"], error.status, error_message(error))
-
-
-def _controlled_by(obj: Obj, uid: str) -> bool:
-    owners = obj.get("metadata", {}).get("ownerReferences") or []
-    return any(o.get("uid") == uid and o.get("controller") for o in owners)
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def probe(plan: Plan, cluster: Cluster, owner_uid: str) -> Probes:
     foreign: dict[Key, Obj] = {}
     for action in plan.creates:
         live = cluster.get(action.obj)
-        if live is not None and not _controlled_by(live, owner_uid):
+        if live is not None and not controlled_by(live, owner_uid):
             foreign[action.key] = live
     refused: dict[Key, ChildProblem] = {}
     for action in plan.dry_runs:
@@ -72,6 +75,27 @@ def probe(plan: Plan, cluster: Cluster, owner_uid: str) -> Probes:
         except ApiException as error:
             refused[action.key] = _problem(action.obj, error)
     return Probes(foreign, refused)
+
+
+ROUTER_HEALTH_TIMEOUT = 2.0
+
+
+def read_routers(observed: Observed, ready: Callable[[Obj], bool]) -> RouterView:
+    """Each ready router pod's /health (in-flight and draining per backend), None for one that does not
+    answer: the retirement of a draining pod waits for what every router says."""
+    reports = []
+    for pod in observed.pods:
+        ip = pod.get("status", {}).get("podIP")
+        if role_of(pod) != "router" or not ready(pod) or not ip:
+            continue
+        host = f"[{ip}]" if ":" in ip else ip
+        try:
+            with urllib.request.urlopen(f"http://{host}:{contract.ROUTER_PORT}/health", timeout=ROUTER_HEALTH_TIMEOUT) as r:
+                reports.append(parse_health(json.load(r)))
+        except (OSError, ValueError, HealthDocumentError) as error:
+            log.info("router pod %s: no health report (%s)", pod["metadata"]["name"], error)
+            reports.append(None)
+    return RouterView(tuple(reports))
 
 
 @dataclass(frozen=True)
@@ -85,14 +109,26 @@ class Outcome:
         return self.failure is None
 
 
-def execute(plan: Plan, cluster: Cluster, on_done: Callable[[Apply | Delete], None] = lambda _: None) -> Outcome:
+def _carry_out(action: Action, cluster: Cluster) -> None:
+    if isinstance(action, Apply):
+        cluster.apply(action.obj)
+    elif isinstance(action, Delete):
+        cluster.delete(action.obj)
+    elif isinstance(action, Scale):
+        cluster.scale(action.obj, action.replicas)
+    elif isinstance(action, Annotate):
+        cluster.annotate(action.obj, dict(action.annotations))
+    elif isinstance(action, SetStatus):
+        cluster.set_status(action.obj, dict(action.status))
+    else:  # pragma: no cover - a new action type without its I/O
+        raise TypeError(action)
+
+
+def execute(plan: Plan, cluster: Cluster, on_done: Callable[[Action], None] = lambda _: None) -> Outcome:
     for done, action in enumerate(plan.actions):
         meta = action.obj["metadata"]
         try:
-            if isinstance(action, Apply):
-                cluster.apply(action.obj)
-            else:
-                cluster.delete(action.obj)
+            _carry_out(action, cluster)
         except ApiException as error:
             return Outcome(done, len(plan.actions), _problem(action.obj, error))
         log.info("%s %s %s/%s (%s)", type(action).__name__.lower(), action.obj["kind"], meta["namespace"], meta["name"], action.why)

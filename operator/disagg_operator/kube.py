@@ -101,6 +101,36 @@ class Cluster:
         except NotFoundError:
             pass
 
+    def scale(self, obj: dict[str, Any], replicas: int) -> None:
+        """Resize a Deployment through its scale subresource (an older revision, no longer rendered)."""
+        meta = obj["metadata"]
+        client.AppsV1Api(self.api_client).patch_namespaced_deployment_scale(
+            meta["name"], meta["namespace"], {"spec": {"replicas": replicas}},
+            field_manager=self.field_manager, _request_timeout=REQUEST_TIMEOUT,
+        )  # fmt: skip
+
+    def annotate(self, obj: dict[str, Any], annotations: dict[str, str | None]) -> None:
+        """Merge-patch annotations of a pod (None removes one); gone already is fine."""
+        meta = obj["metadata"]
+        try:
+            client.CoreV1Api(self.api_client).patch_namespaced_pod(
+                meta["name"], meta["namespace"], {"metadata": {"annotations": annotations}},
+                field_manager=self.field_manager, _request_timeout=REQUEST_TIMEOUT,
+            )  # fmt: skip
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def set_status(self, obj: dict[str, Any], status: dict[str, Any]) -> None:
+        """Merge-patch the status subresource of one of our custom children."""
+        group, version = obj["apiVersion"].split("/")
+        meta = obj["metadata"]
+        client.CustomObjectsApi(self.api_client).patch_namespaced_custom_object_status(
+            group, version, meta["namespace"], contract.ROLE_PLURAL, meta["name"], body={"status": status},
+            field_manager=self.field_manager, _content_type="application/merge-patch+json",
+            _request_timeout=REQUEST_TIMEOUT,
+        )  # fmt: skip
+
     def write_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
         """Merge-patch of /status: lists (conditions) are replaced whole, so send all of them. Returns the
         object as stored (its resourceVersion tells when the cache has caught up)."""

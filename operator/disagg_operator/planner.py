@@ -3,33 +3,47 @@
 The executor (executor.py) only carries a Plan out. The rules, in order:
 
 1. **Desired children** are the rendered objects, each stamped with the hash of its manifest (drift.py).
+   Each role's size is its DisaggregatedRole's, after the one-writer rule (sizing.py).
 2. **Nothing half-applied.** If any child this pass would write is refused by the API server's dry run, or
    its name is taken by an object this model does not control, the plan has *no* action at all, and the
    status says which child, and why (reasons ChildRejected, OwnershipConflict, Forbidden, QuotaExceeded,
    Conflict). What runs keeps running. The executor learns both facts by probing the tentative plan's
    writes (a GET for each child to create, a server-side dry run for each write) and the planner is asked
    again with them (`Observed.with_probes`): the decision stays here.
-3. **Apply** each desired child that is missing or drifted (drift.needs_apply); in dependency order:
-   identities and RBAC, Services, disruption budgets and policies, then the engines, then the router.
-4. **Delete** children of this model that are no longer desired, except the engine Deployments of older
-   revisions: those keep serving until the current revision is Ready, and are retired in the same pass
-   that sees it Ready (never earlier, never mixed: the router pairs P and D only within one revision).
-5. **Status** is what the world looks like once the plan's deletions are done (status.compute).
+3. **Rollout and scaling** (rollout.py): the current revision's engine Deployments and those of older
+   revisions get the sizes of the next step: the new revision grows into the surge room, the old ones shrink
+   in P/D pairs as ready new pods stand in. A Deployment that shrinks loses exactly the pods retirement.py
+   picks, each drained first; an old revision whose pods are all gone is deleted.
+4. **Apply** each desired child that is missing or drifted (drift.needs_apply), in dependency order:
+   identities and RBAC, Services, disruption budgets and policies, the role scale targets, then the
+   engines, the router and the autoscalers. Pod marks go first (a deletion cost must be in place before
+   the Deployment shrinks), old revisions' scale-downs and deletions after every write.
+5. **Delete** children of this model that are no longer desired (other than engine Deployments of older
+   revisions, which step 3 retires).
+6. **Status** is what the world looks like once the plan's deletions are done (status.compute).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Union
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
 
+from disagg_connector import contract
+
+from . import rollout, sizing
 from . import status as status_mod
 from .drift import needs_apply, stamped
+from .retirement import DELETION_COST, LEAVING_COST, Retirement, RouterView, retire
 from .state import ChildProblem, Desired, Key, Obj, Observed, is_engine_deployment, key_of, revision_of, role_of
 
-# Who may depend on whom: a RoleBinding needs its Role and ServiceAccount, pods need their Services'
-# names for DNS, the router discovers the engines. Deletions go after every write.
-APPLY_ORDER = ("ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget", "NetworkPolicy", "Deployment")
+# Who may depend on whom: a RoleBinding needs its Role and ServiceAccount, the router discovers the
+# engines, an HPA targets a DisaggregatedRole.
+APPLY_ORDER = ("ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget", "NetworkPolicy",
+               contract.ROLE_KIND, "Deployment", "HorizontalPodAutoscaler")  # fmt: skip
 ROUTER_LAST = {"prefill": 0, "decode": 0, "router": 1}
+# While a pod drains, the pass comes back this often: in-flight counts change without Kubernetes events.
+DRAIN_POLL_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,34 @@ class Delete:
         return key_of(self.obj)
 
 
-Action = Union[Apply, Delete]
+@dataclass(frozen=True)
+class Scale:
+    """An older revision's Deployment, resized through its scale subresource (it is no longer rendered)."""
+
+    obj: Obj
+    replicas: int
+    why: str = "retiring"
+
+
+@dataclass(frozen=True)
+class Annotate:
+    """A pod's annotations: the draining mark, the deletion cost (None removes one)."""
+
+    obj: Obj
+    annotations: Mapping[str, str | None]
+    why: str
+
+
+@dataclass(frozen=True)
+class SetStatus:
+    """The status of a child (a DisaggregatedRole: what its scale subresource reports)."""
+
+    obj: Obj
+    status: Mapping[str, Any]
+    why: str = "status"
+
+
+Action = Union[Apply, Delete, Scale, Annotate, SetStatus]
 
 
 @dataclass(frozen=True)
@@ -61,6 +102,8 @@ class Plan:
     status: dict[str, Any]
     ready: bool
     problems: tuple[ChildProblem, ...] = ()
+    requeue_after: float | None = None  # come back then even if nothing else happens (draining)
+    draining: tuple[str, ...] = field(default=())
 
     @property
     def applies(self) -> tuple[Apply, ...]:
@@ -93,6 +136,96 @@ def ownership_conflict(key: Key, found: Obj) -> ChildProblem:
     )  # fmt: skip
 
 
+def _replicas(obj: Obj | None) -> int:
+    return int(((obj or {}).get("spec") or {}).get("replicas") or 0) if obj else 0
+
+
+def _pods_of(observed: Observed, role: str, revision: str | None) -> list[Obj]:
+    return [p for p in observed.pods if role_of(p) == role and revision_of(p) == revision]
+
+
+def _ready_count(pods: list[Obj]) -> int:
+    return sum(1 for p in pods if status_mod.pod_ready(p))
+
+
+@dataclass
+class _Engines:
+    """The engine side of one pass: Deployment sizes per revision, and the pod work that retirement needs."""
+
+    current_replicas: dict[str, int] = field(default_factory=dict)  # role -> size of the current revision
+    pod_actions: list[Action] = field(default_factory=list)
+    old_actions: list[Action] = field(default_factory=list)
+    draining: list[str] = field(default_factory=list)
+
+
+def _retirement_actions(result: Retirement) -> list[Action]:
+    actions: list[Action] = [Annotate(p, {contract.ANNOTATION_DRAINING: None, DELETION_COST: None}, "stays")
+                             for p in result.unmark]  # fmt: skip
+    actions += [Annotate(p, {DELETION_COST: LEAVING_COST}, "drained") for p in result.cost]
+    return actions
+
+
+def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, int], routers: RouterView, now: str) -> _Engines:
+    spec, model, revision = desired.model.spec, desired.ref.name, desired.revision
+    timeout = spec.router.request_deadline_seconds + spec.kv_transfer.lease_seconds
+    budgets = {r: rollout.budget(targets[r], getattr(spec.rollout, r).max_surge, getattr(spec.rollout, r).max_unavailable)
+               for r in contract.ENGINE_ROLES}  # fmt: skip
+    current = {r: observed.children.get(("Deployment", contract.engine_deployment_name(model, r, revision)))  # type: ignore[arg-type]
+               for r in contract.ENGINE_ROLES}  # fmt: skip
+    old_deployments: dict[str, dict[str, Obj]] = {}
+    for obj in observed.deployments:
+        if is_engine_deployment(obj) and revision_of(obj) != revision:
+            old_deployments.setdefault(revision_of(obj) or "", {})[role_of(obj) or ""] = obj
+    newest_first = tuple(sorted(old_deployments, reverse=True, key=lambda v: max(
+        (d.get("metadata", {}).get("creationTimestamp") or "") for d in old_deployments[v].values())))
+
+    def count(obj: Obj | None, role: str, rev: str) -> rollout.Count:
+        return rollout.Count(_replicas(obj), _ready_count(_pods_of(observed, role, rev)))
+
+    step = rollout.next_step(
+        budgets,
+        {r: count(current[r], r, revision) for r in contract.ENGINE_ROLES},
+        {v: {r: count(old_deployments[v].get(r), r, v) for r in contract.ENGINE_ROLES} for v in old_deployments},
+        newest_first,
+    )
+    out = _Engines()
+    for role in contract.ENGINE_ROLES:
+        live = current[role]
+        result = retire(_pods_of(observed, role, revision), _replicas(live), step.new[role], routers, now, timeout) \
+            if live is not None else Retirement(replicas=step.new[role])  # fmt: skip
+        out.current_replicas[role] = result.replicas
+        out.pod_actions += _retirement_actions(result) + [
+            Annotate(p, {contract.ANNOTATION_DRAINING: now}, "leaving") for p in result.mark]
+        out.draining += result.waiting
+    for old in newest_first:
+        for role, deployment in old_deployments[old].items():
+            want = step.old[old].get(role, 0)
+            result = retire(_pods_of(observed, role, old), _replicas(deployment), want, routers, now, timeout)
+            out.pod_actions += _retirement_actions(result) + [
+                Annotate(p, {contract.ANNOTATION_DRAINING: now}, "leaving") for p in result.mark]
+            out.draining += result.waiting
+            if result.replicas == 0 and not result.busy:
+                out.old_actions.append(Delete(deployment, "retired"))
+            elif result.replicas < _replicas(deployment):
+                out.old_actions.append(Scale(deployment, result.replicas))
+    return out
+
+
+def _role_scaler_statuses(desired: Desired, observed: Observed) -> list[Action]:
+    actions: list[Action] = []
+    for role in contract.ENGINE_ROLES:
+        key = sizing.scaler_key(desired, role)
+        live = observed.children.get(key)
+        if live is None:
+            continue  # created by this pass: its status comes with the next one
+        pods = [p for p in observed.pods if role_of(p) == role and not p.get("metadata", {}).get("deletionTimestamp")]
+        selector = ",".join(f"{k}={v}" for k, v in contract.selector_labels(desired.ref.name, role).items())  # type: ignore[arg-type]
+        want = {"replicas": len(pods), "readyReplicas": _ready_count(pods), "selector": selector, "revision": desired.revision}
+        if {k: (live.get("status") or {}).get(k) for k in want} != want:
+            actions.append(SetStatus(live, want))
+    return actions
+
+
 def _without(observed: Observed, deleted: set[Key]) -> Observed:
     """The world once `deleted` are gone: their pods go too (by revision, for engine Deployments)."""
     revisions = {revision_of(observed.children[k]) for k in deleted if is_engine_deployment(observed.children[k])}
@@ -104,30 +237,39 @@ def _without(observed: Observed, deleted: set[Key]) -> Observed:
     )
 
 
-def plan(desired: Desired, observed: Observed, now: str) -> Plan:
-    wanted = {key_of(o): stamped(o) for o in desired.rendered.objects}
+def plan(desired: Desired, observed: Observed, now: str, routers: RouterView = RouterView()) -> Plan:
+    targets = sizing.targets(desired, observed)
+    rendered = {key_of(o): o for o in desired.rendered.objects}
+    for role in contract.ENGINE_ROLES:
+        key = sizing.scaler_key(desired, role)
+        rendered[key] = sizing.sized_scaler(desired, observed, role)
 
-    problems = [ownership_conflict(k, observed.foreign[k]) for k in wanted if k in observed.foreign]
-    problems += [observed.refused[k] for k in wanted if k in observed.refused]
+    problems = [ownership_conflict(k, observed.foreign[k]) for k in rendered if k in observed.foreign]
+    problems += [observed.refused[k] for k in rendered if k in observed.refused]
     if problems:
-        status = status_mod.blocked(desired, observed, problems, now)
+        status = status_mod.blocked(desired, observed, targets, problems, now)
         return Plan(actions=(), status=status, ready=False, problems=tuple(problems))
 
+    engines = _plan_engines(desired, observed, targets, routers, now)
+    for role, replicas in engines.current_replicas.items():
+        key = ("Deployment", contract.engine_deployment_name(desired.ref.name, role, desired.revision))  # type: ignore[arg-type]
+        rendered[key] = copy.deepcopy(rendered[key])
+        rendered[key]["spec"]["replicas"] = replicas
+
+    wanted = {k: stamped(o) for k, o in rendered.items()}
     applies = [
         Apply(obj, "update" if k in observed.children else "create")
         for k, obj in sorted(wanted.items(), key=lambda item: _apply_rank(item[1]))
         if needs_apply(obj, observed.children.get(k))
     ]
-    readiness = status_mod.readiness(desired, observed)
-    stale = {k: o for k, o in observed.children.items() if k not in wanted}
-    deletes = [Delete(o, "stale") for k, o in stale.items() if not is_engine_deployment(o)]
-    if readiness.ready:
-        # The current revision serves on its own now: retire the older pairs.
-        deletes += [Delete(o, "retired") for k, o in stale.items() if is_engine_deployment(o)]
-
-    after = _without(observed, {d.key for d in deletes})
+    stale = [Delete(o, "stale") for k, o in observed.children.items() if k not in wanted and not is_engine_deployment(o)]
+    retired = {a.obj["metadata"]["name"] for a in engines.old_actions if isinstance(a, Delete)}
+    readiness = status_mod.readiness(desired, observed, targets)
+    after = _without(observed, {d.key for d in stale} | {("Deployment", n) for n in retired})
     return Plan(
-        actions=(*applies, *deletes),
-        status=status_mod.compute(desired, after, now),
+        actions=(*engines.pod_actions, *applies, *engines.old_actions, *stale, *_role_scaler_statuses(desired, observed)),
+        status=status_mod.compute(desired, after, targets, now, draining=tuple(engines.draining)),
         ready=readiness.ready,
+        requeue_after=DRAIN_POLL_SECONDS if engines.draining else None,
+        draining=tuple(engines.draining),
     )

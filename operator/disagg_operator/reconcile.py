@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
-from . import executor, planner
+from . import executor, planner, retirement, sizing
 from . import status as status_mod
 from .api.validation import SpecError, parse
 from .cache import Cache
@@ -51,6 +51,7 @@ class PassResult:
     result: str  # success | blocked | error | invalid | gone
     reason: str | None = None
     detail: str = ""
+    requeue_after: float | None = None  # a successful pass that must come back (a pod drains)
 
     @property
     def retry(self) -> bool:
@@ -118,11 +119,14 @@ class Reconciler:
         observed = Observed(children=self.cache.children(namespace, name, meta["uid"]), pods=self.cache.pods(namespace, name))
         now = self.now()
         try:
-            plan = planner.plan(desired, observed, now)
+            # What the routers say matters only while a pod drains: then ask them (HTTP, not the API server).
+            routers = executor.read_routers(observed, status_mod.pod_ready) if any(map(retirement.marked, observed.pods)) \
+                else retirement.RouterView()  # fmt: skip
+            plan = planner.plan(desired, observed, now, routers)
             if plan.applies:
                 probes = executor.probe(plan, self.cluster, desired.ref.uid)
                 if probes:
-                    plan = planner.plan(desired, observed.with_probes(probes.foreign, probes.refused), now)
+                    plan = planner.plan(desired, observed.with_probes(probes.foreign, probes.refused), now, routers)
             outcome = executor.execute(plan, self.cluster, on_done=self._count)
         except TRANSPORT_ERRORS as error:
             problem = ChildProblem("ApiUnavailable", "API", "server", f"the API server did not answer ({error}); retrying")
@@ -143,11 +147,13 @@ class Reconciler:
             return PassResult("blocked", plan.problems[0].reason, plan.problems[0].describe())
         if outcome.failure is not None:
             return PassResult("error", outcome.failure.reason, outcome.failure.describe())
-        return PassResult("success")
+        return PassResult("success", requeue_after=plan.requeue_after)
 
     def _count(self, action: planner.Action) -> None:
-        counter = self.metrics.applied if isinstance(action, planner.Apply) else self.metrics.deleted
-        counter.labels(action.obj["kind"]).inc()
+        if isinstance(action, planner.Apply):
+            self.metrics.applied.labels(action.obj["kind"]).inc()
+        elif isinstance(action, planner.Delete):
+            self.metrics.deleted.labels(action.obj["kind"]).inc()
 
     def _previous_status(self, key: ModelKey, body: Mapping[str, Any]) -> dict[str, Any] | None:
         with self._guard:
@@ -158,7 +164,7 @@ class Reconciler:
 
     def _try_write_failure(self, key: ModelKey, desired: Desired, observed: Observed, problem: ChildProblem) -> None:
         try:
-            base = status_mod.compute(desired, observed, self.now())
+            base = status_mod.compute(desired, observed, sizing.targets(desired, observed), self.now())
             status = status_mod.write_failed(desired, observed, base, problem, 0, 0, self.now())
             self._write_if_changed(key, desired.previous_status, status)
         except (ApiException, *TRANSPORT_ERRORS):
@@ -248,3 +254,5 @@ class Controller:
         else:
             self.queue.forget(key)
             self.metrics.reconcile_total.labels(CONTROLLER, "success").inc()
+            if result.requeue_after is not None:
+                self.queue.add_after(key, result.requeue_after)

@@ -32,6 +32,11 @@ def revision_of(obj: Obj) -> str | None:
     return labels_of(obj).get(contract.LABEL_REVISION)
 
 
+def controlled_by(obj: Obj, uid: str) -> bool:
+    owners = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(o.get("uid") == uid and o.get("controller") for o in owners)
+
+
 def is_engine_deployment(obj: Obj) -> bool:
     return obj["kind"] == "Deployment" and role_of(obj) in contract.ENGINE_ROLES
 

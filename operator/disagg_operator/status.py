@@ -66,39 +66,33 @@ def desired_replicas(observed: Observed, role: str, revision: str) -> int | None
 
 @dataclass(frozen=True)
 class Readiness:
-    """Counts of the current revision and whether it serves on its own (the fact the planner retires on)."""
+    """Counts of the current revision and whether it serves on its own at the roles' target sizes."""
 
     revision: str
     roles: Mapping[str, Mapping[str, int]]
-    wanted: Mapping[str, int | None]
+    wanted: Mapping[str, int]  # the role targets (sizing.targets)
     routers_ready: int
     routers_wanted: int
 
     @property
     def engines_ready(self) -> bool:
-        return all(
-            self.wanted[r] is not None and self.roles[r]["readyReplicas"] >= max(1, self.wanted[r] or 0)
-            for r in contract.ENGINE_ROLES
-        )
+        return all(self.roles[r]["readyReplicas"] >= max(1, self.wanted[r]) for r in contract.ENGINE_ROLES)
 
     @property
     def ready(self) -> bool:
         return self.engines_ready and self.routers_ready >= self.routers_wanted
 
     def summary(self) -> str:
-        def want(r: str) -> str:
-            return "?" if self.wanted[r] is None else str(self.wanted[r])
-
-        engines = ", ".join(f"{r} {self.roles[r]['readyReplicas']}/{want(r)}" for r in contract.ENGINE_ROLES)
+        engines = ", ".join(f"{r} {self.roles[r]['readyReplicas']}/{self.wanted[r]}" for r in contract.ENGINE_ROLES)
         return f"{engines}, router {self.routers_ready}/{self.routers_wanted} ready at revision {self.revision}"
 
 
-def readiness(desired: Desired, observed: Observed) -> Readiness:
+def readiness(desired: Desired, observed: Observed, targets: Mapping[str, int]) -> Readiness:
     revision = desired.revision
     return Readiness(
         revision=revision,
         roles={role: role_counts(observed, role, revision) for role in contract.ENGINE_ROLES},
-        wanted={role: desired_replicas(observed, role, revision) for role in contract.ENGINE_ROLES},
+        wanted=dict(targets),
         routers_ready=sum(1 for p in observed.pods if role_of(p) == "router" and pod_ready(p)),
         routers_wanted=desired_replicas(observed, "router", revision) or 0,
     )
@@ -227,11 +221,21 @@ def invalid_status(
                       generation, previous_status, now)  # fmt: skip
 
 
-def compute(desired: Desired, observed: Observed, now: str) -> dict[str, Any]:
+def _old_serving(observed: Observed, revision: str, old: set[str]) -> str:
+    parts = []
+    for v in sorted(old):
+        ready = {r: sum(1 for p in observed.pods if revision_of(p) == v and role_of(p) == r and pod_ready(p))
+                 for r in contract.ENGINE_ROLES}  # fmt: skip
+        parts.append(f"{v} (prefill {ready['prefill']}, decode {ready['decode']} ready)")
+    return ", ".join(parts)
+
+
+def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], now: str,
+            draining: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     """The status of what is observed, assuming this pass can do what it plans."""
     ref, plan, revision = desired.ref, desired.rendered.plan, desired.revision
     previous = desired.previous_status or {}
-    facts = readiness(desired, observed)
+    facts = readiness(desired, observed, targets)
     old = old_revisions(observed, revision)
 
     engine_pods = [p for p in observed.pods if role_of(p) in contract.ENGINE_ROLES and not _terminating(p)]
@@ -253,15 +257,19 @@ def compute(desired: Desired, observed: Observed, now: str) -> dict[str, Any]:
     else:
         ready_cond = ("Ready", False, "WaitingForPods", summary)
 
+    leaving = f"; draining {', '.join(draining)}" if draining else ""
     if old:
         progress_cond = ("Progressing", True, "RolloutInProgress",
-                         f"revision {revision} is coming up; revisions {', '.join(sorted(old))} keep serving until it is ready")
+                         f"revision {revision} is rolling out ({summary}); still serving: "
+                         f"{_old_serving(observed, revision, old)}{leaving}")
+    elif draining:
+        progress_cond = ("Progressing", True, "Scaling", f"{summary}{leaving}")
     elif not facts.ready:
         progress_cond = ("Progressing", True, "WaitingForPods", summary)
     else:
         progress_cond = ("Progressing", False, "Complete", f"revision {revision} is fully rolled out")
 
-    short = [r for r in contract.ENGINE_ROLES if facts.wanted[r] and 0 < facts.roles[r]["readyReplicas"] < (facts.wanted[r] or 0)]
+    short = [r for r in contract.ENGINE_ROLES if not old and 0 < facts.roles[r]["readyReplicas"] < facts.wanted[r]]
     degraded_problem = crash or (fabric_failures[0] if fabric_failures else None) or (creation if something_serves(observed) else None)
     if degraded_problem:
         degraded = ("Degraded", True, degraded_problem.reason, degraded_problem.message)
@@ -286,8 +294,8 @@ def compute(desired: Desired, observed: Observed, now: str) -> dict[str, Any]:
         "transferModeReason": plan.reason,
         "backend": plan.backend,
         "revision": revision,
-        "prefill": facts.roles["prefill"],
-        "decode": facts.roles["decode"],
+        "prefill": {**facts.roles["prefill"], "targetReplicas": facts.wanted["prefill"]},
+        "decode": {**facts.roles["decode"], "targetReplicas": facts.wanted["decode"]},
         "router": {"readyReplicas": facts.routers_ready, "url": contract.router_url(ref.name, ref.namespace, desired.model.spec.router.service.port)},
         "conditions": conditions,
     })  # fmt: skip
@@ -314,11 +322,12 @@ def _with_failure(desired: Desired, status: Mapping[str, Any], reason: str, mess
     return _typed({**status, "phase": phase, "conditions": conditions})
 
 
-def blocked(desired: Desired, observed: Observed, problems: Iterable[ChildProblem], now: str) -> dict[str, Any]:
+def blocked(desired: Desired, observed: Observed, targets: Mapping[str, int], problems: Iterable[ChildProblem],
+            now: str) -> dict[str, Any]:  # fmt: skip
     """Nothing of this pass was written, because of these problems (the first one's reason leads)."""
     found = list(problems)
     message = "nothing was changed: " + "; ".join(p.describe() for p in found)
-    base = compute(desired, observed, now)
+    base = compute(desired, observed, targets, now)
     return _with_failure(desired, base, found[0].reason, message, something_serves(observed), now)
 
 

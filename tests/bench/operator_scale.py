@@ -1,13 +1,17 @@
 """Operator at scale on the local control plane: N DisaggregatedModels at once, against a baseline.
 
-    python -m tests.bench.operator_scale [--sizes 50,200]
+    python -m tests.bench.operator_scale [--sizes 50,200] [--runs 3]
 
-For each N: the operator (a separate process, with its own ServiceAccount token bound to the ClusterRole
-of disagg_operator.rbac) reconciles N models created at once; the program prints the time until every
-child exists and every CR is Ready, the API requests per CR (from the API server's audit log, reads and
-watches included) and the operator's peak RSS. The baseline, measured in the same run on the same
-cluster: the rendered manifests of the same N models applied directly with `kubectl apply
---server-side` (by its own ServiceAccount), timed until every Deployment is fully ready.
+For each N, `--runs` times each, medians printed:
+- the operator (a separate process, its own ServiceAccount token bound to the ClusterRole of
+  disagg_operator.rbac) reconciles N models created at once;
+- the baseline, measured in the same run on the same cluster: the rendered manifests of the same N models
+  applied directly with `kubectl apply --server-side` (by its own ServiceAccount).
+Both are timed the same way: until every child exists and every Deployment is fully ready. For the
+operator the program also prints when every model's status says Ready, the API requests per model while
+creating (from the API server's audit log, reads and watches included), the requests per model during a
+steady-state resync of every model (the operator runs with --resync-seconds 20 and the window holds one
+resync; the goal: at most 2 reads and no write per model), and the operator's peak RSS.
 
 Fake capacity is added for the run (kwok p5en and CPU nodes labelled disagg.dev/bench) and removed after.
 A program, not a test: it prints figures, it asserts nothing about speed.
@@ -17,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
+import statistics
 import subprocess
 import tempfile
 import time
@@ -33,12 +39,14 @@ from disagg_operator.api.validation import parse
 from disagg_operator.manifests import dump_all
 from disagg_operator.rbac import cluster_role
 from disagg_operator.render import render
-from tests.e2e.operator_process import OperatorProcess
+from tests.e2e.operator_process import OperatorProcess, default_command
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH_NS = "disagg-bench"
 BENCH_LABEL = f"{contract.API_GROUP}/bench"
 PODS_PER_NODE = 4  # hugepages-2Mi: 21Gi per node, 5120Mi per EFA pod
+OPERATOR_USER = f"system:serviceaccount:{BENCH_NS}:operator"
+STEADY_RESYNC_SECONDS = 20
 
 
 def sh(*args: str, **kw: Any) -> str:
@@ -187,13 +195,15 @@ class Bench:
     def run_operator(self, n: int, kubeconfig: str) -> dict[str, Any]:
         ns = f"bench-op-{n}"
         self.fresh_namespace(ns)
-        proc = OperatorProcess(kubeconfig, self.workdir)
+        proc = OperatorProcess(kubeconfig, self.workdir,
+                               command=functools.partial(default_command, resync_seconds=STEADY_RESYNC_SECONDS))
         proc.start()
         since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         t0 = time.monotonic()
         for obj in self.models(n):
             self.custom.create_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, ns, contract.PLURAL, obj)
         t_children = self.wait("children", lambda: self.children_exist(ns, 3 * n, 3 * n), 900)
+        t_ready = self.wait("all Deployments ready", lambda: self.deployments_ready(ns, 3 * n), 1800)
 
         def all_ready() -> bool:
             items = self.custom.list_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, ns, contract.PLURAL)["items"]
@@ -202,13 +212,18 @@ class Bench:
                 for i in items
             )
 
-        t_ready = self.wait("all Ready", all_ready, 1800)
-        time.sleep(2)
-        requests = self.requests_by(f"system:serviceaccount:{BENCH_NS}:operator", since)
+        t_status = self.wait("all Ready in status", all_ready, 1800)
+        time.sleep(5)
+        creating = self.requests_by(OPERATOR_USER, since)
+        # Steady state: nothing changes; the window holds one resync of every model.
+        quiet = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        time.sleep(STEADY_RESYNC_SECONDS + 5)
+        steady = self.requests_by(OPERATOR_USER, quiet)
         rss = _peak_rss_kib(proc)
         proc.stop()
         self.delete_namespace(ns)
-        return {"children_s": t_children - t0, "ready_s": t_ready - t0, "requests": requests, "peak_rss_mib": rss / 1024}
+        return {"children_s": t_children - t0, "ready_s": t_ready - t0, "status_ready_s": t_status - t0,
+                "requests": creating, "steady": steady, "peak_rss_mib": rss / 1024}  # fmt: skip
 
     def run_baseline(self, n: int, kubeconfig: str) -> dict[str, Any]:
         ns = f"bench-base-{n}"
@@ -222,8 +237,8 @@ class Bench:
         since = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         t0 = time.monotonic()
         self.kubectl("apply", "--server-side", "-f", str(path), kubeconfig=kubeconfig)
-        t_children = time.monotonic()
-        t_ready = self.wait("baseline ready", lambda: self.deployments_ready(ns, 3 * n), 1800)
+        t_children = self.wait("children", lambda: self.children_exist(ns, 3 * n, 3 * n), 900)
+        t_ready = self.wait("all Deployments ready", lambda: self.deployments_ready(ns, 3 * n), 1800)
         time.sleep(2)
         requests = self.requests_by(f"system:serviceaccount:{BENCH_NS}:baseline", since)
         self.delete_namespace(ns)
@@ -238,9 +253,18 @@ def _peak_rss_kib(proc: OperatorProcess) -> int:
     return 0
 
 
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _per_model(runs: list[dict[str, Any]], key: str, n: int) -> str:
+    return "/".join(f"{statistics.median(r[key][k] for r in runs) / n:.1f}" for k in ("read", "watch", "write"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="50,200")
+    parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     bench = Bench()
@@ -254,23 +278,28 @@ def main() -> None:
     rows = []
     try:
         for n in sizes:
-            base = bench.run_baseline(n, baseline_kc)
-            op = bench.run_operator(n, operator_kc)
-            rows.append((n, op, base))
-            print(f"N={n}: operator {json.dumps(op)}; baseline {json.dumps(base)}", flush=True)
+            ops, bases = [], []
+            for run in range(args.runs):  # interleaved, so drift of the machine hits both alike
+                bases.append(bench.run_baseline(n, baseline_kc))
+                ops.append(bench.run_operator(n, operator_kc))
+                print(f"N={n} run {run + 1}: operator {json.dumps(ops[-1])}; baseline {json.dumps(bases[-1])}", flush=True)
+            rows.append((n, ops, bases))
     finally:
         bench.remove_capacity()
     print()
-    print("| N | path | all children exist (s) | all Ready (s) | API requests per CR (read/watch/write) | peak RSS (MiB) |")
-    print("|---|---|---|---|---|---|")
-    for n, op, base in rows:
-        for name, r in (("operator", op), ("kubectl apply (baseline)", base)):
-            req = r["requests"]
-            per = "/".join(f"{req[k] / n:.1f}" for k in ("read", "watch", "write"))
-            rss = f"{r['peak_rss_mib']:.0f}" if "peak_rss_mib" in r else "-"
-            print(f"| {n} | {name} | {r['children_s']:.1f} | {r['ready_s']:.1f} | {per} | {rss} |")
-        print(f"| {n} | operator / baseline | {op['children_s'] / max(base['children_s'], 1e-9):.2f}x | "
-              f"{op['ready_s'] / max(base['ready_s'], 1e-9):.2f}x | | |")
+    print(f"Medians of {args.runs} runs per cell.")
+    print()
+    print("| N | path | all children exist (s) | all children exist and Ready (s) | status Ready (s) | "
+          "requests per model while creating (read/watch/write) | per model in a steady resync | peak RSS (MiB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, ops, bases in rows:
+        print(f"| {n} | operator | {_median(ops, 'children_s'):.1f} | {_median(ops, 'ready_s'):.1f} | "
+              f"{_median(ops, 'status_ready_s'):.1f} | {_per_model(ops, 'requests', n)} | {_per_model(ops, 'steady', n)} | "
+              f"{_median(ops, 'peak_rss_mib'):.0f} |")
+        print(f"| {n} | kubectl apply (baseline) | {_median(bases, 'children_s'):.1f} | {_median(bases, 'ready_s'):.1f} | - | "
+              f"{_per_model(bases, 'requests', n)} | - | - |")
+        print(f"| {n} | operator / baseline | {_median(ops, 'children_s') / max(_median(bases, 'children_s'), 1e-9):.2f}x | "
+              f"{_median(ops, 'ready_s') / max(_median(bases, 'ready_s'), 1e-9):.2f}x | | | | |")
 
 
 if __name__ == "__main__":

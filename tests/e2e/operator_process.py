@@ -24,10 +24,10 @@ def free_port() -> int:
 E2E_RESYNC_SECONDS = 15
 
 
-def default_command(liveness_url: str, metrics_port: int) -> list[str]:
+def default_command(liveness_url: str, metrics_port: int, resync_seconds: float = E2E_RESYNC_SECONDS) -> list[str]:
     return [sys.executable, "-m", "disagg_operator.cli", "run", "--standalone", "--liveness", liveness_url,
             "--metrics-port", str(metrics_port), "--metrics-address", "127.0.0.1",
-            "--resync-seconds", str(E2E_RESYNC_SECONDS)]  # fmt: skip
+            "--resync-seconds", str(resync_seconds)]  # fmt: skip
 
 
 class OperatorProcess:

@@ -175,6 +175,7 @@ def test_a_write_that_fails_half_way(code: int, message: str, reason: str) -> No
 
 @pytest.mark.parametrize(("code", "message", "reason"), [
     (422, "is invalid", "ChildRejected"), (400, "bad request", "ChildRejected"), (404, "namespaces not found", "ApplyFailed"),
+    (500, "failed to create typed patch object (/m; apps/v1, Kind=Deployment): .spec...: expected list", "ChildRejected"),
 ])  # fmt: skip
 def test_api_refusals_get_stable_reasons(code: int, message: str, reason: str) -> None:
     assert executor.problem_from_error("Service", "s", code, message).reason == reason

@@ -483,7 +483,9 @@ class ResourceRequirements(ApiModel):
 
 
 class AutoscalingSpec(ApiModel):
-    """Marks a role as sized by an autoscaler you install (HPA, KEDA); the operator creates none."""
+    """An HorizontalPodAutoscaler for the role, rendered by the operator. It scales the role's
+    DisaggregatedRole (`<model>-<role>`), whose name survives revisions, so the autoscaler never has to
+    follow a rollout; the operator then never writes that size itself (replicas is the initial size only)."""
 
     cel_rules = (
         CelRule(
@@ -493,11 +495,17 @@ class AutoscalingSpec(ApiModel):
         ),
     )
 
-    min_replicas: Annotated[int, Field(ge=0, le=1000)] = Field(
-        default=1, description="The smallest size you give the autoscaler (checked against maxReplicas)."
+    min_replicas: Annotated[int, Field(ge=1, le=1000)] = Field(
+        default=1, description="The HPA's minReplicas (at least 1: scaling an engine role to zero is spec.<role>.replicas: 0)."
     )
-    max_replicas: Annotated[int, Field(ge=1, le=1000)] = Field(
-        description="The largest size you give the autoscaler."
+    max_replicas: Annotated[int, Field(ge=1, le=1000)] = Field(description="The HPA's maxReplicas.")
+    metrics: Annotated[list[FreeForm], Field(min_length=1, max_length=16)] = Field(
+        description="The HPA's metrics (autoscaling/v2 MetricSpec, as written in an HPA), e.g. a Pods metric "
+        "vllm:num_requests_waiting from a Prometheus adapter. CPU is no measure of a GPU engine's load, so there "
+        "is no default: name what to scale on."
+    )
+    behavior: FreeForm | None = Field(
+        default=None, description="The HPA's scale-up/scale-down behavior (autoscaling/v2 HorizontalPodAutoscalerBehavior)."
     )
 
 
@@ -520,7 +528,11 @@ class RoleSpec(ApiModel):
     )
 
     replicas: Annotated[int, Field(ge=0, le=1000)] = Field(
-        default=1, description="Pods of this role, each one vLLM engine. 0 stops the role (Ready turns False)."
+        default=1,
+        description="Pods of this role, each one vLLM engine. 0 stops the role (Ready turns False). The size "
+        "lives in the role's DisaggregatedRole `<model>-<role>` (its scale subresource): a change of this field is "
+        "written there; `kubectl scale`, an HPA or KEDA scale that object, and the operator never undoes them "
+        "until this field changes again.",
     )
     parallelism: Parallelism = _sub(Parallelism, "vLLM parallel sizes of each pod's engine.")
     accelerator: AcceleratorSpec = _sub(AcceleratorSpec, "Accelerators per pod.")
@@ -547,8 +559,7 @@ class RoleSpec(ApiModel):
     )
     autoscaling: AutoscalingSpec | None = Field(
         default=None,
-        description="When set, the operator stops owning replicas so that an HPA or KEDA can; "
-        "replicas is only the initial size.",
+        description="An HPA on the role's DisaggregatedRole: the HPA owns the size, replicas is only the initial one.",
     )
     extra_args: ExtraArgs = Field(
         default_factory=list,
@@ -703,24 +714,27 @@ IntOrPercent = Annotated[
 
 
 class RoleRollout(ApiModel):
-    """The RollingUpdate strategy of one role's engine Deployment."""
+    """How a new revision of one role replaces the old, in pods (see `rollout.py`)."""
 
     max_surge: IntOrPercent = Field(
-        default="25%", description="Deployment maxSurge: extra pods allowed during an update (count or %)."
+        default=1,
+        description="Pods of this role a rollout may add above its size (count, or % of the size rounded up). "
+        "The default never needs more than one extra pod per role.",
     )
     max_unavailable: IntOrPercent = Field(
         default=0,
-        description="Deployment maxUnavailable: pods that may be missing during an update (count or %); "
-        "0 keeps full serving capacity.",
+        description="Pods of this role that may be missing from its size during a rollout (count, or % rounded "
+        "down); 0 keeps full serving capacity. A ready pair is always kept, whatever this allows.",
     )
 
 
 class RolloutSpec(ApiModel):
-    """Update strategy of the engine Deployments. A change of the pod template is not a rolling update
-    but a new revision: a new P/D pair beside the old one."""
+    """A change of what prefill and decode must agree on (image, model, transfer mode, ...) is a new revision.
+    It replaces the old one in pod steps bounded per role, old prefill and decode leaving in pairs as new
+    ready pods stand in for them, each old pod drained before it goes."""
 
-    prefill: RoleRollout = _sub(RoleRollout, "Rolling update of the prefill Deployment.")
-    decode: RoleRollout = _sub(RoleRollout, "Rolling update of the decode Deployment.")
+    prefill: RoleRollout = _sub(RoleRollout, "Bounds for the prefill role.")
+    decode: RoleRollout = _sub(RoleRollout, "Bounds for the decode role.")
 
 
 # --- spec -------------------------------------------------------------------------------------------
@@ -888,6 +902,10 @@ class RoleStatus(ApiModel):
     replicas: int = Field(default=0, description="Pods of the role in every revision, terminating ones excluded.")
     ready_replicas: int = Field(default=0, description="Ready pods of the current revision (the ones that serve).")
     updated_replicas: int = Field(default=0, description="Pods of the current revision, ready or not.")
+    target_replicas: int | None = Field(
+        default=None, description="The size the role is brought to: spec.<role>.replicas, or what scaled its "
+        "DisaggregatedRole since (kubectl scale, an HPA)."
+    )
 
 
 class RouterStatus(ApiModel):
@@ -962,3 +980,25 @@ class DisaggregatedModel(BaseModel):
     metadata: ObjectMeta
     spec: DisaggregatedModelSpec
     status: DisaggregatedModelStatus | None = None
+
+
+# --- DisaggregatedRole: the scale target of one engine role -------------------------------------------
+
+
+class DisaggregatedRoleSpec(ApiModel):
+    """The size of one engine role of a DisaggregatedModel, under a name that survives revisions."""
+
+    replicas: Annotated[int, Field(ge=0, le=1000)] = Field(
+        default=1,
+        description="Pods of the role. Written by `kubectl scale`, an HPA or KEDA through the scale subresource, or by "
+        "the operator when the model's spec.<role>.replicas changes; the operator rolls every revision out to it.",
+    )
+
+
+class DisaggregatedRoleStatus(ApiModel):
+    """What the role has now, written by the operator."""
+
+    replicas: int = Field(default=0, description="Pods of the role in every revision (the scale subresource's status).")
+    ready_replicas: int = Field(default=0, description="Ready pods of the role in every revision.")
+    selector: str = Field(default="", description="Label selector of the role's pods, for the HPA (label-selector syntax).")
+    revision: str | None = Field(default=None, description="The model's current revision.")

@@ -15,7 +15,7 @@ from disagg_connector import contract
 from ..api.models import DisaggregatedModel
 from ..config import RenderDefaults
 from ..resolve import TransferPlan, plan
-from . import engine, network, router
+from . import engine, network, router, scaling
 from .meta import pod_disruption_budget
 
 REVISION_LENGTH = 10
@@ -30,6 +30,8 @@ MANAGED_KINDS: tuple[tuple[str, str, str], ...] = (
     ("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     ("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+    (f"{contract.API_GROUP}/{contract.API_VERSION}", contract.ROLE_KIND, contract.ROLE_PLURAL),
+    ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
 )
 
 
@@ -56,10 +58,14 @@ def render(dm: DisaggregatedModel, defaults: RenderDefaults | None = None) -> Re
     objects: list[dict[str, Any]] = []
     for role in contract.ENGINE_ROLES:
         objects += [
+            scaling.role_scaler(dm, role),
             engine.deployment(dm, role, templates[role], revision),
             engine.headless_service(dm, role),
             pod_disruption_budget(dm, role),
         ]
+        hpa = scaling.horizontal_pod_autoscaler(dm, role)
+        if hpa is not None:
+            objects.append(hpa)
     objects += [
         router.service_account(dm),
         router.role(dm),

@@ -234,9 +234,8 @@ def deployment(
         "progressDeadlineSeconds": dm.spec.engine.startup_timeout_seconds + 600,
         "template": template,
     }
-    if role.autoscaling is None:
-        spec = {"replicas": role.replicas, **spec}
-    # With autoscaling the field is left to the HPA/KEDA: server-side apply then never resets it.
+    # The size here is the role's target; the planner sizes each revision's Deployment step by step.
+    spec = {"replicas": role.replicas, **spec}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -1,0 +1,122 @@
+"""Lease-aware retirement: which pods of a Deployment leave, and when. Pure.
+
+A Deployment that must shrink (an old revision in a rollout, or scale-in) loses exactly the pods chosen
+here, and a ready pod only once no request is left on it:
+
+1. Pods that are not ready go first: no router sends them anything, and the ReplicaSet controller removes
+   not-ready pods before ready ones anyway. Pods not created yet count the same.
+2. Each further pod to go is **marked draining** (`contract.ANNOTATION_DRAINING` = the time of marking). The
+   router sends it no new request and reports its in-flight count on /health.
+3. A marked pod is **drained** when every ready router reports it draining with nothing in flight (or does
+   not route to it at all), when no router is ready (nothing can reach it), or when the router's leg
+   deadline plus the KV lease has passed since the mark (nothing that started before can still need it:
+   a decode holds it at most for the deadline, and prefill's KV blocks are freed after the lease).
+4. A drained pod gets the lowest **pod-deletion-cost** (`controller.kubernetes.io/pod-deletion-cost`), and
+   only when that annotation is observed does the Deployment shrink: the ReplicaSet controller removes, among
+   ready pods, those of lowest cost first, so it removes exactly the drained pods. (Why not delete the pod:
+   its ReplicaSet would replace it at once. Why two passes: the ReplicaSet controller must see the cost
+   before it picks.)
+
+A pod marked draining that no longer has to go (the target rose again) is unmarked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Iterable, Mapping
+
+from disagg_connector import contract
+from disagg_connector.router.health import RouterHealth
+
+from .state import Obj
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+LEAVING_COST = "-2147483648"  # the lowest int32 the annotation takes
+
+
+def parse_time(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def annotations(pod: Obj) -> Mapping[str, str]:
+    return pod.get("metadata", {}).get("annotations") or {}
+
+
+def marked(pod: Obj) -> bool:
+    return contract.ANNOTATION_DRAINING in annotations(pod)
+
+
+def _ready(pod: Obj) -> bool:
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+@dataclass(frozen=True)
+class RouterView:
+    """What the routers of the model say, as the executor read it: one entry per ready router pod, None
+    for one that did not answer (then nobody can say a pod is idle before the timeout)."""
+
+    reports: tuple[RouterHealth | None, ...] = ()
+
+    def idle(self, pod_name: str) -> bool:
+        if not self.reports:
+            return True  # no ready router: nothing can route to the pod
+        for report in self.reports:
+            if report is None:
+                return False
+            entries = [b for b in report.backends if b.pod == pod_name]
+            if any(b.inflight > 0 or not b.draining for b in entries):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class Retirement:
+    replicas: int  # what the Deployment may be scaled to now
+    mark: tuple[Obj, ...] = ()  # pods to mark draining now
+    unmark: tuple[Obj, ...] = ()  # marked pods that stay after all
+    cost: tuple[Obj, ...] = ()  # drained pods to give the lowest deletion cost
+    waiting: tuple[str, ...] = field(default=())  # pods still draining (or waiting for their cost to be seen)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.mark or self.cost or self.waiting)
+
+
+def _newest_first(pods: Iterable[Obj]) -> list[Obj]:
+    return sorted(pods, key=lambda p: (p.get("metadata", {}).get("creationTimestamp") or "", p["metadata"]["name"]),
+                  reverse=True)  # fmt: skip
+
+
+def retire(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterView, now: str, timeout_s: float) -> Retirement:
+    """How far a Deployment of `live_replicas` can shrink toward `want` now, and what to do to get further."""
+    active = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
+    if want >= live_replicas:
+        return Retirement(replicas=want, unmark=tuple(p for p in active if marked(p)))
+    ready = [p for p in active if _ready(p)]
+    excess = live_replicas - want
+    free = min(excess, live_replicas - len(ready))  # not ready, or not even created
+    need = excess - free
+
+    def drained(pod: Obj) -> bool:
+        since = (parse_time(now) - parse_time(annotations(pod)[contract.ANNOTATION_DRAINING])).total_seconds()
+        return since >= timeout_s or routers.idle(pod["metadata"]["name"])
+
+    leaving = [p for p in ready if marked(p)]
+    # Keep the pods that are furthest along (drained, cost set), then the earliest marked.
+    leaving.sort(key=lambda p: (annotations(p).get(DELETION_COST) != LEAVING_COST, not drained(p),
+                                annotations(p)[contract.ANNOTATION_DRAINING]))  # fmt: skip
+    staying_marked, leaving = leaving[need:], leaving[:need]
+    fresh = [p for p in _newest_first(ready) if not marked(p)][: need - len(leaving)]
+
+    removable = [p for p in leaving if drained(p) and annotations(p).get(DELETION_COST) == LEAVING_COST]
+    to_cost = [p for p in leaving if drained(p) and annotations(p).get(DELETION_COST) != LEAVING_COST]
+    waiting = [p["metadata"]["name"] for p in leaving if p not in removable] + [p["metadata"]["name"] for p in fresh]
+    return Retirement(
+        replicas=live_replicas - free - len(removable),
+        mark=tuple(fresh),
+        unmark=tuple(staying_marked),
+        cost=tuple(to_cost),
+        waiting=tuple(waiting),
+    )
