@@ -40,7 +40,9 @@ def roles(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any], dict[str, An
             "extraArgs": draw(st.sampled_from(SAFE_EXTRA_ARGS)),
         }
         if draw(st.booleans()):
-            spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": draw(st.integers(1, 8))}
+            spec["autoscaling"] = {"minReplicas": 1, "maxReplicas": draw(st.integers(1, 8)), "metrics": [
+                {"type": "Pods", "pods": {"metric": {"name": "vllm:num_requests_waiting"},
+                                          "target": {"type": "AverageValue", "averageValue": "4"}}}]}
         if draw(st.booleans()):
             spec["env"] = [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]
         out.append(spec)

@@ -240,12 +240,16 @@ def _without(observed: Observed, deleted: set[Key]) -> Observed:
 def plan(desired: Desired, observed: Observed, now: str, routers: RouterView = RouterView()) -> Plan:
     targets = sizing.targets(desired, observed)
     rendered = {key_of(o): o for o in desired.rendered.objects}
+    # A role scaler is stamped as rendered (with the spec's size): a size someone else scaled it to is then
+    # no drift, and only a change of the spec's replicas is a write (sizing.py).
+    scalers = {}
     for role in contract.ENGINE_ROLES:
         key = sizing.scaler_key(desired, role)
-        rendered[key] = sizing.sized_scaler(desired, observed, role)
+        scalers[key] = stamped(rendered.pop(key))
+        scalers[key]["spec"]["replicas"] = targets[role]
 
-    problems = [ownership_conflict(k, observed.foreign[k]) for k in rendered if k in observed.foreign]
-    problems += [observed.refused[k] for k in rendered if k in observed.refused]
+    problems = [ownership_conflict(k, observed.foreign[k]) for k in (*rendered, *scalers) if k in observed.foreign]
+    problems += [observed.refused[k] for k in (*rendered, *scalers) if k in observed.refused]
     if problems:
         status = status_mod.blocked(desired, observed, targets, problems, now)
         return Plan(actions=(), status=status, ready=False, problems=tuple(problems))
@@ -256,7 +260,7 @@ def plan(desired: Desired, observed: Observed, now: str, routers: RouterView = R
         rendered[key] = copy.deepcopy(rendered[key])
         rendered[key]["spec"]["replicas"] = replicas
 
-    wanted = {k: stamped(o) for k, o in rendered.items()}
+    wanted = {**{k: stamped(o) for k, o in rendered.items()}, **scalers}
     applies = [
         Apply(obj, "update" if k in observed.children else "create")
         for k, obj in sorted(wanted.items(), key=lambda item: _apply_rank(item[1]))

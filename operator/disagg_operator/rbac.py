@@ -1,6 +1,7 @@
 """The permissions the operator needs, in one place: the Helm chart and the e2e tests use this.
 
-Least privilege: the operator reads and writes only the kinds it renders, reads pods for status,
+Least privilege: the operator reads and writes only the kinds it renders, reads pods for status and
+annotates the pods it retires (draining mark, deletion cost), resizes older revisions' Deployments,
 writes Events (kopf posts warnings) and its peering objects (HA). Creating the router's Role requires
 holding its permissions (pods get/list/watch), which the operator has for status anyway. kopf reads
 CRDs and namespaces at start-up. No Secrets.
@@ -31,7 +32,10 @@ def rules() -> list[dict[str, Any]]:
         {"apiGroups": [contract.API_GROUP], "resources": [contract.PLURAL], "verbs": ["get", "list", "watch", "patch"]},
         {"apiGroups": [contract.API_GROUP], "resources": [f"{contract.PLURAL}/status"], "verbs": ["get", "patch", "update"]},
         *managed,
-        {"apiGroups": [""], "resources": ["pods"], "verbs": READ},
+        {"apiGroups": [contract.API_GROUP], "resources": [f"{contract.ROLE_PLURAL}/status"], "verbs": ["get", "patch", "update"]},
+        # Retirement: a draining mark and the deletion cost on a leaving pod; older revisions resized.
+        {"apiGroups": [""], "resources": ["pods"], "verbs": [*READ, "patch"]},
+        {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch", "update"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
         # kopf's own discovery at start-up: without these it retries for ~55 s before falling back.

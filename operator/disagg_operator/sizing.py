@@ -15,13 +15,12 @@ The role's target, which every revision is rolled out to, is the DisaggregatedRo
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Mapping
 
 from disagg_connector import contract
 
-from .render.scaling import SPEC_REPLICAS_ANNOTATION
-from .state import Desired, Key, Obj, Observed
+from .render.scaling import SPEC_REPLICAS_ANNOTATION, initial_replicas
+from .state import Desired, Key, Observed
 
 
 def scaler_key(desired: Desired, role: str) -> Key:
@@ -29,29 +28,22 @@ def scaler_key(desired: Desired, role: str) -> Key:
 
 
 def _spec_replicas(obj: Mapping[str, Any] | None) -> int | None:
-    if obj is None:
-        return None
-    value = (obj.get("spec") or {}).get("replicas")
+    value = ((obj or {}).get("spec") or {}).get("replicas")
     return int(value) if value is not None else None
 
 
-def sized_scaler(desired: Desired, observed: Observed, role: str) -> Obj:
-    """The DisaggregatedRole to apply: the rendered one, with the size the one-writer rule leaves it."""
-    key = scaler_key(desired, role)
-    rendered = next(o for o in desired.rendered.objects if (o["kind"], o["metadata"]["name"]) == key)
-    live = observed.children.get(key)
+def role_target(desired: Desired, observed: Observed, role: str) -> int:
+    """One engine role's size after the one-writer rule: what every revision is rolled out to."""
+    role_spec = getattr(desired.model.spec, role)
+    live = observed.children.get(scaler_key(desired, role))
     live_size = _spec_replicas(live)
     if live is None or live_size is None:
-        return rendered
-    role_spec = getattr(desired.model.spec, role)
+        return initial_replicas(role_spec)
     last_written = (live.get("metadata", {}).get("annotations") or {}).get(SPEC_REPLICAS_ANNOTATION)
-    keep_live = role_spec.autoscaling is not None or last_written == str(role_spec.replicas)
-    if not keep_live:
-        return rendered
-    out = copy.deepcopy(rendered)
-    out["spec"]["replicas"] = live_size
-    return out
+    if role_spec.autoscaling is not None or last_written == str(role_spec.replicas):
+        return live_size
+    return role_spec.replicas
 
 
 def targets(desired: Desired, observed: Observed) -> dict[str, int]:
-    return {role: int(sized_scaler(desired, observed, role)["spec"]["replicas"]) for role in contract.ENGINE_ROLES}
+    return {role: role_target(desired, observed, role) for role in contract.ENGINE_ROLES}

@@ -242,6 +242,23 @@ def crd_installed(cluster) -> None:
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.PLURAL}.{contract.API_GROUP}")
 
 
+# The examples keep production deadlines (60 s per leg, a 120 s KV lease). A pod the operator retires
+# waits for them when no router answers for it (kwok's router pods run nothing), so e2e models that roll
+# out or scale in without a router process use short ones.
+FAST_DRAIN = {"router": {"requestDeadlineSeconds": 2}, "kvTransfer": {"leaseSeconds": 5}}
+
+
+def model_manifest(name: str, patch: dict | None = None, example: str = "minimal") -> dict:
+    """An example DisaggregatedModel named `name`, with FAST_DRAIN and then `patch` merged into its spec."""
+    from ..conftest import load_example, merge
+
+    obj = load_example(REPO / "examples" / f"{example}.yaml")
+    obj["metadata"] = {"name": name}
+    merge(obj["spec"], FAST_DRAIN)
+    merge(obj["spec"], patch or {})
+    return obj
+
+
 OPERATOR_NAMESPACE = "disagg-system"
 OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{contract.OPERATOR_NAME}"
 

@@ -13,7 +13,6 @@ The control plane is shared: the operator started here watches only this test's 
 
 from __future__ import annotations
 
-import copy
 import re
 import time
 import uuid
@@ -31,13 +30,12 @@ from disagg_operator.rbac import rules
 from tests.support import chart_sync
 from tests.support.helm import CHART, helm, values_args
 
-from ..conftest import REPO, load_example
+from .conftest import model_manifest
 from .operator_process import OperatorProcess, free_port
 from .test_resilience import scrape
 from .waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
-MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
 RELEASE_LABEL = "app.kubernetes.io/instance"
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
 
@@ -148,9 +146,7 @@ def wait_ready(custom: client.CustomObjectsApi, ns: str, name: str, timeout: flo
 
 
 def model(name: str) -> dict[str, Any]:
-    obj = copy.deepcopy(MINIMAL)
-    obj["metadata"] = {"name": name}
-    return obj
+    return model_manifest(name)
 
 
 def engine_images(api: client.ApiClient, ns: str, name: str) -> set[str]:

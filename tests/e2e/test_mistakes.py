@@ -12,7 +12,6 @@ API server by test_operator.py; the names are here. The status half is here.
 
 from __future__ import annotations
 
-import copy
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,25 +24,17 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from ..conftest import REPO, load_example, merge
+from .conftest import model_manifest
 from .waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
-MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
 STATUS_BOUND = 30.0
-
-
-def manifest(name: str, patch: dict[str, Any] | None = None) -> dict[str, Any]:
-    obj = copy.deepcopy(MINIMAL)
-    obj["metadata"] = {"name": name}
-    merge(obj["spec"], patch or {})
-    return obj
 
 
 @pytest.mark.parametrize("name", ["qwen3.5-small", "3b-chat"])
 def test_a_name_no_service_can_carry_is_refused_at_admission(crd_installed, cluster, namespace, tmp_path: Path, name: str) -> None:
     file = tmp_path / "m.yaml"
-    file.write_text(yaml.safe_dump({**manifest(name), "metadata": {"name": name, "namespace": namespace}}))
+    file.write_text(yaml.safe_dump({**model_manifest(name), "metadata": {"name": name, "namespace": namespace}}))
     result = cluster.kubectl("apply", "--server-side", "-f", str(file), check=False)
     assert result.returncode != 0 and "metadata.name must start with a letter" in result.stderr, result.stderr
     assert "qwen3-5-small" in result.stderr  # the message says what to write instead
@@ -116,7 +107,7 @@ def test_mistakes_reach_status_naming_child_and_field(operator, api_client) -> N
         started = {}
         for m in MISTAKES:
             m.setup(api_client, namespaces[m.id])
-            custom.create_namespaced_custom_object(GROUP, VERSION, namespaces[m.id], PLURAL, manifest("m", m.patch))
+            custom.create_namespaced_custom_object(GROUP, VERSION, namespaces[m.id], PLURAL, model_manifest("m", m.patch))
             started[m.id] = time.monotonic()
         for m in MISTAKES:
             ns = namespaces[m.id]

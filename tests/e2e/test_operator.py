@@ -6,7 +6,6 @@ nodes, or against KUBECONFIG with DISAGG_E2E_USE_KUBECONFIG=1.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from disagg_connector import contract
 
 from ..conftest import REPO, load_example, merge
 from ..unit.test_api import INVALID, VALID_EDGES
-from .conftest import OPERATOR_USER
+from .conftest import OPERATOR_USER, model_manifest
 from .waiting import condition, pod_ready as is_ready, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
@@ -32,13 +31,6 @@ WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
 @pytest.fixture
 def custom(api_client) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api_client)
-
-
-def model_manifest(name: str, patch: dict[str, Any] | None = None) -> dict[str, Any]:
-    obj = copy.deepcopy(MINIMAL)
-    obj["metadata"] = {"name": name}
-    merge(obj["spec"], patch or {})
-    return obj
 
 
 def get_model(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, Any]:
@@ -221,6 +213,7 @@ SCHEMA_PHRASES = {
     "priority-class-not-a-name": "spec.prefill.priorityClassName in body should match",
     "scheduler-not-a-name": "spec.decode.schedulerName in body should match",
     "image-with-space": "spec.engine.image in body should match",
+    "autoscaling-without-metrics": "spec.decode.autoscaling.metrics in body should have at least 1 items",
 }
 
 

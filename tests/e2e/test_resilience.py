@@ -4,7 +4,6 @@ answering in the middle of a pass delays the change it was making, never loses i
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import time
@@ -17,19 +16,15 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from ..conftest import REPO, load_example
+from .conftest import model_manifest
 from .operator_process import E2E_RESYNC_SECONDS
 from .waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
-MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
 
 
 def create_ready(custom: client.CustomObjectsApi, namespace: str, name: str, spec_patch: dict[str, Any] | None = None) -> dict[str, Any]:
-    obj = copy.deepcopy(MINIMAL)
-    obj["metadata"] = {"name": name}
-    obj["spec"].update(spec_patch or {})
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, obj)
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, spec_patch))
     return wait_ready(custom, namespace, name)
 
 

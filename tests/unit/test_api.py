@@ -10,6 +10,7 @@ from disagg_operator.resolve import backend, transfer_mode
 from ..conftest import dm
 
 EFA = {"efa": {"count": 2}, "resources": {"requests": {"memory": "64Gi"}}}
+CPU = {"type": "Resource", "resource": {"name": "cpu", "target": {"type": "Utilization", "averageUtilization": 80}}}
 
 
 def problems(obj: dict) -> list[tuple[str, str]]:
@@ -46,7 +47,9 @@ INVALID = [
     ("ucx-over-efa", {"kvTransfer": {"backend": "UCX"}, "prefill": EFA, "decode": EFA},
      "spec.kvTransfer.backend", "TCP speed"),
     ("efa-one-side", {"prefill": EFA}, "spec.decode.efa.count", "both roles"),
-    ("autoscaling-min-max", {"decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}},
+    ("autoscaling-without-metrics", {"decode": {"autoscaling": {"maxReplicas": 3, "metrics": []}}},
+     "spec.decode.autoscaling.metrics", "at least 1 item"),
+    ("autoscaling-min-max", {"decode": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2, "metrics": [CPU]}}},
      "spec.decode.autoscaling.minReplicas", "must not exceed"),
     ("negative-replicas", {"prefill": {"replicas": -1}}, "spec.prefill.replicas", "greater than or equal to 0"),
     ("decode-no-accelerator", {"decode": {"accelerator": {"count": 0}}},
@@ -158,7 +161,7 @@ VALID_EDGES = [
     ("tp-8-to-2", {"prefill": {"parallelism": {"tensor": 8}, "accelerator": {"count": 8}},
                    "decode": {"parallelism": {"tensor": 2}, "accelerator": {"count": 2}}}),
     ("zero-replicas", {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "router": {"replicas": 0}}),
-    ("autoscaling-min-equals-max", {"decode": {"autoscaling": {"minReplicas": 3, "maxReplicas": 3}}}),
+    ("autoscaling-min-equals-max", {"decode": {"autoscaling": {"minReplicas": 3, "maxReplicas": 3, "metrics": [CPU]}}}),
     ("pull-with-decode-pp", {"kvTransfer": {"mode": "Pull"},
                              "decode": {"parallelism": {"pipeline": 2}, "accelerator": {"count": 2}}}),
     ("efa-without-hugepages", {"prefill": {"efa": {"count": 1}}, "decode": {"efa": {"count": 1}},

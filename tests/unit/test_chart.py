@@ -143,10 +143,11 @@ def test_chart_crd_is_identical_to_crds_dir(tmp_path: Path) -> None:
     assert chart_sync.CHART_CRD.read_bytes() == chart_sync.SOURCE_CRD.read_bytes()
     # ... and helm ships it unchanged.
     shipped = [d for d in render({}, tmp_path, "--include-crds") if d["kind"] == "CustomResourceDefinition"]
-    source = yaml.safe_load(chart_sync.SOURCE_CRD.read_text())
-    assert source in shipped
+    for source in yaml.safe_load_all(chart_sync.SOURCE_CRD.read_text()):
+        assert source in shipped
     assert sorted(d["metadata"]["name"] for d in shipped) == sorted(
-        ["disaggregatedmodels.disagg.dev", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"]
+        ["disaggregatedmodels.disagg.dev", "disaggregatedroles.disagg.dev", "clusterkopfpeerings.kopf.dev",
+         "kopfpeerings.kopf.dev"]
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import kubernetes_validate
 import yaml
 
-from disagg_operator.api.crd import CRD_FILE, build_crd, render_crd_yaml
+from disagg_operator.api.crd import CRD_FILE, build_crd, build_role_crd, render_crd_yaml
 
 from ..conftest import REPO
 
@@ -19,7 +19,16 @@ def test_committed_crd_is_fresh() -> None:
 
 
 def test_crd_validates_against_kubernetes_schema() -> None:
-    kubernetes_validate.validate(yaml.safe_load(CRD_PATH.read_text()), "1.34", strict=True)
+    documents = list(yaml.safe_load_all(CRD_PATH.read_text()))
+    assert [d["spec"]["names"]["kind"] for d in documents] == ["DisaggregatedModel", "DisaggregatedRole"]
+    for document in documents:
+        kubernetes_validate.validate(document, "1.34", strict=True)
+
+
+def test_role_crd_has_the_scale_subresource_hpas_use() -> None:
+    (version,) = build_role_crd()["spec"]["versions"]
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
 
 
 def _walk(node: object, path: str = ""):

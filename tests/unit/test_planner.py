@@ -13,10 +13,12 @@ import pytest
 from disagg_connector import contract
 from disagg_operator import executor, planner
 from disagg_operator import status as status_mod
+from disagg_operator.retirement import DELETION_COST, LEAVING_COST, RouterView
 from disagg_operator.state import ChildProblem, Desired, Observed, key_of
+from disagg_connector.router.health import RouterHealth, parse_health
 from kubernetes.client.exceptions import ApiException
 
-from .world import children, deployment_of, desired, live, serving_pods, steady
+from .world import children, deployment_of, desired, live, serving_pods, steady, with_role_status
 
 NOW = "2026-12-01T00:00:00Z"
 WORLD = desired()
@@ -42,12 +44,39 @@ def drifted() -> Observed:
     return Observed({**observed.children, key_of(decode): decode}, observed.pods)
 
 
-def rolling(new_ready: bool) -> Observed:
-    """The old revision serves; the new revision's Deployments exist, their pods ready or not."""
+def rolling(new_ready: bool, marks: dict[str, str] | None = None) -> Observed:
+    """The old revision serves; the new revision's Deployments exist (one surge pod each), their pods ready or
+    not; `marks`: annotations on the old revision's pods."""
     old = steady(WORLD)
-    new_children = {k: v for k, v in children(NEW_IMAGE).items()}
-    return Observed({**old.children, **new_children},
-                    old.pods + serving_pods(NEW_IMAGE.revision, routers=0, ready=new_ready))
+    new_children = {k: v for k, v in children(NEW_IMAGE).items() if k[0] == "Deployment" and k not in old.children}
+    old_pods = tuple({**p, "metadata": {**p["metadata"], "annotations": dict(marks)}}
+                     if marks and p["metadata"]["labels"].get(contract.LABEL_REVISION) == WORLD.revision else p
+                     for p in old.pods)  # fmt: skip
+    return with_role_status(Observed({**old.children, **new_children},
+                                     old_pods + serving_pods(NEW_IMAGE.revision, routers=0, ready=new_ready)),
+                            NEW_IMAGE.revision)
+
+
+MARKED_AT = "2026-12-01T00:00:00Z"
+LEAVING = {contract.ANNOTATION_DRAINING: MARKED_AT}
+COSTED = {**LEAVING, DELETION_COST: LEAVING_COST}
+
+
+def router(pods: dict[str, tuple[int, bool]]) -> RouterHealth:
+    """A router's /health naming these pods: name -> (in flight, seen draining)."""
+    return parse_health({
+        "status": "ok", "synced": True, "defaultMode": "Push", "windowSeconds": 60, "revisions": {},
+        "backends": [{"pod": n, "backend": n, "role": "prefill" if n.startswith("p") else "decode", "revision": "r",
+                      "mode": "Push", "inflight": inflight, "draining": seen, "ejected": False}
+                     for n, (inflight, seen) in pods.items()],
+    })  # fmt: skip
+
+
+OLD_P, OLD_D = f"p-{WORLD.revision}-0", f"d-{WORLD.revision}-0"
+IDLE = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}),) * 2)
+BUSY = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}), router({OLD_P: (0, True), OLD_D: (1, True)})))
+UNSEEN = RouterView((router({OLD_P: (0, False), OLD_D: (0, False)}),))
+SILENT = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}), None))
 
 
 def with_stale_policy() -> Observed:
@@ -81,6 +110,12 @@ class Case:
     actions: Callable[[list[tuple[str, str, str, str]]], bool]
     ready: tuple[str, str]  # (status, reason) of the Ready condition
     more: Callable[[dict[str, Any]], bool] = field(default=lambda status: True)
+    routers: RouterView = RouterView()
+    now: str = NOW
+
+
+def deployments(world: Desired) -> list[str]:
+    return sorted(contract.engine_deployment_name("m", r, world.revision) for r in contract.ENGINE_ROLES)
 
 
 CASES = [
@@ -93,18 +128,36 @@ CASES = [
     Case("drift", WORLD, drifted,
          lambda a: a == [("Apply", "Deployment", contract.engine_deployment_name("m", "decode", WORLD.revision), "update")],
          ("True", "Ready")),
-    Case("scale", SCALED, lambda: steady(WORLD),
-         lambda a: a == [("Apply", "Deployment", contract.engine_deployment_name("m", "prefill", WORLD.revision), "update")],
-         ("True", "Ready"), lambda s: SCALED.revision == WORLD.revision),
-    Case("revision-change", NEW_IMAGE, lambda: steady(WORLD),
-         lambda a: {x[2] for x in a if x[3] == "create"} == engine_names(NEW_IMAGE) and not [x for x in a if x[0] == "Delete"],
+    Case("scale-is-written-to-the-role-scaler-and-its-deployment", SCALED, lambda: steady(WORLD),
+         lambda a: a == [("Apply", contract.ROLE_KIND, "m-prefill", "update"),
+                         ("Apply", "Deployment", contract.engine_deployment_name("m", "prefill", WORLD.revision), "update")],
+         ("False", "WaitingForPods"), lambda s: SCALED.revision == WORLD.revision and s["prefill"]["targetReplicas"] == 2),
+    Case("revision-change-starts-with-one-surge-pod-per-role", NEW_IMAGE, lambda: steady(WORLD),
+         lambda a: {x[2] for x in a if x[3] == "create"} == set(deployments(NEW_IMAGE)) and not [x for x in a if x[0] == "Delete"],
          ("False", "WaitingForPods"), lambda s: cond(s, "Progressing")["reason"] == "RolloutInProgress"),
     Case("new-revision-not-ready-keeps-old", NEW_IMAGE, lambda: rolling(new_ready=False),
          lambda a: a == [], ("False", "WaitingForPods"), lambda s: cond(s, "Progressing")["reason"] == "RolloutInProgress"),
-    Case("retire-old-revision", NEW_IMAGE, lambda: rolling(new_ready=True),
-         lambda a: sorted(x[2] for x in a) == sorted(engine_names(WORLD)) and {x[:2] for x in a} == {("Delete", "Deployment")}
+    Case("a-ready-new-pair-marks-the-old-pair-draining", NEW_IMAGE, lambda: rolling(new_ready=True),
+         lambda a: a == [("Annotate", "Pod", OLD_P, "leaving"), ("Annotate", "Pod", OLD_D, "leaving")],
+         ("True", "Ready"), lambda s: f"draining {OLD_P}, {OLD_D}" in cond(s, "Progressing")["message"]),
+    Case("drained-pair-gets-the-lowest-deletion-cost", NEW_IMAGE, lambda: rolling(True, LEAVING),
+         lambda a: a == [("Annotate", "Pod", OLD_P, "drained"), ("Annotate", "Pod", OLD_D, "drained")],
+         ("True", "Ready"), routers=IDLE),
+    Case("a-request-in-flight-keeps-its-pod", NEW_IMAGE, lambda: rolling(True, LEAVING),
+         lambda a: a == [("Annotate", "Pod", OLD_P, "drained")], ("True", "Ready"),
+         lambda s: OLD_D in cond(s, "Progressing")["message"], routers=BUSY),
+    Case("a-router-that-has-not-seen-the-mark-is-waited-for", NEW_IMAGE, lambda: rolling(True, LEAVING),
+         lambda a: a == [], ("True", "Ready"), routers=UNSEEN),
+    Case("a-silent-router-is-waited-for", NEW_IMAGE, lambda: rolling(True, LEAVING), lambda a: a == [],
+         ("True", "Ready"), routers=SILENT),
+    Case("deadline-plus-lease-ends-the-wait", NEW_IMAGE, lambda: rolling(True, LEAVING),
+         lambda a: [x[3] for x in a] == ["drained", "drained"], ("True", "Ready"), routers=SILENT,
+         now="2026-12-01T00:03:00Z"),  # 60 s deadline + 120 s lease after the mark
+    Case("once-the-cost-is-seen-the-old-revision-goes", NEW_IMAGE, lambda: rolling(True, COSTED),
+         lambda a: sorted(x[2] for x in a) == deployments(WORLD) and {x[:2] for x in a} == {("Delete", "Deployment")}
          and {x[3] for x in a} == {"retired"},
-         ("True", "Ready"), lambda s: cond(s, "Progressing")["reason"] == "Complete" and s["prefill"]["replicas"] == 1),
+         ("True", "Ready"), lambda s: cond(s, "Progressing")["reason"] == "Complete" and s["prefill"]["replicas"] == 1,
+         routers=IDLE),
     Case("stale-child", NO_POLICY, with_stale_policy,
          lambda a: a == [("Delete", "NetworkPolicy", contract.engines_network_policy_name("m"), "stale")], ("True", "Ready")),
     Case("ownership-conflict", WORLD,
@@ -123,7 +176,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_plan(case: Case) -> None:
-    plan = planner.plan(case.world, case.observed(), NOW)
+    plan = planner.plan(case.world, case.observed(), case.now, case.routers)
     assert case.actions(act(plan)), act(plan)
     ready = cond(plan.status, "Ready")
     assert (ready["status"], ready["reason"]) == case.ready, ready
@@ -188,3 +241,46 @@ def test_every_write_is_dry_run_except_a_binding_to_a_role_made_in_the_same_pass
     role = next(o for o in WORLD.rendered.objects if o["kind"] == "Role")
     later = planner.plan(WORLD, Observed({key_of(role): live(role)}), NOW)
     assert {a.key for a in later.dry_runs} == {a.key for a in later.applies}
+
+
+def _scaled_by_hand(world: Desired, role: str, replicas: int) -> Observed:
+    observed = steady(world)
+    key = (contract.ROLE_KIND, f"m-{role}")
+    scaler = copy.deepcopy(observed.children[key])
+    scaler["spec"]["replicas"] = replicas  # kubectl scale dmrole/m-decode --replicas=N
+    return Observed({**observed.children, key: scaler}, observed.pods)
+
+
+def test_kubectl_scale_of_the_role_wins_until_the_spec_changes() -> None:
+    plan = planner.plan(WORLD, _scaled_by_hand(WORLD, "decode", 3), NOW)
+    assert act(plan) == [("Apply", "Deployment", contract.engine_deployment_name("m", "decode", WORLD.revision), "update")]
+    decode = next(a.obj for a in plan.applies if a.obj["kind"] == "Deployment")
+    assert decode["spec"]["replicas"] == 3 and plan.status["decode"]["targetReplicas"] == 3
+    # Then the spec's decode.replicas changes: that is written to the role, over the hand-scaled size.
+    changed = desired({"decode": {"replicas": 2}})
+    again = planner.plan(changed, _scaled_by_hand(WORLD, "decode", 3), NOW)
+    scaler = next(a.obj for a in again.applies if a.obj["kind"] == contract.ROLE_KIND)
+    assert scaler["spec"]["replicas"] == 2 and again.status["decode"]["targetReplicas"] == 2
+
+
+def test_with_an_hpa_the_operator_never_writes_the_size() -> None:
+    metrics = [{"type": "Pods", "pods": {"metric": {"name": "vllm:num_requests_waiting"},
+                                         "target": {"type": "AverageValue", "averageValue": "4"}}}]
+    auto = desired({"decode": {"replicas": 1, "autoscaling": {"minReplicas": 1, "maxReplicas": 8, "metrics": metrics}}})
+    observed = _scaled_by_hand(auto, "decode", 5)  # the HPA scaled it
+    plan = planner.plan(desired({"decode": {"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 8,
+                                                                          "metrics": metrics}}}), observed, NOW)
+    assert not [a for a in plan.applies if a.obj["kind"] == contract.ROLE_KIND and a.obj["spec"]["replicas"] != 5]
+    assert plan.status["decode"]["targetReplicas"] == 5
+
+
+def test_scale_in_drains_the_pod_that_leaves_first() -> None:
+    two = desired({"decode": {"replicas": 2}})
+    observed = with_role_status(Observed(children(two), serving_pods(two.revision, decode=2)), two.revision)
+    one = desired({"decode": {"replicas": 1}})
+    assert one.revision == two.revision
+    plan = planner.plan(one, observed, NOW)
+    marks = [a for a in plan.actions if isinstance(a, planner.Annotate)]
+    assert [(a.obj["metadata"]["name"], a.why) for a in marks] == [(f"d-{two.revision}-1", "leaving")]
+    assert not [a for a in plan.applies if a.obj["kind"] == "Deployment"], "the Deployment keeps the pod until it is drained"
+    assert plan.requeue_after is not None and plan.draining == (f"d-{two.revision}-1",)

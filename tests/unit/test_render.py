@@ -10,6 +10,7 @@ import kubernetes_validate
 import pytest
 
 from disagg_connector import contract
+from disagg_operator.api.models import DisaggregatedRoleSpec
 from disagg_operator.api.validation import parse
 from disagg_operator.manifests import dump_all
 from disagg_operator.render import render
@@ -50,7 +51,10 @@ def check_invariants(obj: dict[str, Any]) -> None:
     result = render(model)
     name = model.metadata.name
     for child in result.objects:
-        kubernetes_validate.validate(child, K8S_VERSION, strict=True)
+        if child["kind"] == contract.ROLE_KIND:  # ours: its schema is the generated CRD's, from this model
+            DisaggregatedRoleSpec.model_validate(child["spec"])
+        else:
+            kubernetes_validate.validate(child, K8S_VERSION, strict=True)
         meta = child["metadata"]
         assert contract.is_dns_label(meta["name"]), meta["name"]
         assert meta["namespace"] == model.metadata.namespace
@@ -98,7 +102,7 @@ def test_children_of_a_model() -> None:
         ("Service", "m-prefill"), ("Service", "m-decode"), ("Service", "m-router"),
         ("PodDisruptionBudget", "m-prefill"), ("PodDisruptionBudget", "m-decode"), ("PodDisruptionBudget", "m-router"),
         ("ServiceAccount", "m-router"), ("Role", "m-router"), ("RoleBinding", "m-router"),
-        ("NetworkPolicy", "m-engines"),
+        ("NetworkPolicy", "m-engines"), (contract.ROLE_KIND, "m-prefill"), (contract.ROLE_KIND, "m-decode"),
     ])  # fmt: skip
 
 
@@ -159,10 +163,20 @@ def test_network_policy_lets_only_router_reach_http() -> None:
     assert not by_kind(render(parse(dm({"network": {"networkPolicy": {"enabled": False}}}))).objects, "NetworkPolicy")
 
 
-def test_autoscaling_leaves_replicas_to_the_autoscaler() -> None:
-    objects = render(parse(dm({"decode": {"autoscaling": {"minReplicas": 1, "maxReplicas": 4}}}))).objects
-    decode = [d for d in by_kind(objects, "Deployment") if d["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode"]
-    assert "replicas" not in decode[0]["spec"]
+WAITING = {"type": "Pods", "pods": {"metric": {"name": "vllm:num_requests_waiting"},
+                                     "target": {"type": "AverageValue", "averageValue": "4"}}}
+
+
+def test_each_role_has_a_scale_target_and_autoscaling_an_hpa_on_it() -> None:
+    objects = render(parse(dm({"decode": {"replicas": 9, "autoscaling": {"minReplicas": 2, "maxReplicas": 6,
+                                                                        "metrics": [WAITING]}}}))).objects
+    scalers = {o["metadata"]["name"]: o for o in by_kind(objects, contract.ROLE_KIND)}
+    assert set(scalers) == {"m-prefill", "m-decode"}, "one per role, no revision in the name"
+    assert scalers["m-decode"]["spec"]["replicas"] == 6, "the initial size within the HPA's bounds"
+    (hpa,) = by_kind(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "disagg.dev/v1alpha1", "kind": contract.ROLE_KIND, "name": "m-decode"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"], hpa["spec"]["metrics"]) == (2, 6, [WAITING])
+    assert not [o for o in by_kind(objects, "HorizontalPodAutoscaler") if o["metadata"]["name"] == "m-prefill"]
 
 
 def test_data_parallel_ports_and_identity() -> None:

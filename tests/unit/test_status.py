@@ -8,6 +8,7 @@ import pytest
 
 from disagg_connector import contract
 from disagg_operator.state import Observed, key_of
+from disagg_operator.sizing import targets
 from disagg_operator.status import compute, invalid_status
 
 from .world import desired
@@ -34,7 +35,8 @@ def world(deployments: list[dict[str, Any]], pods: list[dict[str, Any]]) -> Obse
 
 
 def status_of(observed: Observed, previous: dict | None = None, now: str = "t1") -> dict[str, Any]:
-    return compute(desired(previous=previous), observed, now)
+    world = desired(previous=previous)
+    return compute(world, observed, targets(world, observed), now)
 
 
 def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
@@ -51,7 +53,7 @@ def test_ready_when_current_revision_and_router_are_ready() -> None:
     status = status_of(FULL)
     assert cond(status, "Ready")["status"] == "True"
     assert status["phase"] == "Ready" and status["transferMode"] == "Push" and status["revision"] == REV
-    assert status["prefill"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}
+    assert status["prefill"] == {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "targetReplicas": 1}
     assert status["router"] == {"readyReplicas": 1, "url": "http://m-router.ns.svc:8000"}
     assert status["observedGeneration"] == 3
     assert cond(status, "Progressing")["status"] == "False"
@@ -66,7 +68,7 @@ def test_old_revision_pods_never_count_as_ready() -> None:
     )  # fmt: skip
     status = status_of(observed)
     assert cond(status, "Ready")["status"] == "False"
-    assert status["prefill"] == {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 1}
+    assert status["prefill"] == {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 1, "targetReplicas": 1}
     progressing = cond(status, "Progressing")
     assert progressing["status"] == "True" and progressing["reason"] == "RolloutInProgress"
 

@@ -53,9 +53,23 @@ def serving_pods(revision: str, prefill: int = 1, decode: int = 1, routers: int 
     )
 
 
+def with_role_status(observed: Observed, revision: str) -> Observed:
+    """The DisaggregatedRoles carrying the status the operator writes for these pods."""
+    out = dict(observed.children)
+    for key, obj in observed.children.items():
+        if key[0] != contract.ROLE_KIND:
+            continue
+        role = obj["metadata"]["labels"][contract.LABEL_ROLE]
+        pods = [p for p in observed.pods if p["metadata"]["labels"].get(contract.LABEL_ROLE) == role]
+        ready = sum(1 for p in pods if p["status"]["conditions"][0]["status"] == "True")
+        selector = ",".join(f"{k}={v}" for k, v in contract.selector_labels("m", role).items())
+        out[key] = {**obj, "status": {"replicas": len(pods), "readyReplicas": ready, "selector": selector, "revision": revision}}
+    return Observed(out, observed.pods, observed.foreign, observed.refused)
+
+
 def steady(world: Desired) -> Observed:
     """Everything applied and serving."""
-    return Observed(children=children(world), pods=serving_pods(world.revision))
+    return with_role_status(Observed(children=children(world), pods=serving_pods(world.revision)), world.revision)
 
 
 def deployment_of(observed: Observed, role: str, revision: str | None = None) -> dict[str, Any]:
