@@ -84,6 +84,8 @@ def test_api_server_stopped_mid_pass_loses_no_change(operator, cluster, api_clie
         os.kill(apiserver, signal.SIGCONT)
     obj = wait_ready(custom, namespace, "frozen", timeout=180)
     assert obj["status"]["revision"] != before
+    wait_for("the old revision retired", lambda: condition(custom.get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "frozen"), "Progressing").get("reason") == "Complete", 60)
     images = {d.spec.template.spec.containers[0].image for d in apps.list_namespaced_deployment(namespace).items
               if (d.metadata.labels or {}).get(contract.LABEL_ROLE) in contract.ENGINE_ROLES}
     assert images == {"registry.example/vllm-runtime:frozen"}, "the change made before the stop is applied, old revision retired"
