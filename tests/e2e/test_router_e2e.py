@@ -257,7 +257,7 @@ def test_router_discovers_kwok_pods_serves_and_follows_scaling(
     router_deploy = apps.read_namespaced_deployment(contract.router_name(name), namespace)
     args = list(router_deploy.spec.template.spec.containers[0].args)
     served = args[args.index("--served-model-name") + 1]
-    assert args[args.index("--mode") + 1] == sim_mode
+    assert "--mode" not in args, "the router follows each revision's own transfer-mode annotation"
     assert args[args.index("--selector") + 1] == f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"
 
     engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path)

@@ -145,7 +145,8 @@ def test_router_runs_static_with_the_rendered_flags(path: Path) -> None:
     spec = load_example(path)["spec"]
     assert cfg.static_endpoints == plan.static_endpoints_path and cfg.namespace is None and cfg.selector is None
     assert cfg.port == router.port and cfg.host == "127.0.0.1"
-    assert cfg.mode == plan.transfer_mode.lower()
+    # The protocol comes from each static entry's mode, as from each pod's annotation: one per revision.
+    assert {e["mode"] for e in plan.static_endpoints()["endpoints"]} == {plan.transfer_mode}
     assert cfg.leg_timeout == spec.get("router", {}).get("requestDeadlineSeconds", 60)
 
 

@@ -131,8 +131,9 @@ def test_push_and_pull_wiring() -> None:
     pull_cfg = kv_config(engine_container(pull, "prefill"))
     assert pull_cfg["kv_connector"] == "NixlConnector"
     assert pull_cfg["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
-    router_args = by_kind(push, "Deployment")[-1]["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert router_args[router_args.index("--mode") + 1] == "push"
+    routers = [by_kind(objs, "Deployment")[-1] for objs in (push, pull)]
+    assert routers[0]["spec"] == routers[1]["spec"], "a Push <-> Pull change does not restart the routers"
+    assert "--mode" not in routers[0]["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_efa_wiring() -> None:

@@ -47,7 +47,7 @@ class PodEngine:
     ip: str
     http_port: int
     engine_id: str
-    final: tuple[dict[str, Any], dict[str, int]] | None = None  # (legs, counters) when it was stopped
+    final: tuple[dict[str, Any], dict[str, int], list[dict[str, Any]]] | None = None  # (legs, counters, events) at stop
 
     @property
     def url(self) -> str:
@@ -64,6 +64,8 @@ class PodEngine:
         return get_json(self.url + "/sim/stats")["counters"]
 
     def events(self) -> list[dict[str, Any]]:
+        if self.final is not None:
+            return self.final[2]
         return get_json(self.url + "/sim/events")["events"]
 
     def legs(self) -> dict[str, dict[str, Any]]:
@@ -75,7 +77,7 @@ class PodEngine:
     def stop(self) -> None:
         """Keep what it saw, then stop it."""
         if self.final is None and self.proc.alive():
-            self.final = (self.legs(), self.counters())
+            self.final = (self.legs(), self.counters(), self.events())
         self.proc.stop()
 
 
@@ -84,10 +86,14 @@ class PodEngines:
     pod's own transfer mode (its annotation).
 
     Engines of deleted pods keep running (in ``gone``) until the caller retires them, once the router no
-    longer routes to them and nothing in flight can still need them.
+    longer routes to them and nothing in flight can still need them; with ``stop_gone`` they stop (keeping
+    what they saw) as soon as their pod is deleted, which a test needs when kwok hands the freed pod IP to
+    the next pod of the same node.
     """
 
-    def __init__(self, api_client: Any, namespace: str, model: str, served_name: str, log_dir: Path, timing: dict[str, float] | None = None):
+    def __init__(self, api_client: Any, namespace: str, model: str, served_name: str, log_dir: Path,
+                 timing: dict[str, float] | None = None, stop_gone: bool = False):  # fmt: skip
+        self.stop_gone = stop_gone
         self.core = client.CoreV1Api(api_client)
         self.namespace, self.model, self.served_name = namespace, model, served_name
         self.log_dir, self.timing = log_dir, FAST if timing is None else timing
@@ -107,6 +113,8 @@ class PodEngines:
             if kind == "DELETED" or meta.get("deletionTimestamp"):
                 if known:
                     self.gone.add(uid)
+                    if self.stop_gone:
+                        self.engines[uid].stop()
                 return
             ip = (pod.get("status") or {}).get("podIP")
             if known or not ip or not pod_ready(pod):
@@ -144,7 +152,11 @@ class PodEngines:
                     self._on_pod("ADDED", pod)
                 with self.lock:  # pods deleted while no watch ran
                     live = {p["metadata"]["uid"] for p in doc["items"]}
-                    self.gone |= set(self.engines) - live
+                    went = set(self.engines) - live - self.gone
+                    self.gone |= went
+                    if self.stop_gone:
+                        for uid in went:
+                            self.engines[uid].stop()
                 w = watch.Watch()
                 for ev in w.stream(
                     self.core.list_namespaced_pod, self.namespace, label_selector=self._selector,
@@ -201,10 +213,11 @@ class LocalRouter:
     proc: Proc
     port: int
     argv: list[str]
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def health(self) -> dict[str, Any]:
         if not self.proc.alive():
@@ -239,17 +252,19 @@ def replace_flag(args: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
-def start_router(apps: client.AppsV1Api, namespace: str, model: str, kubeconfig: Path, log_dir: Path) -> LocalRouter:
-    """The router with the arguments the operator rendered (only --port replaced, --host and --kubeconfig added)."""
+def start_router(apps: client.AppsV1Api, namespace: str, model: str, kubeconfig: Path, log_dir: Path,
+                 host: str = "127.0.0.1", port: int | None = None) -> LocalRouter:  # fmt: skip
+    """The router with the arguments the operator rendered (only --port replaced, --host and --kubeconfig added).
+    On a router pod's own IP and port the operator reaches its /health, as it would in a cluster."""
     deploy = apps.read_namespaced_deployment(contract.router_name(model), namespace)
     (container,) = deploy.spec.template.spec.containers
     assert container.command == ["disagg-router"], container.command
     rendered = list(container.args)
     assert rendered[rendered.index("--namespace") + 1] == namespace
-    port = free_port()
-    args = replace_flag(rendered, "--port", str(port)) + ["--host", "127.0.0.1", "--kubeconfig", str(kubeconfig)]
+    port = port or free_port()
+    args = replace_flag(rendered, "--port", str(port)) + ["--host", host, "--kubeconfig", str(kubeconfig)]
     argv = [sys.executable, "-m", "disagg_connector.router", *args]
-    return LocalRouter(Proc("router", argv, log_dir), port, rendered)
+    return LocalRouter(Proc("router", argv, log_dir), port, rendered, host)
 
 
 # --- the demo's last step ---------------------------------------------------------------------------

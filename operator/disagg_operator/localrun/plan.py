@@ -132,6 +132,7 @@ class EngineLaunch:
             "tp_size": ident.tp_size,
             "pp_size": ident.pp_size,
             "dp_size": int(self.annotations.get(contract.ANNOTATION_DP_SIZE, "1")),
+            "mode": self.annotations[contract.ANNOTATION_TRANSFER_MODE],  # the router follows it, as for pods
         }
 
     def command_line(self) -> str:

@@ -22,11 +22,12 @@ SHUTDOWN_MARGIN_SECONDS = 15
 PRE_STOP_SECONDS = 5
 
 
-def router_args(dm: DisaggregatedModel, plan: TransferPlan) -> list[str]:
+def router_args(dm: DisaggregatedModel) -> list[str]:
     router = dm.spec.router
+    # No --mode: every engine pod carries its revision's transfer mode (contract.ANNOTATION_TRANSFER_MODE) and the
+    # router follows it per revision, so a Push <-> Pull change neither restarts the routers nor mixes protocols.
     return [
         "--served-model-name", served_model_name(dm.spec),
-        "--mode", plan.mode.lower(),
         "--namespace", dm.metadata.namespace,
         "--selector", f"{contract.LABEL_MODEL}={contract.model_label_value(dm.metadata.name)}",
         "--port", str(contract.ROUTER_PORT),
@@ -81,7 +82,7 @@ def deployment(dm: DisaggregatedModel, plan: TransferPlan, defaults: RenderDefau
         "name": "router",
         "image": router.image or defaults.router_image,
         "command": ["disagg-router"],
-        "args": router_args(dm, plan),
+        "args": router_args(dm),
         "ports": [{"name": contract.HTTP_PORT_NAME, "containerPort": contract.ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": {**probe, "failureThreshold": 2},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 6},

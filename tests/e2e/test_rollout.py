@@ -1,0 +1,264 @@
+"""Rollouts that fit a GPU budget, under traffic, on the real API server.
+
+A 4P4D model whose pods each take a whole fake p5en node (8 GPUs), on a pool of exactly 10 such nodes: the
+4P4D set and one surge pod per role fit, a second full set cannot. Simulated engines listen on every engine
+pod's IP (tests/vllm_sim/pods.py), the router runs on its router pod's IP at the router port (so the operator
+reads its /health as it would in a cluster), and a client keeps sending requests through it.
+
+1. An image change rolls out to the end. A watch over every pod transition proves, at every moment: pods per
+   role <= target + maxSurge (1), some revision has a ready prefill and a ready decode, the ready P:D ratio
+   within one pod of 4:4. Zero failed requests.
+2. A Push -> Pull change under the same traffic, with decode scaled 4 -> 6 through its DisaggregatedRole's
+   scale subresource in the middle: the rollout finishes at 6 on the same revision (not restarted), zero
+   failed requests (a request in the wrong protocol fails in the simulator as it fails in vLLM).
+3. Retirement: no engine pod is deleted while its simulator still works on a request: every simulator
+   event of a retired pod happened before the pod's deletion.
+Plus: an HPA the operator renders for `autoscaling` resolves its scale target (AbleToScale=True from the
+kube-controller-manager's HPA controller).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import urllib3
+import yaml
+from kubernetes import client, watch
+
+from disagg_connector import contract
+from tests.vllm_sim.pods import PodEngines, router_kubeconfig, start_router
+
+from ..conftest import REPO
+from .conftest import model_manifest
+from .test_router_e2e import BackgroundClient, wait_for
+from .waiting import condition
+
+GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
+POOL = f"{contract.API_GROUP}/rollout-pool"
+NODES = 10
+SURGE = 1
+
+
+def unfinished(events: list[dict[str, Any]], role: str) -> list[str]:
+    """Requests an engine had not done with when it stopped (its pod deleted): a decode's leg not finished
+    or cancelled; a prefill's KV not handed over (pushed, or read by the decode), cancelled or expired."""
+    if role == "decode":
+        ended = {e["xid"] for e in events if e["kind"] in ("finished", "cancelled")}
+        return [e["xid"] for e in events if e["kind"] == "leg_received" and e["xid"] not in ended]
+    rid_of = {e["xid"]: e["rid"] for e in events if e["kind"] == "leg_received"}
+    cancelled = {e["xid"] for e in events if e["kind"] == "cancelled"}
+    handed = {e["rid"] for e in events if e["kind"] in ("push_done", "read_done", "expired")}
+    return [x for x, rid in rid_of.items() if x not in cancelled and rid not in handed]
+
+
+@pytest.fixture
+def pool(cluster, namespace) -> Any:
+    """NODES fake p5en nodes labelled for this test only, their pod IPs in loopback /24s of their own."""
+    template = next(n for n in yaml.safe_load_all((REPO / "hack/nodes/p5en.yaml").read_text()) if n)
+    core = client.CoreV1Api(cluster.api_client())
+    names = []
+    for i in range(NODES):
+        node = copy.deepcopy(template)
+        name = f"rollout-{namespace}-{i}"
+        cidr = f"127.210.{i + 10 * (hash(namespace) % 20)}.0/24"
+        node["metadata"]["name"] = name
+        node["metadata"]["labels"].update({"kubernetes.io/hostname": name, POOL: namespace})
+        node["spec"]["podCIDR"], node["spec"]["podCIDRs"] = cidr, [cidr]
+        for address in node["status"].get("addresses", []):
+            address["address"] = name if address["type"] == "Hostname" else cidr.rsplit(".", 1)[0] + ".254"
+        core.create_node(node)
+        names.append(name)
+    yield namespace
+    for name in names:
+        core.delete_node(name)
+
+
+def big_model(name: str, pool_label: str, mode: str) -> dict[str, Any]:
+    role = {"replicas": 4, "parallelism": {"tensor": 8}, "accelerator": {"count": 8}, "nodeSelector": {POOL: pool_label}}
+    return model_manifest(name, {
+        "kvTransfer": {"mode": mode, "leaseSeconds": 120}, "router": {"replicas": 1, "requestDeadlineSeconds": 60,
+                                                                        "disaggregationThresholdTokens": 0},
+        "prefill": role, "decode": copy.deepcopy(role),
+        "network": {"placement": {"zone": "None", "spine": "None"}},
+    })  # fmt: skip
+
+
+class Timeline:
+    """After every pod event of the model: pod -> (role, revision, ready); and when each pod went."""
+
+    def __init__(self, api_client: Any, namespace: str, model: str):
+        self.states: list[tuple[float, dict[str, tuple[str, str, bool]]]] = []
+        self.deleted: dict[str, float] = {}  # pod name -> monotonic time its deletion was seen
+        self._core = client.CoreV1Api(api_client)
+        self._ns = namespace
+        self._selector = f"{contract.LABEL_MODEL}={contract.model_label_value(model)},{contract.LABEL_ROLE} in (prefill,decode)"
+        self._watch = watch.Watch()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _ready(pod: Any) -> bool:
+        return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+    def _run(self) -> None:
+        listed = self._core.list_namespaced_pod(self._ns, label_selector=self._selector)
+        pods = {p.metadata.name: (p.metadata.labels[contract.LABEL_ROLE], p.metadata.labels[contract.LABEL_REVISION],
+                                  self._ready(p)) for p in listed.items}  # fmt: skip
+        self.states.append((time.monotonic(), dict(pods)))
+        try:
+            for event in self._watch.stream(self._core.list_namespaced_pod, self._ns, label_selector=self._selector,
+                                            resource_version=listed.metadata.resource_version, timeout_seconds=600):  # fmt: skip
+                pod = event["object"]
+                name = pod.metadata.name
+                if event["type"] == "DELETED" or pod.metadata.deletion_timestamp:
+                    self.deleted.setdefault(name, time.monotonic())
+                    pods.pop(name, None)
+                else:
+                    labels = pod.metadata.labels
+                    pods[name] = (labels[contract.LABEL_ROLE], labels[contract.LABEL_REVISION], self._ready(pod))
+                self.states.append((time.monotonic(), dict(pods)))
+        except urllib3.exceptions.ProtocolError:
+            if not self._stopped:
+                raise
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._watch.stop()
+        self._thread.join(timeout=10)
+
+    def check(self, targets: dict[str, int], since: float = 0.0, until: float = float("inf"), ratio: bool = True) -> dict[str, int]:
+        """The invariants over every recorded state in [since, until]; returns the peak pods per role."""
+        peak = {"prefill": 0, "decode": 0}
+        for t, pods in self.states:
+            if not since <= t <= until:
+                continue
+            for role in peak:
+                count = sum(1 for r, _, _ in pods.values() if r == role)
+                peak[role] = max(peak[role], count)
+                assert count <= targets[role] + SURGE, (role, count, pods)
+            ready = {(r, v) for r, v, ok in pods.values() if ok}
+            prefill_revs = {v for r, v in ready if r == "prefill"}
+            decode_revs = {v for r, v in ready if r == "decode"}
+            assert prefill_revs & decode_revs, f"no revision with a ready pair: {pods}"
+            if ratio:
+                p = sum(1 for r, _, ok in pods.values() if ok and r == "prefill")
+                d = sum(1 for r, _, ok in pods.values() if ok and r == "decode")
+                expected = d * targets["prefill"] / targets["decode"]
+                assert abs(p - expected) <= 1, f"ready P:D {p}:{d} against {targets}: {pods}"
+        return peak
+
+
+def get_model(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, Any]:
+    return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+
+
+def rolled_out(custom: client.CustomObjectsApi, ns: str, name: str, old: str) -> dict[str, Any] | None:
+    obj = get_model(custom, ns, name)
+    status = obj.get("status") or {}
+    done = (status.get("observedGeneration") == obj["metadata"]["generation"] and status.get("revision") != old
+            and condition(obj, "Ready").get("status") == "True" and condition(obj, "Progressing").get("reason") == "Complete")
+    return obj if done else None
+
+
+def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, namespace, pool, tmp_path: Path) -> None:
+    custom, apps, core = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    name = "big"
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, big_model(name, pool, "Push"))
+    first = wait_for("4P4D Ready", lambda: (o := get_model(custom, namespace, name)) and condition(o, "Ready").get("status") == "True"
+                     and o["status"]["decode"]["readyReplicas"] == 4 and o, 180)["status"]["revision"]
+    served = get_model(custom, namespace, name)["spec"]["model"]["name"]
+
+    engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, stop_gone=True)
+    engines.start()
+    wait_for("8 engines listening", lambda: engines.serving(4, 4), 120)
+    (router_pod,) = [p for p in core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}=router").items]
+    token = cluster.kubectl("create", "token", contract.router_name(name), "-n", namespace, "--duration=1h").stdout.strip()
+    router = start_router(apps, namespace, name, router_kubeconfig(cluster.kubeconfig, token, namespace, tmp_path / "rk"),
+                          tmp_path, host=router_pod.status.pod_ip, port=contract.ROUTER_PORT)  # fmt: skip
+    background: BackgroundClient | None = None
+    timeline = Timeline(cluster.api_client(), namespace, name)
+    try:
+        wait_for("router table 4P4D", lambda: router.table() == {first: (4, 4)}, 60)
+        background = BackgroundClient(router.url, served, workers=3)
+        background.start()
+        wait_for("traffic", lambda: len(background.results) >= 6)
+
+        # --- 1. an image change ------------------------------------------------------------------------
+        started = time.monotonic()
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                              {"spec": {"engine": {"image": "registry.example/vllm-runtime:0.33.0-next"}}})  # fmt: skip
+        second = wait_for("image rollout complete", lambda: rolled_out(custom, namespace, name, first), 600)["status"]["revision"]
+        peak_image = timeline.check({"prefill": 4, "decode": 4}, since=started)
+        assert peak_image == {"prefill": 5, "decode": 5}, peak_image
+        assert not background.failures(), background.failures()[:3]
+
+        # --- 2. Push -> Pull, decode scaled 4 -> 6 through the scale subresource mid-rollout ------------
+        started = time.monotonic()
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"kvTransfer": {"mode": "Pull"}}})
+        third = wait_for("the Pull revision", lambda: (r := get_model(custom, namespace, name)["status"].get("revision")) != second and r, 60)
+        wait_for("a ready Pull pair", lambda: any(v == third and ok and r == "decode" for r, v, ok in timeline.states[-1][1].values())
+                 and any(v == third and ok and r == "prefill" for r, v, ok in timeline.states[-1][1].values()), 300)
+        new_decode = apps.read_namespaced_deployment(contract.engine_deployment_name(name, "decode", third), namespace)
+        scaled_at = time.monotonic()
+        custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL,
+                                                    contract.role_scaler_name(name, "decode"), {"spec": {"replicas": 6}})  # fmt: skip
+        done = wait_for("Pull rollout complete at 6 decode", lambda: (o := rolled_out(custom, namespace, name, second))
+                        and o["status"]["decode"]["readyReplicas"] == 6 and o, 600)  # fmt: skip
+        assert done["status"]["revision"] == third and done["status"]["transferMode"] == "Pull", "the rollout was not restarted"
+        assert done["status"]["decode"]["targetReplicas"] == 6
+        again = apps.read_namespaced_deployment(contract.engine_deployment_name(name, "decode", third), namespace)
+        assert again.metadata.uid == new_decode.metadata.uid and again.spec.replicas == 6
+        timeline.check({"prefill": 4, "decode": 4}, since=started, until=scaled_at)
+        timeline.check({"prefill": 4, "decode": 6}, since=scaled_at, ratio=False)  # the target ratio itself moved
+        assert get_model(custom, namespace, name)["spec"]["decode"]["replicas"] == 4, "the spec is the user's, untouched"
+
+        background.wait_past(time.monotonic(), "the Pull rollout")
+        results = background.stop()
+        background = None
+        failed = [r for r in results if not r.ok]
+        assert not failed and len(results) >= 30, (len(failed), len(results), failed[:3])
+
+        # --- 3. no pod went while its engine still worked on a request ----------------------------------
+        timeline.stop()
+        retired = [e for e in engines.all() if e.pod in timeline.deleted]
+        assert len(retired) >= 16, f"both rollouts retired every old pod: {len(retired)}"
+        for engine in retired:  # each stopped the moment its pod was deleted (stop_gone), keeping its events
+            events = engine.events()
+            assert any(e["kind"] == "leg_received" for e in events), f"{engine.pod} served nothing"
+            left = unfinished(events, engine.role)
+            assert not left, f"{engine.pod} was deleted with requests in flight: {left[:3]}"
+        for engine in engines.all():
+            counters = engine.counters()
+            assert not counters.get("kv_wrong") and not counters.get("handshake_failures"), (engine.pod, counters)
+    finally:
+        timeline.stop()
+        if background is not None:
+            background.stop()
+        code = router.proc.stop()
+        print(f"router exited with {code}; log tail:\n{router.proc.log_text()[-2000:]}")
+        engines.stop()
+
+
+def test_the_rendered_hpa_resolves_its_scale_target(operator, api_client, namespace) -> None:
+    custom = client.CustomObjectsApi(api_client)
+    autoscaling = {"minReplicas": 1, "maxReplicas": 3, "metrics": [{"type": "Pods", "pods": {
+        "metric": {"name": "vllm:num_requests_waiting"}, "target": {"type": "AverageValue", "averageValue": "4"}}}]}
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("auto", {"decode": {"autoscaling": autoscaling}}))
+    hpa_api = client.AutoscalingV2Api(api_client)
+
+    def able() -> Any:
+        hpa = hpa_api.read_namespaced_horizontal_pod_autoscaler(contract.role_scaler_name("auto", "decode"), namespace)
+        found = {c.type: c for c in (hpa.status.conditions or [])} if hpa.status else {}
+        able = found.get("AbleToScale")
+        return able if able is not None and able.status == "True" else None
+
+    cond = wait_for("the HPA controller reads the DisaggregatedRole's scale", able, 120)
+    assert cond.reason in ("SucceededGetScale", "ReadyForNewScale", "SucceededRescale"), cond
+    role = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, contract.ROLE_PLURAL, contract.role_scaler_name("auto", "decode"))
+    assert role["status"]["selector"] == f"{contract.LABEL_MODEL}=auto,{contract.LABEL_ROLE}=decode"
