@@ -47,7 +47,7 @@ class PodEngine:
     ip: str
     http_port: int
     engine_id: str
-    final: tuple[dict[str, Any], dict[str, int], list[dict[str, Any]]] | None = None  # (legs, counters, events) at stop
+    final: tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]] | None = None  # (legs, stats, events) at stop
 
     @property
     def url(self) -> str:
@@ -58,10 +58,14 @@ class PodEngine:
             raise RuntimeError(f"engine for {self.pod} exited:\n{self.proc.log_text()[-3000:]}")
         return http_get(self.url + "/health", timeout=2)[0] == 200
 
-    def counters(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        """The simulator's /sim/stats: counters, and what it still holds (KV blocks, writes, requests)."""
         if self.final is not None:
             return self.final[1]
-        return get_json(self.url + "/sim/stats")["counters"]
+        return get_json(self.url + "/sim/stats")
+
+    def counters(self) -> dict[str, int]:
+        return self.stats()["counters"]
 
     def events(self) -> list[dict[str, Any]]:
         if self.final is not None:
@@ -77,7 +81,7 @@ class PodEngine:
     def stop(self) -> None:
         """Keep what it saw, then stop it."""
         if self.final is None and self.proc.alive():
-            self.final = (self.legs(), self.counters(), self.events())
+            self.final = (self.legs(), self.stats(), self.events())
         self.proc.stop()
 
 
@@ -148,15 +152,15 @@ class PodEngines:
             try:
                 listed = self.core.list_namespaced_pod(self.namespace, label_selector=self._selector, _preload_content=False)
                 doc = json.loads(listed.data)
-                for pod in doc["items"]:
-                    self._on_pod("ADDED", pod)
-                with self.lock:  # pods deleted while no watch ran
+                with self.lock:  # pods deleted while no watch ran: first, as a new pod may have taken one's IP
                     live = {p["metadata"]["uid"] for p in doc["items"]}
                     went = set(self.engines) - live - self.gone
                     self.gone |= went
                     if self.stop_gone:
                         for uid in went:
                             self.engines[uid].stop()
+                for pod in doc["items"]:
+                    self._on_pod("ADDED", pod)
                 w = watch.Watch()
                 for ev in w.stream(
                     self.core.list_namespaced_pod, self.namespace, label_selector=self._selector,

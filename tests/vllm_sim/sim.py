@@ -227,6 +227,7 @@ class Engine:
         self.running: list[Seq] = []
         self.wake = asyncio.Event()
         self.by_rid: dict[str, Seq] = {}
+        self.pushing = 0  # KV writes under way (P)
         self.held: list[dict[str, Held]] = [{} for _ in range(a.dp_size)]
         self.regs: list[dict[str, dict[str, Any]]] = [{} for _ in range(a.dp_size)]
         self.counters: Counter[str] = Counter()
@@ -558,6 +559,13 @@ class Engine:
     async def push_write(self, seq: Seq, reg: dict[str, Any]) -> None:
         """P's nixl-push-writer: WRITE the blocks to D, then the completion notices."""
         self.counters["pushes"] += 1
+        self.pushing += 1
+        try:
+            await self._push_write(seq, reg)
+        finally:
+            self.pushing -= 1
+
+    async def _push_write(self, seq: Seq, reg: dict[str, Any]) -> None:
         # the writer merges contiguous blocks into one transfer region: one descriptor's prep, not one per block
         await asyncio.sleep(self.t.descriptor_prep(1) + self.t.xfer(seq.prompt_tokens))
         tp_router, pp_router = int(reg["tp_size"]), int(reg["pp_size"])
@@ -694,6 +702,8 @@ class Engine:
                 "held": sum(len(h) for h in self.held),
                 "pending_registrations": sum(len(r) for r in self.regs),
                 "waiting_for_kv": len(self.by_rid),
+                "pushing": self.pushing,
+                "active": len(self.arrivals) + len(self.ready) + len(self.running),
             }
         )
 
