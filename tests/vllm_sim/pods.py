@@ -123,6 +123,11 @@ class PodEngines:
             ip = (pod.get("status") or {}).get("podIP")
             if known or not ip or not pod_ready(pod):
                 return
+            # kwok hands a deleted pod's IP to the next pod of its node at once: that pod's engine is gone.
+            for other_uid, other in self.engines.items():
+                if other.ip == ip and other.proc.alive():
+                    self.gone.add(other_uid)
+                    other.stop()
             self.engines[uid] = self._launch(pod, ip)
 
     def _launch(self, pod: dict[str, Any], ip: str) -> PodEngine:

@@ -703,7 +703,9 @@ class Engine:
                 "pending_registrations": sum(len(r) for r in self.regs),
                 "waiting_for_kv": len(self.by_rid),
                 "pushing": self.pushing,
-                "active": len(self.arrivals) + len(self.ready) + len(self.running),
+                "active": sum(1 for q in (self.arrivals, self.ready, self.running) for seq in q if not seq.done),
+                "in_flight": sorted({seq.xid for q in (self.arrivals, self.ready, self.running, self.by_rid.values())
+                                     for seq in q if not seq.done}),
             }
         )
 

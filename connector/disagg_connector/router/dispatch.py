@@ -285,14 +285,13 @@ class Dispatcher:
     ) -> dict[str, Any]:
         """The prefill leg to completion; returns P's JSON answer."""
         payload = orjson.dumps(prefill_body(ctx.kind, ctx.body, transfer_id))
-        with self.balancer.track(p):
-            async with self._leg("prefill", p, deadline, "prefill_timeout"):
-                resp = await self.client().post(p.base_url + ctx.path, data=payload, headers=self._headers(ctx, xid, p, True))
-                try:
-                    data = await resp.read()
-                except BaseException:
-                    resp.close()
-                    raise
+        async with self._leg("prefill", p, deadline, "prefill_timeout"):
+            resp = await self.client().post(p.base_url + ctx.path, data=payload, headers=self._headers(ctx, xid, p, True))
+            try:
+                data = await resp.read()
+            except BaseException:
+                resp.close()
+                raise
         tl.prefill_done = time.monotonic()
         if resp.status != 200:
             self._engine_status("prefill", p, resp.status, data, resp.headers.get("Content-Type", "application/json"))
@@ -401,45 +400,49 @@ class Dispatcher:
         p_end = tl.start + self.cfg.leg_timeout
         d_timeout, d_cause = self._decode_deadline(ctx)
         d_end = tl.start + d_timeout
-        p_task = asyncio.create_task(self._prefill_leg(ctx, p, "Push", xid, transfer_id, tl, None))
-        d_task = asyncio.create_task(self._open_decode(ctx, d, xid, params, tl, own_deadline=False))
-        try:
-            pending: set[asyncio.Task[Any]] = {p_task, d_task}
-            while True:
-                end = d_end if p_task.done() else min(p_end, d_end)
-                done, pending = await asyncio.wait(pending, timeout=max(0.0, end - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
-                if d_task in done:
-                    break  # decode answered (then the KV arrived, whatever P's leg says) or failed
-                if p_task in done:
-                    p_task.result()  # a failed prefill means the decode leg can never complete
-                elif not done and time.monotonic() >= end:
-                    late, what, cause = (p, "prefill", "prefill_timeout") if not p_task.done() and end == p_end else (d, "decode", d_cause)
-                    deadline = self.cfg.leg_timeout if cause == "prefill_timeout" else d_timeout
-                    raise LegFailure(cause, f"{what} engine {late.key} missed the {deadline:g}s deadline", 504, (p, d))
-            status, ctype, data, resp = d_task.result()
-        except BaseException as e:
-            await abort_legs(p_task, d_task)
-            if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
-                self._discard(d, d_task.result()[3])  # opened just as the attempt failed or was cancelled
-            if isinstance(e, LegFailure) and e.cause == "protocol_mismatch":
-                e.blamed = (p, d)  # the pair speaks another protocol than its revision announces
-            raise
-        return Opened(xid, rev.revision, "push", d, status, ctype, data, tl, resp, None if p_task.done() else p_task)
+        # P counts as in flight until D has its first token: P's KV is D's until then (its retirement waits).
+        with self.balancer.track(p):
+            p_task = asyncio.create_task(self._prefill_leg(ctx, p, "Push", xid, transfer_id, tl, None))
+            d_task = asyncio.create_task(self._open_decode(ctx, d, xid, params, tl, own_deadline=False))
+            try:
+                pending: set[asyncio.Task[Any]] = {p_task, d_task}
+                while True:
+                    end = d_end if p_task.done() else min(p_end, d_end)
+                    done, pending = await asyncio.wait(pending, timeout=max(0.0, end - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+                    if d_task in done:
+                        break  # decode answered (then the KV arrived, whatever P's leg says) or failed
+                    if p_task in done:
+                        p_task.result()  # a failed prefill means the decode leg can never complete
+                    elif not done and time.monotonic() >= end:
+                        late, what, cause = (p, "prefill", "prefill_timeout") if not p_task.done() and end == p_end else (d, "decode", d_cause)
+                        deadline = self.cfg.leg_timeout if cause == "prefill_timeout" else d_timeout
+                        raise LegFailure(cause, f"{what} engine {late.key} missed the {deadline:g}s deadline", 504, (p, d))
+                status, ctype, data, resp = d_task.result()
+            except BaseException as e:
+                await abort_legs(p_task, d_task)
+                if d_task.done() and not d_task.cancelled() and d_task.exception() is None:
+                    self._discard(d, d_task.result()[3])  # opened just as the attempt failed or was cancelled
+                if isinstance(e, LegFailure) and e.cause == "protocol_mismatch":
+                    e.blamed = (p, d)  # the pair speaks another protocol than its revision announces
+                raise
+            return Opened(xid, rev.revision, "push", d, status, ctype, data, tl, resp, None if p_task.done() else p_task)
 
     async def _attempt_sequential(self, ctx: RequestContext, rev: RevisionView, p: Backend, xid: str, transfer_id: str, tl: Timeline) -> Opened:
         """Pull, and push-sequential: the prefill leg, then a decode chosen by load in P's revision."""
         assert rev.mode is not None
-        answer = await self._prefill_leg(ctx, p, rev.mode, xid, transfer_id, tl, self.cfg.leg_timeout)
-        d = self.balancer.choose_decode(self.table.snapshot(), p.revision, ctx.excluded)
-        if d is None:
-            raise LegFailure("no_backend", f"revision {p.revision} lost its decode engines", 503, ())
-        returned = answer["kv_transfer_params"]
-        if ctx.flow == "pull":
-            params = {"transfer_id": transfer_id, **returned}
-        else:  # P's identity from discovery, P's own request id from its answer (heartbeats then match)
-            rid = returned.get("remote_request_id")
-            params = p.identity.push_decode_params(rid if isinstance(rid, str) else engine_request_id(ctx.kind, xid), transfer_id)
-        status, ctype, data, resp = await self._open_decode(ctx, d, xid, params, tl)
+        # P counts as in flight until D has its first token: in pull, D reads P's blocks only after P's leg ended.
+        with self.balancer.track(p):
+            answer = await self._prefill_leg(ctx, p, rev.mode, xid, transfer_id, tl, self.cfg.leg_timeout)
+            d = self.balancer.choose_decode(self.table.snapshot(), p.revision, ctx.excluded)
+            if d is None:
+                raise LegFailure("no_backend", f"revision {p.revision} lost its decode engines", 503, ())
+            returned = answer["kv_transfer_params"]
+            if ctx.flow == "pull":
+                params = {"transfer_id": transfer_id, **returned}
+            else:  # P's identity from discovery, P's own request id from its answer (heartbeats then match)
+                rid = returned.get("remote_request_id")
+                params = p.identity.push_decode_params(rid if isinstance(rid, str) else engine_request_id(ctx.kind, xid), transfer_id)
+            status, ctype, data, resp = await self._open_decode(ctx, d, xid, params, tl)
         return Opened(xid, rev.revision, ctx.flow, d, status, ctype, data, tl, resp)
 
     def _discard(self, d: Backend, resp: aiohttp.ClientResponse | None) -> None:
