@@ -26,8 +26,7 @@ from kubernetes.client.exceptions import ApiException
 
 from .kube import Cluster, error_message
 from .planner import Action, Annotate, Apply, Delete, Plan, Scale, SetStatus
-from .retirement import RouterView
-from .state import ChildProblem, Key, Obj, Observed, controlled_by, role_of
+from .state import ChildProblem, Key, Obj, Observed, RouterView, controlled_by, role_of
 
 log = logging.getLogger(__name__)
 

@@ -131,7 +131,8 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     configure(settings)
     cluster = Cluster(load_api_client())
     metrics = OperatorMetrics(workers=OPTIONS.workers)
-    reconciler = Reconciler(CACHE, cluster, RenderDefaults.from_env(), metrics)
+    # The routers' KV-transfer numbers are read on the resync period (and whenever a pod drains).
+    reconciler = Reconciler(CACHE, cluster, RenderDefaults.from_env(), metrics, router_poll_seconds=OPTIONS.resync_seconds)
     gate = PeeringGate(cluster, OPTIONS.peering, OPTIONS.priority, OPTIONS.clusterwide) if OPTIONS.peering else None
     _controller = Controller(reconciler, workers=OPTIONS.workers, resync_seconds=OPTIONS.resync_seconds,
                              active=(lambda key: gate(key[0])) if gate else (lambda key: True))  # fmt: skip

@@ -26,7 +26,7 @@ The executor (executor.py) only carries a Plan out. The rules, in order:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Union
 
 from disagg_connector import contract
@@ -34,7 +34,7 @@ from disagg_connector import contract
 from . import rollout, sizing
 from . import status as status_mod
 from .drift import needs_apply, stamped
-from .retirement import DELETION_COST, LEAVING_COST, Retirement, RouterView, retire
+from .retirement import DELETION_COST, LEAVING_COST, Retirement, retire
 from .state import ChildProblem, Desired, Key, Obj, Observed, is_engine_deployment, key_of, revision_of, role_of
 
 # Who may depend on whom: a RoleBinding needs its Role and ServiceAccount, the router discovers the
@@ -165,7 +165,7 @@ def _retirement_actions(result: Retirement) -> list[Action]:
     return actions
 
 
-def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, int], routers: RouterView, now: str) -> _Engines:
+def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, int], now: str) -> _Engines:
     spec, model, revision = desired.model.spec, desired.ref.name, desired.revision
     timeout = spec.router.request_deadline_seconds + spec.kv_transfer.lease_seconds
     budgets = {r: rollout.budget(targets[r], getattr(spec.rollout, r).max_surge, getattr(spec.rollout, r).max_unavailable)
@@ -191,7 +191,7 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
     out = _Engines()
     for role in contract.ENGINE_ROLES:
         live = current[role]
-        result = retire(_pods_of(observed, role, revision), _replicas(live), step.new[role], routers, now, timeout) \
+        result = retire(_pods_of(observed, role, revision), _replicas(live), step.new[role], observed.routers, now, timeout) \
             if live is not None else Retirement(replicas=step.new[role])  # fmt: skip
         out.current_replicas[role] = result.replicas
         out.pod_actions += _retirement_actions(result) + [
@@ -200,7 +200,7 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
     for old in newest_first:
         for role, deployment in old_deployments[old].items():
             want = step.old[old].get(role, 0)
-            result = retire(_pods_of(observed, role, old), _replicas(deployment), want, routers, now, timeout)
+            result = retire(_pods_of(observed, role, old), _replicas(deployment), want, observed.routers, now, timeout)
             out.pod_actions += _retirement_actions(result) + [
                 Annotate(p, {contract.ANNOTATION_DRAINING: now}, "leaving") for p in result.mark]
             out.draining += result.waiting
@@ -229,15 +229,11 @@ def _role_scaler_statuses(desired: Desired, observed: Observed) -> list[Action]:
 def _without(observed: Observed, deleted: set[Key]) -> Observed:
     """The world once `deleted` are gone: their pods go too (by revision, for engine Deployments)."""
     revisions = {revision_of(observed.children[k]) for k in deleted if is_engine_deployment(observed.children[k])}
-    return Observed(
-        children={k: o for k, o in observed.children.items() if k not in deleted},
-        pods=tuple(p for p in observed.pods if revision_of(p) is None or revision_of(p) not in revisions),
-        foreign=observed.foreign,
-        refused=observed.refused,
-    )
+    return replace(observed, children={k: o for k, o in observed.children.items() if k not in deleted},
+                   pods=tuple(p for p in observed.pods if revision_of(p) is None or revision_of(p) not in revisions))
 
 
-def plan(desired: Desired, observed: Observed, now: str, routers: RouterView = RouterView()) -> Plan:
+def plan(desired: Desired, observed: Observed, now: str) -> Plan:
     targets = sizing.targets(desired, observed)
     rendered = {key_of(o): o for o in desired.rendered.objects}
     # A role scaler is stamped as rendered (with the spec's size): a size someone else scaled it to is then
@@ -254,7 +250,7 @@ def plan(desired: Desired, observed: Observed, now: str, routers: RouterView = R
         status = status_mod.blocked(desired, observed, targets, problems, now)
         return Plan(actions=(), status=status, ready=False, problems=tuple(problems))
 
-    engines = _plan_engines(desired, observed, targets, routers, now)
+    engines = _plan_engines(desired, observed, targets, now)
     for role, replicas in engines.current_replicas.items():
         key = ("Deployment", contract.engine_deployment_name(desired.ref.name, role, desired.revision))  # type: ignore[arg-type]
         rendered[key] = copy.deepcopy(rendered[key])

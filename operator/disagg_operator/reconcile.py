@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
@@ -67,8 +67,10 @@ def _resource_version(obj: Mapping[str, Any] | None) -> int:
 
 class Reconciler:
     def __init__(self, cache: Cache, cluster: Cluster, defaults: RenderDefaults, metrics: OperatorMetrics,
-                 now: Callable[[], str] = utc_now):  # fmt: skip
+                 now: Callable[[], str] = utc_now, router_poll_seconds: float = 300.0):  # fmt: skip
         self.cache = cache
+        self.router_poll_seconds = router_poll_seconds
+        self._routers_read: dict[ModelKey, float] = {}
         self.cluster = cluster
         self.defaults = defaults
         self.metrics = metrics
@@ -119,14 +121,15 @@ class Reconciler:
         observed = Observed(children=self.cache.children(namespace, name, meta["uid"]), pods=self.cache.pods(namespace, name))
         now = self.now()
         try:
-            # What the routers say matters only while a pod drains: then ask them (HTTP, not the API server).
-            routers = executor.read_routers(observed, status_mod.pod_ready) if any(map(retirement.marked, observed.pods)) \
-                else retirement.RouterView()  # fmt: skip
-            plan = planner.plan(desired, observed, now, routers)
+            # The routers are asked (HTTP to their pods, not the API server) while a pod drains, and once per
+            # router poll period otherwise, for KVTransferHealthy.
+            if any(map(retirement.marked, observed.pods)) or self._router_poll_due(key):
+                observed = replace(observed, routers=executor.read_routers(observed, status_mod.pod_ready))
+            plan = planner.plan(desired, observed, now)
             if plan.applies:
                 probes = executor.probe(plan, self.cluster, desired.ref.uid)
                 if probes:
-                    plan = planner.plan(desired, observed.with_probes(probes.foreign, probes.refused), now, routers)
+                    plan = planner.plan(desired, observed.with_probes(probes.foreign, probes.refused), now)
             outcome = executor.execute(plan, self.cluster, on_done=self._count)
         except TRANSPORT_ERRORS as error:
             problem = ChildProblem("ApiUnavailable", "API", "server", f"the API server did not answer ({error}); retrying")
@@ -148,6 +151,14 @@ class Reconciler:
         if outcome.failure is not None:
             return PassResult("error", outcome.failure.reason, outcome.failure.describe())
         return PassResult("success", requeue_after=plan.requeue_after)
+
+    def _router_poll_due(self, key: ModelKey) -> bool:
+        at = time.monotonic()
+        with self._guard:
+            if at - self._routers_read.get(key, -1e9) < self.router_poll_seconds:
+                return False
+            self._routers_read[key] = at
+        return True
 
     def _count(self, action: planner.Action) -> None:
         if isinstance(action, planner.Apply):

@@ -27,9 +27,8 @@ from datetime import datetime
 from typing import Iterable, Mapping
 
 from disagg_connector import contract
-from disagg_connector.router.health import RouterHealth
 
-from .state import Obj
+from .state import Obj, RouterView
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 LEAVING_COST = "-2147483648"  # the lowest int32 the annotation takes
@@ -53,25 +52,6 @@ def _ready(pod: Obj) -> bool:
 
 
 @dataclass(frozen=True)
-class RouterView:
-    """What the routers of the model say, as the executor read it: one entry per ready router pod, None
-    for one that did not answer (then nobody can say a pod is idle before the timeout)."""
-
-    reports: tuple[RouterHealth | None, ...] = ()
-
-    def idle(self, pod_name: str) -> bool:
-        if not self.reports:
-            return True  # no ready router: nothing can route to the pod
-        for report in self.reports:
-            if report is None:
-                return False
-            entries = [b for b in report.backends if b.pod == pod_name]
-            if any(b.inflight > 0 or not b.draining for b in entries):
-                return False
-        return True
-
-
-@dataclass(frozen=True)
 class Retirement:
     replicas: int  # what the Deployment may be scaled to now
     mark: tuple[Obj, ...] = ()  # pods to mark draining now
@@ -89,7 +69,7 @@ def _newest_first(pods: Iterable[Obj]) -> list[Obj]:
                   reverse=True)  # fmt: skip
 
 
-def retire(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterView, now: str, timeout_s: float) -> Retirement:
+def retire(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterView | None, now: str, timeout_s: float) -> Retirement:
     """How far a Deployment of `live_replicas` can shrink toward `want` now, and what to do to get further."""
     active = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
     if want >= live_replicas:
@@ -101,7 +81,7 @@ def retire(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterVi
 
     def drained(pod: Obj) -> bool:
         since = (parse_time(now) - parse_time(annotations(pod)[contract.ANNOTATION_DRAINING])).total_seconds()
-        return since >= timeout_s or routers.idle(pod["metadata"]["name"])
+        return since >= timeout_s or (routers is not None and routers.idle(pod["metadata"]["name"]))
 
     leaving = [p for p in ready if marked(p)]
     # Keep the pods that are furthest along (drained, cost set), then the earliest marked.

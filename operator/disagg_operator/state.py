@@ -4,10 +4,11 @@ and the pass's own probes). Plain frozen data, shared by the pure planner and st
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from disagg_connector import contract
+from disagg_connector.router.health import RouterHealth
 
 from .api.models import DisaggregatedModel
 from .render import Rendered
@@ -77,19 +78,39 @@ class ChildProblem:
 
 
 @dataclass(frozen=True)
+class RouterView:
+    """What the routers of the model say (their /health), as the executor read it: one entry per ready
+    router pod, None for one that did not answer (then nobody can say a pod is idle before the timeout)."""
+
+    reports: tuple[RouterHealth | None, ...] = ()
+
+    def idle(self, pod_name: str) -> bool:
+        if not self.reports:
+            return True  # no ready router: nothing can route to the pod
+        for report in self.reports:
+            if report is None:
+                return False
+            entries = [b for b in report.backends if b.pod == pod_name]
+            if any(b.inflight > 0 or not b.draining for b in entries):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
 class Observed:
-    """The children this model controls (from the watch-fed cache), its pods, and what this pass's probes
-    found out about the children it wants to write: same-named objects it does not control, and
-    refusals of a server-side dry run."""
+    """The children this model controls (from the watch-fed cache), its pods, what this pass's probes
+    found out about the children it wants to write (same-named objects it does not control, refusals of a
+    server-side dry run), and what its routers said, when they were asked."""
 
     children: Mapping[Key, Obj] = field(default_factory=dict)
     pods: tuple[Obj, ...] = ()
     foreign: Mapping[Key, Obj] = field(default_factory=dict)
     refused: Mapping[Key, ChildProblem] = field(default_factory=dict)
+    routers: RouterView | None = None  # None: not asked this pass
 
     @property
     def deployments(self) -> list[Obj]:
         return [o for k, o in self.children.items() if k[0] == "Deployment"]
 
     def with_probes(self, foreign: Mapping[Key, Obj], refused: Mapping[Key, ChildProblem]) -> "Observed":
-        return Observed(self.children, self.pods, foreign, refused)
+        return replace(self, foreign=foreign, refused=refused)

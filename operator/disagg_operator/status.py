@@ -19,7 +19,7 @@ from disagg_connector import contract
 from disagg_connector.preflight import parse_termination_message
 
 from .api.models import DisaggregatedModelStatus
-from .state import ChildProblem, Desired, Obj, Observed, revision_of, role_of
+from .state import ChildProblem, Desired, Obj, Observed, RouterView, revision_of, role_of
 
 # Scheduler messages count nodes per cause: "0/8 nodes are available: 6 Insufficient vpc.amazonaws.com/efa, ...".
 _INSUFFICIENT = re.compile(r"(\d+) Insufficient ([\w./-]*\w)")
@@ -33,7 +33,9 @@ CAPACITY_REASONS = {
 }
 CRASH_WAITING_REASONS = {"CrashLoopBackOff"}
 IMAGE_WAITING_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "FabricReady")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "FabricReady", "KVTransferHealthy")
+# Worst first: what a revision's router verdicts say, when several routers disagree.
+_KV_REASONS = ("ProtocolMismatch", "TransfersFailing", "DeadlinesHit")
 
 
 def _terminating(pod: Obj) -> bool:
@@ -285,8 +287,9 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     else:
         fabric = ("FabricReady", None, "NoPreflightYet", "no prefill or decode pod has run its preflight yet")
 
+    kv = ("KVTransferHealthy", *kv_transfer(observed.routers, previous))
     conditions = [condition(t, ok, reason, msg, ref.generation, previous, now)
-                  for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric)]  # fmt: skip
+                  for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv)]  # fmt: skip
     return _typed({
         "observedGeneration": ref.generation,
         "phase": _phase(facts, degraded[1]),
@@ -299,6 +302,35 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
         "router": {"readyReplicas": facts.routers_ready, "url": contract.router_url(ref.name, ref.namespace, desired.model.spec.router.service.port)},
         "conditions": conditions,
     })  # fmt: skip
+
+
+def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tuple[bool | None, str, str]:
+    """KVTransferHealthy from the routers' own numbers (router.health.Verdict per revision, over its recent
+    window): False as soon as a router sees transfers failing, deadlines hit or a protocol mismatch in a
+    revision; True when they succeed; Unknown before there is anything to judge. Between two reads of the
+    routers the condition stays as it was."""
+    if routers is None:
+        before = _previous_conditions(previous).get("KVTransferHealthy")
+        if before is not None:
+            ok = {"True": True, "False": False}.get(before.get("status"))
+            return ok, before.get("reason", ""), before.get("message", "")
+        return None, "NotCheckedYet", "the routers have not been asked yet"
+    if not routers.reports:
+        return None, "NoRouterReady", "no router pod is ready to ask"
+    if all(r is None for r in routers.reports):
+        return None, "RouterUnreachable", (f"no router pod answered on port {contract.ROUTER_PORT} (/health): check that "
+                                           "network policies let the operator reach the router")  # fmt: skip
+    verdicts = [v for r in routers.reports if r is not None for v in r.verdicts().values()]
+    bad = sorted((v for v in verdicts if v.healthy is False), key=lambda v: _KV_REASONS.index(v.reason) if v.reason in _KV_REASONS else 9)
+    if bad:
+        return False, bad[0].reason, "; ".join(sorted({v.message for v in bad}))
+    good = [v for v in verdicts if v.healthy]
+    if good:
+        return True, "TransfersSucceeding", "; ".join(sorted({v.message for v in good}))
+    waiting = [v for v in verdicts if v.healthy is None]
+    if waiting:
+        return None, waiting[0].reason, "; ".join(sorted({v.message for v in waiting}))
+    return None, "NoTrafficYet", "the routers know no revision with a ready pair yet"
 
 
 def _phase(facts: Readiness, degraded: bool) -> str:

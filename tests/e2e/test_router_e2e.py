@@ -260,13 +260,16 @@ def test_router_discovers_kwok_pods_serves_and_follows_scaling(
     assert "--mode" not in args, "the router follows each revision's own transfer-mode annotation"
     assert args[args.index("--selector") + 1] == f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"
 
-    engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path)
+    engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, stop_gone=True)
     router: LocalRouter | None = None
     background: BackgroundClient | None = None
     try:
         engines.start()
         first = wait_serving(engines, 2, 2)
-        router = start_router(apps, namespace, name, router_token_kubeconfig(cluster, namespace, name, tmp_path / "router.kubeconfig"), tmp_path)
+        # On the router pod's own IP and port: the operator asks it what is in flight before a pod leaves.
+        (router_pod,) = client.CoreV1Api(api_client).list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}=router").items
+        router = start_router(apps, namespace, name, router_token_kubeconfig(cluster, namespace, name, tmp_path / "router.kubeconfig"),
+                              tmp_path, host=router_pod.status.pod_ip, port=contract.ROUTER_PORT)  # fmt: skip
         wait_for("router synced", lambda: router.health()["synced"])
         wait_table(router, {revision: (2, 2)})
 
@@ -298,7 +301,7 @@ def test_router_discovers_kwok_pods_serves_and_follows_scaling(
         scale(3, 2)  # one pod at a time: see the module docstring
         scale(3, 3)
         scale(1, 1)
-        assert {e.pod for e in engines.retire_gone()}, "scaling down removed pods"
+        assert {e.pod for e in engines.retire_gone()}, "scaling down removed pods"  # (stopped as their pods went)
         obj = wait_model_ready(custom, namespace, name)
         assert obj["status"]["revision"] == revision, "scaling is not a new revision"
         wait_for("the rest of the client's requests", lambda: len(background.results) >= 40)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import pytest
@@ -13,8 +13,8 @@ import pytest
 from disagg_connector import contract
 from disagg_operator import executor, planner
 from disagg_operator import status as status_mod
-from disagg_operator.retirement import DELETION_COST, LEAVING_COST, RouterView
-from disagg_operator.state import ChildProblem, Desired, Observed, key_of
+from disagg_operator.retirement import DELETION_COST, LEAVING_COST
+from disagg_operator.state import ChildProblem, Desired, Observed, RouterView, key_of
 from disagg_connector.router.health import RouterHealth, parse_health
 from kubernetes.client.exceptions import ApiException
 
@@ -110,7 +110,7 @@ class Case:
     actions: Callable[[list[tuple[str, str, str, str]]], bool]
     ready: tuple[str, str]  # (status, reason) of the Ready condition
     more: Callable[[dict[str, Any]], bool] = field(default=lambda status: True)
-    routers: RouterView = RouterView()
+    routers: RouterView | None = None
     now: str = NOW
 
 
@@ -176,7 +176,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_plan(case: Case) -> None:
-    plan = planner.plan(case.world, case.observed(), case.now, case.routers)
+    plan = planner.plan(case.world, replace(case.observed(), routers=case.routers), case.now)
     assert case.actions(act(plan)), act(plan)
     ready = cond(plan.status, "Ready")
     assert (ready["status"], ready["reason"]) == case.ready, ready

@@ -197,3 +197,13 @@ def test_printed_manifests_keep_hash_labels_strings_for_yaml_1_2_readers() -> No
     labels = {contract.LABEL_REVISION: "8132e40521", "zero": "0109345567", "octal": "0o17", "other": "0231f32d94"}
     text = dump_all([{"metadata": {"labels": labels}}])
     assert "'8132e40521'" in text and "'0109345567'" in text and "'0o17'" in text
+
+
+def test_the_operator_reaches_the_routers_and_nothing_more() -> None:
+    """The operator asks each router pod's /health on the router port; the engines' policy selects only engine
+    pods (the operator never talks to an engine), so no rendered policy stands between operator and router."""
+    (policy,) = by_kind(render(parse(dm())).objects, "NetworkPolicy")
+    selected = policy["spec"]["podSelector"]["matchExpressions"]
+    assert selected == [{"key": contract.LABEL_ROLE, "operator": "In", "values": list(contract.ENGINE_ROLES)}]
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    assert all(p["podSelector"]["matchLabels"] == {contract.LABEL_MODEL: "m"} for p in peers), "only this model's own pods"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from disagg_connector import contract
+
 import pytest
 
 from disagg_connector.router.config import RouterConfig, default_leg_timeout, parse_args
@@ -52,4 +54,7 @@ def test_the_operators_rendered_arguments_parse(path):
     spec = model.spec
     assert cfg.kv_lease_seconds == spec.kv_transfer.lease_seconds > cfg.leg_timeout == spec.router.request_deadline_seconds
     assert cfg.disaggregation_threshold_tokens == spec.router.disaggregation_threshold_tokens
-    assert cfg.default_mode == rendered.plan.mode  # pods without the annotation (none: the operator writes it) get it
+    # No default mode is rendered: every engine pod carries its revision's mode, which the router follows.
+    assert "--mode" not in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    engines = [o for o in rendered.objects if o["kind"] == "Deployment" and o["metadata"]["labels"].get(contract.LABEL_ROLE) in contract.ENGINE_ROLES]
+    assert {e["spec"]["template"]["metadata"]["annotations"][contract.ANNOTATION_TRANSFER_MODE] for e in engines} == {rendered.plan.mode}

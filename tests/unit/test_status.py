@@ -141,3 +141,44 @@ def test_status_has_the_api_shape() -> None:
     with pytest.raises(ValueError):
         from disagg_operator.status import _typed
         _typed({"phase": "Ready", "readyReplica": 1})
+
+
+def _health(failures: dict[str, int], succeeded: int, mode_conflict: str | None = None) -> Any:
+    from disagg_connector.router.health import parse_health
+
+    recent = {"requests": succeeded + sum(failures.values()), "succeeded": succeeded, "failures": failures}
+    return parse_health({
+        "status": "ok", "synced": True, "defaultMode": "Push", "windowSeconds": 60, "backends": [],
+        "revisions": {REV: {"mode": "Push", "modeConflict": mode_conflict, "prefill": 1, "decode": 1, "readyPairs": 1,
+                            "weight": 1.0, **recent, "local": 0, "recent": recent, "lastSuccessAgeSeconds": None}},
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize(("reports", "expected"), [
+    ((("decode_failed", 5, 1),), ("False", "TransfersFailing")),
+    ((("kv_wait_timeout", 3, 0),), ("False", "DeadlinesHit")),
+    ((("decode_failed", 0, 7),), ("True", "TransfersSucceeding")),
+    ((("decode_failed", 0, 7), ("decode_failed", 4, 0)), ("False", "TransfersFailing")),  # any router's trouble counts
+    ((None,), ("Unknown", "RouterUnreachable")),
+    ((), ("Unknown", "NoRouterReady")),
+])  # fmt: skip
+def test_kv_transfer_health_comes_from_the_routers_numbers(reports: tuple, expected: tuple[str, str]) -> None:
+    from dataclasses import replace
+
+    from disagg_operator.state import RouterView
+
+    view = RouterView(tuple(None if r is None else _health({r[0]: r[1]} if r[1] else {}, r[2]) for r in reports))
+    kv = cond(status_of(replace(FULL, routers=view)), "KVTransferHealthy")
+    assert (kv["status"], kv["reason"]) == expected, kv
+    if expected[0] == "False":
+        assert f"revision {REV}" in kv["message"]
+
+
+def test_kv_transfer_health_stays_between_reads_of_the_routers() -> None:
+    from dataclasses import replace
+
+    from disagg_operator.state import RouterView
+
+    failing = status_of(replace(FULL, routers=RouterView((_health({"decode_failed": 5}, 0),))))
+    carried = status_of(FULL, previous=failing, now="t2")  # routers not asked this pass
+    assert cond(carried, "KVTransferHealthy") == cond(failing, "KVTransferHealthy")
