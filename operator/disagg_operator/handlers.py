@@ -70,6 +70,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.networking.connect_timeout = 10
     # Only warnings become Kubernetes Events on the CR; info stays in the operator's log.
     settings.posting.level = logging.WARNING
+    # Our handlers only queue a key: kopf's "Handler ... succeeded" for every watch event says nothing.
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
 
 class PeeringGate:

@@ -33,7 +33,7 @@ from .config import RenderDefaults
 from .kube import Cluster, error_message
 from .metrics import CONTROLLER, OperatorMetrics
 from .render import render
-from .state import ChildProblem, Desired, ModelRef, Observed
+from .state import ChildProblem, Desired, ModelRef, Observed, role_of
 from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Reconciler:
                  now: Callable[[], str] = utc_now, router_poll_seconds: float = 300.0):  # fmt: skip
         self.cache = cache
         self.router_poll_seconds = router_poll_seconds
-        self._routers_read: dict[ModelKey, float] = {}
+        self._routers_read: dict[ModelKey, tuple[float, frozenset[str]]] = {}  # when, and which routers were ready
         self.cluster = cluster
         self.defaults = defaults
         self.metrics = metrics
@@ -123,7 +123,7 @@ class Reconciler:
         try:
             # The routers are asked (HTTP to their pods, not the API server) while a pod drains, and once per
             # router poll period otherwise, for KVTransferHealthy.
-            if any(map(retirement.marked, observed.pods)) or self._router_poll_due(key):
+            if any(map(retirement.marked, observed.pods)) or self._router_poll_due(key, observed):
                 observed = replace(observed, routers=executor.read_routers(observed, status_mod.pod_ready))
             plan = planner.plan(desired, observed, now)
             if plan.applies:
@@ -152,12 +152,16 @@ class Reconciler:
             return PassResult("error", outcome.failure.reason, outcome.failure.describe())
         return PassResult("success", requeue_after=plan.requeue_after)
 
-    def _router_poll_due(self, key: ModelKey) -> bool:
+    def _router_poll_due(self, key: ModelKey, observed: Observed) -> bool:
+        """Once per poll period, and at once when the set of ready router pods changed since the last read."""
         at = time.monotonic()
+        routers = frozenset(p["metadata"]["name"] for p in observed.pods
+                            if role_of(p) == "router" and status_mod.pod_ready(p))  # fmt: skip
         with self._guard:
-            if at - self._routers_read.get(key, -1e9) < self.router_poll_seconds:
+            last_at, last_routers = self._routers_read.get(key, (-1e9, frozenset()))
+            if at - last_at < self.router_poll_seconds and routers == last_routers:
                 return False
-            self._routers_read[key] = at
+            self._routers_read[key] = (at, routers)
         return True
 
     def _count(self, action: planner.Action) -> None:
