@@ -277,5 +277,7 @@ def test_the_rendered_hpa_resolves_its_scale_target(operator, api_client, namesp
 
     cond = wait_for("the HPA controller reads the DisaggregatedRole's scale", able, 120)
     assert cond.reason in ("SucceededGetScale", "ReadyForNewScale", "SucceededRescale"), cond
-    role = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, contract.ROLE_PLURAL, contract.role_scaler_name("auto", "decode"))
-    assert role["status"]["selector"] == f"{contract.LABEL_MODEL}=auto,{contract.LABEL_ROLE}=decode"
+    # The role's status comes with the pass after the one that created it; the HPA may read its scale before.
+    selector = wait_for("the DisaggregatedRole's status names its pods' selector", lambda: (custom.get_namespaced_custom_object(
+        GROUP, VERSION, namespace, contract.ROLE_PLURAL, contract.role_scaler_name("auto", "decode")).get("status") or {}).get("selector"), 60)
+    assert selector == f"{contract.LABEL_MODEL}=auto,{contract.LABEL_ROLE}=decode"
