@@ -105,23 +105,36 @@ PRINTER_COLUMNS = [
 ]
 
 
-def build_crd() -> dict[str, Any]:
+def _crd(kind: str, plural: str, singular: str, short_names: tuple[str, ...], description: str,
+         subresources: dict[str, Any], columns: list[dict[str, Any]], spec: dict[str, Any], status: dict[str, Any],
+         validations: list[dict[str, str]] | None = None) -> dict[str, Any]:  # fmt: skip
+    schema: dict[str, Any] = {
+        "type": "object",
+        "description": description,
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+    if validations:
+        schema["x-kubernetes-validations"] = validations
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": f"{contract.PLURAL}.{contract.API_GROUP}",
-            "labels": {contract.LABEL_NAME: contract.OPERATOR_NAME},
-        },
+        "metadata": {"name": f"{plural}.{contract.API_GROUP}", "labels": {contract.LABEL_NAME: contract.OPERATOR_NAME}},
         "spec": {
             "group": contract.API_GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": contract.KIND,
-                "listKind": f"{contract.KIND}List",
-                "plural": contract.PLURAL,
-                "singular": contract.SINGULAR,
-                "shortNames": list(contract.SHORT_NAMES),
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": list(short_names),
                 "categories": ["all", "disagg"],
             },
             "versions": [
@@ -129,28 +142,22 @@ def build_crd() -> dict[str, Any]:
                     "name": contract.API_VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": PRINTER_COLUMNS,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": "A prefill/decode disaggregated vLLM service with NIXL "
-                            "KV transfer (push or pull) and its router.",
-                            "required": ["spec"],
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": openapi_schema(DisaggregatedModelSpec),
-                                "status": _status_schema(),
-                            },
-                            "x-kubernetes-validations": [r.to_schema() for r in DisaggregatedModel.cel_rules],
-                        }
-                    },
+                    "subresources": subresources,
+                    "additionalPrinterColumns": columns,
+                    "schema": {"openAPIV3Schema": schema},
                 }
             ],
         },
     }
+
+
+def build_crd() -> dict[str, Any]:
+    return _crd(
+        contract.KIND, contract.PLURAL, contract.SINGULAR, contract.SHORT_NAMES,
+        "A prefill/decode disaggregated vLLM service with NIXL KV transfer (push or pull) and its router.",
+        {"status": {}}, PRINTER_COLUMNS, openapi_schema(DisaggregatedModelSpec), _status_schema(),
+        [r.to_schema() for r in DisaggregatedModel.cel_rules],
+    )  # fmt: skip
 
 
 ROLE_PRINTER_COLUMNS = [
@@ -165,57 +172,15 @@ ROLE_PRINTER_COLUMNS = [
 def build_role_crd() -> dict[str, Any]:
     """DisaggregatedRole: one engine role's size under a name that survives revisions, with the scale
     subresource that kubectl scale, HPAs and KEDA use."""
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": f"{contract.ROLE_PLURAL}.{contract.API_GROUP}",
-            "labels": {contract.LABEL_NAME: contract.OPERATOR_NAME},
-        },
-        "spec": {
-            "group": contract.API_GROUP,
-            "scope": "Namespaced",
-            "names": {
-                "kind": contract.ROLE_KIND,
-                "listKind": f"{contract.ROLE_KIND}List",
-                "plural": contract.ROLE_PLURAL,
-                "singular": contract.ROLE_SINGULAR,
-                "shortNames": list(contract.ROLE_SHORT_NAMES),
-                "categories": ["all", "disagg"],
-            },
-            "versions": [
-                {
-                    "name": contract.API_VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": {
-                        "status": {},
-                        "scale": {
-                            "specReplicasPath": ".spec.replicas",
-                            "statusReplicasPath": ".status.replicas",
-                            "labelSelectorPath": ".status.selector",
-                        },
-                    },
-                    "additionalPrinterColumns": ROLE_PRINTER_COLUMNS,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": "The size of one engine role (prefill or decode) of a DisaggregatedModel, "
-                            "named <model>-<role> across revisions: scale it with kubectl scale, an HPA or KEDA.",
-                            "required": ["spec"],
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": openapi_schema(DisaggregatedRoleSpec),
-                                "status": openapi_schema(DisaggregatedRoleStatus),
-                            },
-                        }
-                    },
-                }
-            ],
-        },
-    }
+    scale = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+             "labelSelectorPath": ".status.selector"}  # fmt: skip
+    return _crd(
+        contract.ROLE_KIND, contract.ROLE_PLURAL, contract.ROLE_SINGULAR, contract.ROLE_SHORT_NAMES,
+        "The size of one engine role (prefill or decode) of a DisaggregatedModel, named <model>-<role> across "
+        "revisions: scale it with kubectl scale, an HPA or KEDA.",
+        {"status": {}, "scale": scale}, ROLE_PRINTER_COLUMNS,
+        openapi_schema(DisaggregatedRoleSpec), openapi_schema(DisaggregatedRoleStatus),
+    )  # fmt: skip
 
 
 def render_crd_yaml() -> str:
