@@ -8,6 +8,7 @@
 #   hack/cluster.sh down     stop everything and remove the state directory
 #   hack/cluster.sh env      print `export KUBECONFIG=...` / PATH / DISAGG_AUDIT_LOG
 #   hack/cluster.sh status   show what is running (exit 0 only if all are up and /readyz is ok)
+#   hack/cluster.sh path NAME   print where component NAME's binary is (built or not)
 #
 # Everything is built from Go modules through the Go module proxy with the
 # machine's Go (see hack/k8s-tools/): nothing else has to be installed by hand
@@ -47,6 +48,9 @@ SERVICE_CIDR=10.96.0.0/16   # virtual only: nothing ever routes to it (no kube-p
 # "-" for `go install pkg@version` of a module without replace directives),
 # main package. Add a component with one line, e.g.
 #   "helm v3.22.0 - helm.sh/helm/v3/cmd/helm"
+# A helper whose main package lives in its tools module names a fifth field: the
+# library package the version pins. Its cache directory also carries a hash of the
+# module's files, so an edited helper is rebuilt (`hack/cluster.sh path NAME`).
 # ---------------------------------------------------------------------------
 K8S_VERSION=v1.37.2
 COMPONENTS=(
@@ -57,27 +61,36 @@ COMPONENTS=(
   "kube-scheduler $K8S_VERSION . k8s.io/kubernetes/cmd/kube-scheduler"
   "kubectl $K8S_VERSION . k8s.io/kubernetes/cmd/kubectl"
   "helm v3.22.0 - helm.sh/helm/v3/cmd/helm"
+  "kstatus v0.37.2 kstatus github.com/disagg-operator/hack/k8s-tools/kstatus sigs.k8s.io/cli-utils/pkg/kstatus/status"
 )
 
 log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-component_field() { # name field-index (1=version 2=moddir 3=package)
+component_field() { # name field-index (1=version 2=moddir 3=package 4=pinned library package)
   local want=$1 idx=$2 line
   for line in "${COMPONENTS[@]}"; do
     local -a arr
     read -r -a arr <<<"$line"
-    if [ "${arr[0]}" = "$want" ]; then echo "${arr[$idx]}"; return 0; fi
+    if [ "${arr[0]}" = "$want" ]; then echo "${arr[$idx]:-}"; return 0; fi
   done
   die "unknown component $want"
 }
 
-# path of a component's binary (may not exist yet)
-bin_path() {
-  local name=$1 ver
-  ver="$(component_field "$name" 1)"
-  echo "$BIN_ROOT/$name-$ver/$name"
+# cache directory of a component: name-version, plus a hash of the helper's own
+# sources for a helper built from this repository (fifth field)
+bin_dir() {
+  local name=$1 ver moddir pinned
+  ver="$(component_field "$name" 1)"; moddir="$(component_field "$name" 2)"; pinned="$(component_field "$name" 4)"
+  if [ -n "$pinned" ]; then
+    echo "$BIN_ROOT/$name-$ver-$(cat "$TOOLS/$moddir"/go.mod "$TOOLS/$moddir"/go.sum "$TOOLS/$moddir"/*.go | sha256sum | cut -c1-12)"
+  else
+    echo "$BIN_ROOT/$name-$ver"
+  fi
 }
+
+# path of a component's binary (may not exist yet)
+bin_path() { echo "$(bin_dir "$1")/$1"; }
 
 # ldflags: strip symbols; stamp the Kubernetes version like upstream's
 # hack/lib/version.sh does (otherwise the binaries report v0.0.0-master).
@@ -108,9 +121,9 @@ ldflags_for() {
   echo "$flags"
 }
 
-build_one() { # name version moddir pkg
-  local name=$1 ver=$2 moddir=$3 pkg=$4
-  local dest="$BIN_ROOT/$name-$ver"
+build_one() { # name version moddir pkg [pinned library package]
+  local name=$1 ver=$2 moddir=$3 pkg=$4 pinned=${5:-$4}
+  local dest; dest="$(bin_dir "$name")"
   if [ -x "$dest/$name" ]; then
     return 0
   fi
@@ -129,10 +142,10 @@ build_one() { # name version moddir pkg
   else
     local mdir="$TOOLS/$moddir"
     local modver
-    modver="$(cd "$mdir" && go list -f '{{.Module.Version}}' "$pkg" 2>/dev/null || true)"
+    modver="$(cd "$mdir" && go list -f '{{.Module.Version}}' "$pinned" 2>/dev/null || true)"
     if [ "$modver" != "$ver" ]; then
       kill "$ticker" 2>/dev/null || true
-      die "build: $mdir/go.mod gives $pkg at '${modver}', expected $ver (regenerate the tools module)"
+      die "build: $mdir/go.mod gives $pinned at '${modver}', expected $ver (regenerate the tools module)"
     fi
     (cd "$mdir" && CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -p=$JOBS" \
       go build -trimpath -ldflags="$ldflags" -o "$tmp/$name" "$pkg") || rc=$?
@@ -559,6 +572,7 @@ case "${1:-}" in
   up) take_lock; cmd_up ;;
   down) take_lock; cmd_down ;;
   env) cmd_env ;;
+  path) component_field "${2:?usage: hack/cluster.sh path COMPONENT}" 0 >/dev/null; bin_path "$2" ;;
   status) cmd_status ;;
   -h|--help|help) usage ;;
   *) usage; exit 2 ;;
