@@ -1,7 +1,9 @@
-"""`disagg-operator`: render and validate DisaggregatedModels offline, print the CRD.
+"""`disagg-operator`: render, validate and plan DisaggregatedModels offline, print the CRD.
 
 `render` prints exactly what the operator would apply (for GitOps review and debugging); `validate`
-reports every problem with its field path. Bad input exits non-zero with a message, never a traceback.
+reports every problem with its field path; `plan` says what a change will do (new revision or not and
+why, the rollout steps, the peak pods and accelerators). Bad input exits non-zero with a message, never
+a traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import yaml
 from disagg_connector import contract
 
 from .api.crd import render_crd_yaml
+from .api.models import DisaggregatedModel
 from .api.validation import SpecError, parse
+from .changeplan import PlanError, change_plan
 from .config import RenderDefaults
 from .manifests import dump_all, load_all
 from .rbac import cluster_role
@@ -93,6 +97,64 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_model(source: str, namespace: str | None) -> DisaggregatedModel:
+    models = _only_models(_read_documents(source))
+    if len(models) != 1:
+        raise InputError(f"{source} holds {len(models)} DisaggregatedModels: plan takes one")
+    label, doc = models[0]
+    if isinstance(doc, dict):  # a live object (kubectl get -o yaml): its status is not part of the change
+        doc = {k: v for k, v in doc.items() if k != "status"}
+    try:
+        dm = parse(doc)
+    except SpecError as error:
+        raise InputError(f"{label} is invalid:\n" + "\n".join(f"  {p}" for p in error.problems)) from None
+    if namespace:
+        dm = dm.model_copy(update={"metadata": dm.metadata.model_copy(update={"namespace": namespace})})
+    return dm
+
+
+def _live_model(new: DisaggregatedModel) -> DisaggregatedModel | None:
+    """The model as the cluster of the kubeconfig has it, or None if it does not exist yet."""
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.config import ConfigException
+    from urllib3.exceptions import HTTPError
+
+    from .kube import Cluster, error_message, load_api_client
+
+    where = f"{new.metadata.namespace}/{new.metadata.name}"
+    ref = {"apiVersion": new.api_version, "kind": new.kind,
+           "metadata": {"name": new.metadata.name, "namespace": new.metadata.namespace}}  # fmt: skip
+    try:
+        live = Cluster(load_api_client()).get(ref)
+    except ConfigException as error:
+        raise InputError(f"--from-cluster needs a kubeconfig (KUBECONFIG or ~/.kube/config): {error}") from None
+    except ApiException as error:
+        raise InputError(f"cannot read DisaggregatedModel {where}: {error_message(error)}") from None
+    except HTTPError as error:
+        raise InputError(f"cannot reach the API server to read {where}: {error}") from None
+    if live is None:
+        print(f"{where} does not exist in the cluster: planning a first create", file=sys.stderr)
+        return None
+    live_revision = (live.get("status") or {}).get("revision")
+    current = parse({k: v for k, v in live.items() if k != "status"})
+    if live_revision and live_revision != render(current, RenderDefaults.from_env()).revision:
+        print(f"note: {where} runs revision {live_revision}, but its spec renders {render(current, RenderDefaults.from_env()).revision} "
+              "here: the operator's default images differ from this shell's (DISAGG_ENGINE_IMAGE, DISAGG_NEURON_ENGINE_IMAGE)",
+              file=sys.stderr)  # fmt: skip
+    return current
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    new = _one_model(args.filename, args.namespace)
+    current = _one_model(args.current, args.namespace) if args.current else _live_model(new) if args.from_cluster else None
+    try:
+        planned = change_plan(current, new, RenderDefaults.from_env())
+    except PlanError as error:
+        raise InputError(str(error)) from None
+    sys.stdout.write(planned.to_json() if args.output == "json" else planned.to_text())
+    return 0
+
+
 def cmd_rbac(_: argparse.Namespace) -> int:
     sys.stdout.write(dump_all([cluster_role()]))
     return 0
@@ -140,6 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     rend.add_argument("-f", "--filename", required=True, help="YAML file, or - for stdin")
     rend.add_argument("-n", "--namespace", help="namespace to render into (default: the manifest's)")
     rend.set_defaults(func=cmd_render)
+    plan = sub.add_parser("plan", help="what applying a manifest will do: new revision or not and why, the rollout "
+                          "steps, the peak pods and accelerators per role")  # fmt: skip
+    plan.add_argument("-f", "--filename", required=True, help="the new DisaggregatedModel (YAML file, or - for stdin)")
+    against = plan.add_mutually_exclusive_group()
+    against.add_argument("--current", help="the model as it is now (a file, e.g. from kubectl get -o yaml); "
+                         "neither this nor --from-cluster: a first create")  # fmt: skip
+    against.add_argument("--from-cluster", action="store_true",
+                         help="read the model as it is now from the cluster of the kubeconfig (name and namespace from -f)")
+    plan.add_argument("-n", "--namespace", help="the model's namespace (default: the manifest's)")
+    plan.add_argument("-o", "--output", choices=("text", "json"), default="text")
+    plan.set_defaults(func=cmd_plan)
     run = sub.add_parser("run", help="run the operator")
     run.add_argument("-n", "--namespace", action="append", help="watch only this namespace (repeatable); default: all")
     run.add_argument("--standalone", action="store_true", help="no peering: the only replica (local runs, tests)")

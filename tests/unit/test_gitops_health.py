@@ -10,10 +10,12 @@ that names what kstatus needs, so it fails the day status.py closes the gap and 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
+import yaml
 
 from disagg_connector import contract
 from disagg_operator import planner
@@ -172,8 +174,6 @@ def test_kstatus_of_operator_statuses(case: Case) -> None:
 
 def test_every_argo_status_the_script_names_is_one_argo_cd_knows() -> None:
     """The script returns literal statuses only; a typo would show as Unknown in Argo CD."""
-    import re
-
     named = set(re.findall(r'return "([A-Za-z]+)"', HEALTH_LUA.read_text()))
     assert named == {"Healthy", "Progressing", "Degraded", "Suspended"}
 
@@ -201,3 +201,14 @@ def test_the_script_needs_no_library_argo_cd_leaves_out() -> None:
         _argo_vm({}).execute('return string.format("%d", 1)')
     with pytest.raises(Exception, match="index a string value"):
         _argo_vm({}).execute('return ("x"):upper()')
+
+
+def test_the_documented_argocd_cm_carries_the_chart_script() -> None:
+    """docs/gitops.md's argocd-cm block is valid YAML whose health key is Argo CD's name for our kind and
+    whose script is the chart's, byte for byte."""
+    text = (HEALTH_LUA.parents[3] / "docs" / "gitops.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.DOTALL) if "argocd-cm" in b]
+    config = yaml.safe_load(block)
+    key = f"resource.customizations.health.{contract.API_GROUP}_{contract.KIND}"
+    assert config["metadata"]["name"] == "argocd-cm" and list(config["data"]) == [key]
+    assert config["data"][key] == HEALTH_LUA.read_text()
