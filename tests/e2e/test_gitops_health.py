@@ -23,11 +23,15 @@ from kubernetes import client, watch
 
 from disagg_connector import contract
 from disagg_operator.api.crd import CRD_FILE
+from disagg_operator.api.validation import parse
+from disagg_operator.changeplan import change_plan
+from disagg_operator.config import RenderDefaults
 
 from ..conftest import REPO
 from ..support.gitops import argocd_health, kstatus
 from ..unit.test_gitops_health import NEEDS_RECONCILING, NEEDS_STALLED, NEEDS_STATUS_AT_CREATE
-from .test_operator import get_model, model_manifest, pods_of, wait_ready
+from .conftest import model_manifest
+from .test_operator import get_model, pods_of, wait_ready
 from .waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
@@ -146,9 +150,9 @@ def life(cluster, operator, tmp_path_factory) -> Iterator[Life]:
         recorder.stop()
 
     # An older CRD (no CEL rules) lets in a spec the operator refuses itself: status InvalidSpec.
-    crd = yaml.safe_load((REPO / "crds" / CRD_FILE).read_text())
+    crds = [d for d in yaml.safe_load_all((REPO / "crds" / CRD_FILE).read_text()) if d]
     relaxed = tmp_path_factory.mktemp("crd") / "relaxed.yaml"
-    relaxed.write_text(yaml.safe_dump(without_cel_rules(crd)))
+    relaxed.write_text(yaml.safe_dump_all([without_cel_rules(d) for d in crds]))
     invalid: dict[str, Any] = {}
     try:
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(relaxed))
@@ -194,32 +198,53 @@ def test_argo_cd_says_degraded_with_the_reason(life: Life) -> None:
     assert "bidirectional" in invalid.message
 
 
-def test_kstatus_reads_create_and_rollout(life: Life) -> None:
-    """InProgress until the new revision serves (no stale Ready of the old one), Current at the end.
+def test_the_rollout_peaks_where_disagg_operator_plan_said(life: Life) -> None:
+    """`disagg-operator plan`'s peak pods per role for this image change is what the operator reached (pods
+    of every revision that are not terminating, as status counts them)."""
+    before, after = (parse(model_manifest(NAME, REPLICAS)), parse(model_manifest(NAME, {**REPLICAS, **NEW_IMAGE})))
+    planned = change_plan(before, after, RenderDefaults())
+    seen = {r: max((o.get("status") or {}).get(r, {}).get("replicas", 0) for o in life.recorder.of("rollout"))
+            for r in contract.ENGINE_ROLES}  # fmt: skip
+    assert seen == planned.peak_pods, (seen, planned.peak_pods)
+    assert life.recorder.of("rollout")[-1]["status"]["revision"] == planned.new_revision
 
-    Not asserted here: the short window after the old Deployments are deleted and before their pods go, where
-    the operator writes Progressing=False and kstatus reads Current (caught only when a watch event falls in
-    it; tests/unit/test_gitops_health.py builds it: NEEDS_PROGRESS_UNTIL_OLD_PODS_GO)."""
+
+def test_kstatus_reads_create_and_rollout(life: Life) -> None:
+    """InProgress while the status is not of this spec or Ready is not True, Current at the end."""
     for phase in ("create", "rollout"):
         objs = [o for o in life.recorder.of(phase) if o.get("status")]
         verdicts = kstatus(objs)
         assert verdicts[-1].status == "Current", (phase, verdicts[-1])
         for obj, verdict in zip(objs, verdicts):
-            in_progress = not judged(obj) or condition(obj, "Ready").get("status") != "True" \
-                or (old_pods_remain(obj) and condition(obj, "Progressing").get("status") == "True")
-            if in_progress:
-                assert verdict.status == "InProgress", (phase, obj.get("status"), verdict, NEEDS_RECONCILING)
+            if not judged(obj) or condition(obj, "Ready").get("status") != "True":
+                assert verdict.status == "InProgress", (phase, obj.get("status"), verdict)
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_STATUS_AT_CREATE)
+def test_kstatus_reads_in_progress_while_the_old_revision_serves(life: Life) -> None:
+    """No stale Current during a rollout: while the old revision still runs, the rollout is not done."""
+    rolling = [o for o in life.recorder.of("rollout") if judged(o) and condition(o, "Ready").get("status") == "True"
+               and (old_pods_remain(o) or condition(o, "Progressing").get("status") == "True")]  # fmt: skip
+    early = [v for v in kstatus(rolling) if v.status != "InProgress"]
+    gap(f"Current for {len(early)} of {len(rolling)} statuses written while the old revision ran" if early else "InProgress",
+        "InProgress", NEEDS_RECONCILING)
+
+
+def gap(found: str, wanted: str, need: str) -> None:
+    """The operator does not write what kstatus needs here yet: an expected failure naming it (the test
+    passes once status.py closes the gap; anything else going wrong before this point fails it)."""
+    if found != wanted:
+        pytest.xfail(f"kstatus said {found}, not {wanted}: {need}")
+
+
 def test_kstatus_reads_in_progress_before_the_operator_writes_status(life: Life) -> None:
     created = life.recorder.of("create")[0]
     assert "status" not in created, "the watch's first event is the object as created"
-    assert kstatus([created])[0].status == "InProgress"
+    gap(kstatus([created])[0].status, "InProgress", NEEDS_STATUS_AT_CREATE)
 
 
-@pytest.mark.xfail(strict=True, reason=NEEDS_STALLED)
 def test_kstatus_reads_failed_where_no_pass_can_progress(life: Life) -> None:
-    (refused,) = kstatus([life.recorder.of("refused")[-1]])
-    (invalid,) = kstatus([life.invalid])
-    assert (refused.status, invalid.status) == ("Failed", "Failed"), (refused, invalid)
+    refused, invalid = life.recorder.of("refused")[-1], life.invalid
+    assert (condition(refused, "Ready").get("reason"), condition(invalid, "Ready").get("reason")) == ("ChildRejected", "InvalidSpec")
+    verdicts = kstatus([refused, invalid])
+    assert {v.status for v in verdicts} <= {"Failed", "InProgress"}, verdicts
+    gap(" and ".join(v.status for v in verdicts), "Failed and Failed", NEEDS_STALLED)
