@@ -97,11 +97,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one_model(source: str, namespace: str | None) -> DisaggregatedModel:
-    models = _only_models(_read_documents(source))
-    if len(models) != 1:
-        raise InputError(f"{source} holds {len(models)} DisaggregatedModels: plan takes one")
-    label, doc = models[0]
+def _model_of(label: str, doc: Any, namespace: str | None = None) -> DisaggregatedModel:
     if isinstance(doc, dict):  # a live object (kubectl get -o yaml): its status is not part of the change
         doc = {k: v for k, v in doc.items() if k != "status"}
     try:
@@ -113,7 +109,14 @@ def _one_model(source: str, namespace: str | None) -> DisaggregatedModel:
     return dm
 
 
-def _live_model(new: DisaggregatedModel) -> DisaggregatedModel | None:
+def _one_model(source: str, namespace: str | None) -> DisaggregatedModel:
+    models = _only_models(_read_documents(source))
+    if len(models) != 1:
+        raise InputError(f"{source} holds {len(models)} DisaggregatedModels: plan takes one")
+    return _model_of(*models[0], namespace)
+
+
+def _live_model(new: DisaggregatedModel, defaults: RenderDefaults) -> DisaggregatedModel | None:
     """The model as the cluster of the kubeconfig has it, or None if it does not exist yet."""
     from kubernetes.client.exceptions import ApiException
     from kubernetes.config import ConfigException
@@ -135,20 +138,20 @@ def _live_model(new: DisaggregatedModel) -> DisaggregatedModel | None:
     if live is None:
         print(f"{where} does not exist in the cluster: planning a first create", file=sys.stderr)
         return None
-    live_revision = (live.get("status") or {}).get("revision")
-    current = parse({k: v for k, v in live.items() if k != "status"})
-    if live_revision and live_revision != render(current, RenderDefaults.from_env()).revision:
-        print(f"note: {where} runs revision {live_revision}, but its spec renders {render(current, RenderDefaults.from_env()).revision} "
-              "here: the operator's default images differ from this shell's (DISAGG_ENGINE_IMAGE, DISAGG_NEURON_ENGINE_IMAGE)",
-              file=sys.stderr)  # fmt: skip
+    current = _model_of(f"the live DisaggregatedModel {where}", live)
+    running, rendered = (live.get("status") or {}).get("revision"), render(current, defaults).revision
+    if running and running != rendered:
+        print(f"note: {where} runs revision {running}, but its spec renders {rendered} here: the operator's default "
+              "images differ from this shell's (DISAGG_ENGINE_IMAGE, DISAGG_NEURON_ENGINE_IMAGE)", file=sys.stderr)  # fmt: skip
     return current
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    defaults = RenderDefaults.from_env()
     new = _one_model(args.filename, args.namespace)
-    current = _one_model(args.current, args.namespace) if args.current else _live_model(new) if args.from_cluster else None
+    current = _one_model(args.current, args.namespace) if args.current else _live_model(new, defaults) if args.from_cluster else None
     try:
-        planned = change_plan(current, new, RenderDefaults.from_env())
+        planned = change_plan(current, new, defaults)
     except PlanError as error:
         raise InputError(str(error)) from None
     sys.stdout.write(planned.to_json() if args.output == "json" else planned.to_text())

@@ -11,15 +11,20 @@ reads: during a rollout Progressing, Healthy once the new revision alone serves,
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import pytest
 import urllib3
 import yaml
 from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
 from disagg_operator.api.crd import CRD_FILE
@@ -43,12 +48,15 @@ REFUSED = {"decode": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgn
 INVALID = {"kvTransfer": {"mode": "Push", "bidirectional": True}}
 
 
+# The scenario's phases are the model's generations: each step of the test is one spec change.
+PHASES = {"create": 1, "rollout": 2, "refused": 3}
+
+
 class ModelRecorder:
-    """Every version of one DisaggregatedModel the watch delivers, each tagged with the phase of the test."""
+    """Every version of one DisaggregatedModel the watch delivers."""
 
     def __init__(self, api_client, namespace: str, name: str):
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self.phase = "create"
+        self.events: list[dict[str, Any]] = []
         self._custom = client.CustomObjectsApi(api_client)
         self._watch = watch.Watch()
         self._args = (GROUP, VERSION, namespace, PLURAL)
@@ -67,17 +75,17 @@ class ModelRecorder:
         try:
             for event in stream:
                 if event["type"] in ("ADDED", "MODIFIED"):
-                    self.events.append((self.phase, copy.deepcopy(event["object"])))
+                    self.events.append(copy.deepcopy(event["object"]))
         except urllib3.exceptions.ProtocolError:
             if not self._stopped:
                 raise
 
     def caught_up(self, obj: dict[str, Any]) -> bool:
         """The watch has delivered this version of the object (or a later one)."""
-        return any(o["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"] for _, o in self.events)
+        return any(o["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"] for o in self.events)
 
     def of(self, phase: str) -> list[dict[str, Any]]:
-        return [o for p, o in self.events if p == phase]
+        return [o for o in self.events if o["metadata"]["generation"] == PHASES[phase]]
 
     def stop(self) -> None:
         self._stopped = True
@@ -104,30 +112,21 @@ def without_cel_rules(node: Any) -> Any:
     return node
 
 
-@dataclass
+@dataclass(frozen=True)
 class Life:
     recorder: ModelRecorder
     first_revision: str
-    invalid: dict[str, Any] = field(default_factory=dict)
+    invalid: dict[str, Any]
 
 
-@pytest.fixture(scope="module")
-def life(cluster, operator, tmp_path_factory) -> Iterator[Life]:
-    """Runs the scenario once; the tests below judge what it recorded."""
-    api = cluster.api_client()
-    custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)
-    namespace = f"e2e-{uuid.uuid4().hex[:8]}"
-    core.create_namespace({"metadata": {"name": namespace}})
-    wait_for("default ServiceAccount", lambda: core.read_namespaced_service_account("default", namespace), 30)
+def record_a_life(api, namespace: str) -> tuple[ModelRecorder, str]:
+    """Create the model, roll out an image change to the end, then have a child refused; every status seen."""
+    custom = client.CustomObjectsApi(api)
     recorder = ModelRecorder(api, namespace, NAME)
     try:
         custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(NAME, REPLICAS))
-        first = wait_ready(custom, namespace, NAME)
-        wait_for("the watch to catch up", lambda: recorder.caught_up(get_model(custom, namespace, NAME)))
-
-        recorder.phase = "rollout"
+        old = wait_ready(custom, namespace, NAME)["status"]["revision"]
         custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, NAME, {"spec": NEW_IMAGE})
-        old = first["status"]["revision"]
 
         def rolled_out() -> dict[str, Any] | None:
             obj = get_model(custom, namespace, NAME)
@@ -137,34 +136,49 @@ def life(cluster, operator, tmp_path_factory) -> Iterator[Life]:
                 and condition(obj, "Ready").get("status") == "True" and condition(obj, "Progressing").get("status") == "False"
             return obj if done else None
 
-        done = wait_for("the rollout to finish", rolled_out, 180)
+        wait_for("the rollout to finish", rolled_out, 180)
         wait_for("the watch to catch up", lambda: recorder.caught_up(get_model(custom, namespace, NAME)))
-        assert recorder.caught_up(done)
-
-        recorder.phase = "refused"
         custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, NAME, {"spec": REFUSED})
         wait_for("ChildRejected", lambda: judged(o := get_model(custom, namespace, NAME))
                  and condition(o, "Ready").get("reason") == "ChildRejected" and recorder.caught_up(o))
-        recorder.phase = "after"
     finally:
         recorder.stop()
+    return recorder, old
 
-    # An older CRD (no CEL rules) lets in a spec the operator refuses itself: status InvalidSpec.
+
+def invalid_spec_status(cluster, api, namespace: str, workdir) -> dict[str, Any]:
+    """An older CRD (no CEL rules) lets in a spec the operator refuses itself: status InvalidSpec. The real
+    CRD is back before this returns."""
+    custom = client.CustomObjectsApi(api)
     crds = [d for d in yaml.safe_load_all((REPO / "crds" / CRD_FILE).read_text()) if d]
-    relaxed = tmp_path_factory.mktemp("crd") / "relaxed.yaml"
+    relaxed = workdir / "relaxed.yaml"
     relaxed.write_text(yaml.safe_dump_all([without_cel_rules(d) for d in crds]))
-    invalid: dict[str, Any] = {}
     try:
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(relaxed))
         wait_for("the relaxed CRD to admit the spec", lambda: custom.create_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, model_manifest("invalid", INVALID)), 60)  # fmt: skip
-        invalid = wait_for("InvalidSpec", lambda: judged(o := get_model(custom, namespace, "invalid"))
-                           and condition(o, "Ready").get("reason") == "InvalidSpec" and o)
+        return wait_for("InvalidSpec", lambda: judged(o := get_model(custom, namespace, "invalid"))
+                        and condition(o, "Ready").get("reason") == "InvalidSpec" and o)
     finally:
-        custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "invalid")
+        try:
+            custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "invalid")
+        except ApiException as error:
+            if error.status != 404:
+                raise
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / CRD_FILE))
+
+
+@pytest.fixture(scope="module")
+def life(cluster, operator, tmp_path_factory) -> Iterator[Life]:
+    """Runs the scenario once; the tests below judge what it recorded."""
+    api = cluster.api_client()
+    core = client.CoreV1Api(api)
+    namespace = f"e2e-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": namespace}})
     try:
-        yield Life(recorder, old, invalid)
+        wait_for("default ServiceAccount", lambda: core.read_namespaced_service_account("default", namespace), 30)
+        recorder, old = record_a_life(api, namespace)
+        yield Life(recorder, old, invalid_spec_status(cluster, api, namespace, tmp_path_factory.mktemp("crd")))
     finally:
         core.delete_namespace(namespace, propagation_policy="Background")
 
@@ -248,3 +262,30 @@ def test_kstatus_reads_failed_where_no_pass_can_progress(life: Life) -> None:
     verdicts = kstatus([refused, invalid])
     assert {v.status for v in verdicts} <= {"Failed", "InProgress"}, verdicts
     gap(" and ".join(v.status for v in verdicts), "Failed and Failed", NEEDS_STALLED)
+
+
+def test_plan_from_cluster_reads_the_live_model(cluster, crd_installed, namespace, tmp_path) -> None:
+    """`disagg-operator plan --from-cluster` against the real API server: the live spec (defaulted by the
+    CRD, with server metadata and status) is the current state; a model not there yet is a first create."""
+    custom = client.CustomObjectsApi(cluster.api_client())
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(NAME, REPLICAS))
+    new = tmp_path / "new.yaml"
+    new.write_text(yaml.safe_dump(model_manifest(NAME, {**REPLICAS, **NEW_IMAGE})))
+
+    def plan() -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "disagg_operator.cli", "plan", "-f", str(new), "-n", namespace,
+                               "--from-cluster", "-o", "json"], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "KUBECONFIG": cluster.kubeconfig})  # fmt: skip
+
+    result = plan()
+    assert result.returncode == 0, result.stderr
+    planned = json.loads(result.stdout)
+    expected = change_plan(parse(model_manifest(NAME, REPLICAS)), parse(model_manifest(NAME, {**REPLICAS, **NEW_IMAGE})),
+                           RenderDefaults())  # fmt: skip
+    assert (planned["current_revision"], planned["new_revision"]) == (expected.current_revision, expected.new_revision)
+    assert [c["path"] for c in planned["changes"]] == ["spec.engine.image"] and planned["peak_pods"] == expected.peak_pods
+
+    new.write_text(yaml.safe_dump(model_manifest("not-there-yet")))
+    result = plan()
+    assert result.returncode == 0 and json.loads(result.stdout)["create"] is True, result.stderr
+    assert f"{namespace}/not-there-yet does not exist in the cluster: planning a first create" in result.stderr
