@@ -11,20 +11,23 @@ marks expect a failed assertion only: a missing kstatus helper or a crash is a f
 from __future__ import annotations
 
 import copy
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import pytest
 import yaml
 
 from disagg_connector import contract
+from disagg_connector.router.health import RouterHealth
 from disagg_operator import planner
 from disagg_operator import status as status_mod
-from disagg_operator.state import ChildProblem, Observed, key_of
+from disagg_operator.state import ChildProblem, Observed, RouterView, key_of
 
 from ..support.gitops import HEALTH_LUA, Verdict, argocd_health, kstatus
 from .test_planner import FOREIGN_SERVICE, NEW_IMAGE, NOW, WORLD, refused, rolling
+from .test_status import _health
 from .world import deployment_of, desired, pod, serving_pods, steady
 
 GENERATION = 3  # the generation tests/unit/world.desired() judges
@@ -80,6 +83,11 @@ def old_pods_left() -> Observed:
     both = rolling(new_ready=True)
     new_only = {k: o for k, o in both.children.items() if o["metadata"]["labels"].get(contract.LABEL_REVISION) != WORLD.revision}
     return Observed(new_only, both.pods)
+
+
+def failing_transfers() -> RouterHealth:
+    """A router's /health whose recent window saw decode legs fail in the current revision."""
+    return _health({"decode_failed": 5}, 0)
 
 
 SCALED_TO_ZERO = desired({"decode": {"replicas": 0}})
@@ -153,6 +161,8 @@ CASES = [
          API_DOWN, 0, 8, NOW), ("Progressing", "WaitingForPods"), "InProgress"),
     Case("api-unavailable-while-serving", lambda: status_mod.write_failed(WORLD, steady(WORLD), planned(WORLD, steady(WORLD)),
          API_DOWN, 0, 1, NOW), ("Degraded", "ApiUnavailable"), "InProgress"),
+    Case("kv-transfers-failing", lambda: planned(WORLD, replace(steady(WORLD), routers=RouterView((failing_transfers(),)))),
+         ("Degraded", "TransfersFailing: "), "Current"),
     Case("operator-bug", lambda: status_mod.unservable("InternalError", "the operator failed on this model (KeyError)",
          "retrying with backoff", GENERATION, None, NOW), ("Degraded", "InternalError"), "InProgress"),
 ]
@@ -205,12 +215,21 @@ def test_the_script_needs_no_library_argo_cd_leaves_out() -> None:
         _argo_vm({}).execute('return ("x"):upper()')
 
 
+ARGOCD_CM_KEY = f"resource.customizations.health.{contract.API_GROUP}_{contract.KIND}"
+GITOPS_DOC = HEALTH_LUA.parents[3] / "docs" / "gitops.md"
+_ARGOCD_CM_BLOCK = re.compile(r"(```yaml\n)(apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: argocd-cm\n.*?)(```)", re.DOTALL)
+
+
 def test_the_documented_argocd_cm_carries_the_chart_script() -> None:
     """docs/gitops.md's argocd-cm block is valid YAML whose health key is Argo CD's name for our kind and
-    whose script is the chart's, byte for byte."""
-    text = (HEALTH_LUA.parents[3] / "docs" / "gitops.md").read_text()
-    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.DOTALL) if "argocd-cm" in b]
-    config = yaml.safe_load(block)
-    key = f"resource.customizations.health.{contract.API_GROUP}_{contract.KIND}"
-    assert config["metadata"]["name"] == "argocd-cm" and list(config["data"]) == [key]
-    assert config["data"][key] == HEALTH_LUA.read_text()
+    whose script is the chart's, byte for byte (DISAGG_UPDATE_GOLDEN=1 rewrites the block)."""
+    script = HEALTH_LUA.read_text()
+    literal = "".join(f"    {line}" if line.strip() else "\n" for line in script.splitlines(keepends=True))
+    block = f"apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: argocd-cm\n  namespace: argocd\ndata:\n  {ARGOCD_CM_KEY}: |\n{literal}"
+    text = GITOPS_DOC.read_text()
+    if os.environ.get("DISAGG_UPDATE_GOLDEN") == "1":
+        text = _ARGOCD_CM_BLOCK.sub(lambda m: m.group(1) + block + m.group(3), text)
+        GITOPS_DOC.write_text(text)
+    (documented,) = [m.group(2) for m in _ARGOCD_CM_BLOCK.finditer(text)]
+    assert yaml.safe_load(documented)["data"] == {ARGOCD_CM_KEY: script}
+    assert documented == block, "docs/gitops.md's argocd-cm block is stale: regenerate with DISAGG_UPDATE_GOLDEN=1"

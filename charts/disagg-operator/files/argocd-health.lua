@@ -12,7 +12,8 @@
 --   Progressing  Progressing=True (a rollout, pods coming up), or pods of an older revision still counted
 --                (status.<role>.replicas above updatedReplicas: as Argo CD's own Deployment check, old pods
 --                pending termination keep a rollout Progressing)
---   Degraded     Degraded=True (serving, but short of its size or with a failing pod)
+--   Degraded     Degraded=True (serving, but short of its size or with a failing pod), or KVTransferHealthy=False
+--                (the routers see KV transfers fail, time out or mismatch protocols)
 --   Healthy      Ready=True, judged at metadata.generation
 --   Progressing  otherwise
 
@@ -62,7 +63,7 @@ local function verdict(o)
       " yet (status is of generation " .. status.observedGeneration .. ")"
   end
   local c = conditions_by_type(status)
-  local ready, progressing, degraded = c.Ready, c.Progressing, c.Degraded
+  local ready, progressing, degraded, transfers = c.Ready, c.Progressing, c.Degraded, c.KVTransferHealthy
   if ready ~= nil and ready.status == "False" and ready.reason ~= nil then
     if ready.reason == "ScaledToZero" then
       return "Suspended", say(ready)
@@ -80,6 +81,9 @@ local function verdict(o)
   end
   if degraded ~= nil and degraded.status == "True" then
     return "Degraded", say(degraded)
+  end
+  if transfers ~= nil and transfers.status == "False" then
+    return "Degraded", say(transfers)
   end
   if ready ~= nil and ready.status == "True" and
       (ready.observedGeneration == nil or generation == nil or ready.observedGeneration == generation) then
