@@ -7,6 +7,11 @@ their own. A pass that cannot write (a child refused by the API server, a same-n
 owns, a failed write) says so in Ready (and Degraded, while something still serves), naming the child and
 the API server's message. A condition's lastTransitionTime moves only when its status flips, so an
 unchanged world yields an identical status and no write.
+
+Besides its own conditions every status carries the two that generic tools read (kstatus, and with it
+Flux, kpt and `cli-utils`): `Reconciling` (True while Progressing is) and `Stalled` (True while Ready is
+False for a reason no pass can clear without someone changing something: STALLED_REASONS). Both are
+derived from Ready and Progressing in one place (_with_generic_conditions), on every path.
 """
 
 from __future__ import annotations
@@ -33,7 +38,10 @@ CAPACITY_REASONS = {
 }
 CRASH_WAITING_REASONS = {"CrashLoopBackOff"}
 IMAGE_WAITING_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "FabricReady", "KVTransferHealthy")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "FabricReady", "KVTransferHealthy", "Reconciling", "Stalled")
+# Ready=False reasons that only a change clears (the spec, a same-named object, RBAC, admission policy, a quota):
+# retrying cannot make progress, so kstatus should report Failed instead of waiting out its timeout.
+STALLED_REASONS = ("InvalidSpec", "ChildRejected", "OwnershipConflict", "Forbidden", "QuotaExceeded", "PodCreationFailed")
 # Worst first: what a revision's router verdicts say, when several routers disagree.
 _KV_REASONS = ("ProtocolMismatch", "TransfersFailing", "DeadlinesHit")
 
@@ -83,6 +91,13 @@ class Readiness:
     @property
     def ready(self) -> bool:
         return self.engines_ready and self.routers_ready >= self.routers_wanted
+
+    @property
+    def scaled_to_zero_as_asked(self) -> bool:
+        """A role's target is 0 and every role has the ready pods its target asks (no more can serve)."""
+        return (any(self.wanted[r] == 0 for r in contract.ENGINE_ROLES)
+                and all(self.roles[r]["readyReplicas"] >= self.wanted[r] for r in contract.ENGINE_ROLES)
+                and self.routers_ready >= self.routers_wanted)  # fmt: skip
 
     def summary(self) -> str:
         engines = ", ".join(f"{r} {self.roles[r]['readyReplicas']}/{self.wanted[r]}" for r in contract.ENGINE_ROLES)
@@ -202,6 +217,28 @@ def _typed(status: dict[str, Any]) -> dict[str, Any]:
     return DisaggregatedModelStatus.model_validate(status).model_dump(by_alias=True, exclude_none=True)
 
 
+def _with_generic_conditions(
+    status: dict[str, Any], generation: int | None, previous: Mapping[str, Any], now: str
+) -> dict[str, Any]:
+    """The status with kstatus's abnormal-true conditions derived from Ready and Progressing (kstatus reads
+    Reconciling=True as InProgress before anything else, Stalled=True as Failed: cli-utils
+    pkg/kstatus/status/generic.go), then typed."""
+    found = {c["type"]: c for c in status.get("conditions") or []}
+    ready, progressing = found.get("Ready") or {}, found.get("Progressing") or {}
+    stalled = ready.get("status") == "False" and ready.get("reason") in STALLED_REASONS
+    if stalled:
+        found["Stalled"] = condition("Stalled", True, ready["reason"], ready.get("message", ""), generation, previous, now)
+        found["Reconciling"] = condition("Reconciling", False, ready["reason"], "no pass can progress until that changes",
+                                         generation, previous, now)  # fmt: skip
+    else:
+        found["Stalled"] = condition("Stalled", False, "Progressing", "", generation, previous, now)
+        reconciling = progressing.get("status") == "True"
+        found["Reconciling"] = condition("Reconciling", reconciling, progressing.get("reason", "Complete"),
+                                         progressing.get("message", "") if reconciling else "", generation, previous, now)  # fmt: skip
+    conditions = [found[t] for t in CONDITION_TYPES if t in found]
+    return _typed({**status, "conditions": conditions})
+
+
 def unservable(
     reason: str, message: str, next_step: str, generation: int | None, previous_status: Mapping[str, Any] | None,
     now: str, phase: str = "Invalid",
@@ -212,7 +249,8 @@ def unservable(
         condition("Ready", False, reason, message, generation, previous_status or {}, now),
         condition("Progressing", False, reason, next_step, generation, previous_status or {}, now),
     ]  # fmt: skip
-    return _typed({**kept, "observedGeneration": generation, "phase": phase, "conditions": conditions})
+    return _with_generic_conditions({**kept, "observedGeneration": generation, "phase": phase, "conditions": conditions},
+                                    generation, previous_status or {}, now)
 
 
 def invalid_status(
@@ -238,9 +276,10 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     ref, plan, revision = desired.ref, desired.rendered.plan, desired.revision
     previous = desired.previous_status or {}
     facts = readiness(desired, observed, targets)
-    old = old_revisions(observed, revision)
-
     engine_pods = [p for p in observed.pods if role_of(p) in contract.ENGINE_ROLES and not _terminating(p)]
+    # An older revision is still rolling out while its Deployments or its pods remain (the garbage collector
+    # takes the pods after the Deployments: status counts them until they terminate).
+    old = old_revisions(observed, revision) | {v for p in engine_pods if (v := revision_of(p)) and v != revision}
     current_pods = [p for p in engine_pods if revision_of(p) == revision]
     current_deployments = [d for d in observed.deployments if revision_of(d) in (revision, None)]
     fabric_failures, fabric_passes = _preflight_results(current_pods)
@@ -254,8 +293,11 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
         ready_cond = ("Ready", True, "Ready", summary)
     elif first_problem:
         ready_cond = ("Ready", False, first_problem.reason, first_problem.message)
+    elif facts.scaled_to_zero_as_asked:
+        # As asked (like a Deployment at 0 replicas): done, though nothing serves until the role scales up.
+        ready_cond = ("Ready", True, "ScaledToZero", f"a role is scaled to 0 as asked; nothing is served until it scales up: {summary}")
     elif any(facts.wanted[r] == 0 for r in contract.ENGINE_ROLES):
-        ready_cond = ("Ready", False, "ScaledToZero", f"a role has 0 replicas: {summary}")
+        ready_cond = ("Ready", False, "WaitingForPods", f"a role is scaled to 0 and the other is not ready yet: {summary}")
     else:
         ready_cond = ("Ready", False, "WaitingForPods", summary)
 
@@ -266,7 +308,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
                          f"{_old_serving(observed, revision, old)}{leaving}")
     elif draining:
         progress_cond = ("Progressing", True, "Scaling", f"{summary}{leaving}")
-    elif not facts.ready:
+    elif not (facts.ready or facts.scaled_to_zero_as_asked):
         progress_cond = ("Progressing", True, "WaitingForPods", summary)
     else:
         progress_cond = ("Progressing", False, "Complete", f"revision {revision} is fully rolled out")
@@ -290,7 +332,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     kv = ("KVTransferHealthy", *kv_transfer(observed.routers, previous))
     conditions = [condition(t, ok, reason, msg, ref.generation, previous, now)
                   for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv)]  # fmt: skip
-    return _typed({
+    return _with_generic_conditions({
         "observedGeneration": ref.generation,
         "phase": _phase(facts, degraded[1]),
         "transferMode": plan.mode,
@@ -301,7 +343,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
         "decode": {**facts.roles["decode"], "targetReplicas": facts.wanted["decode"]},
         "router": {"readyReplicas": facts.routers_ready, "url": contract.router_url(ref.name, ref.namespace, desired.model.spec.router.service.port)},
         "conditions": conditions,
-    })  # fmt: skip
+    }, ref.generation, previous, now)  # fmt: skip
 
 
 def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tuple[bool | None, str, str]:
@@ -334,7 +376,7 @@ def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tupl
 
 
 def _phase(facts: Readiness, degraded: bool) -> str:
-    if facts.ready:
+    if facts.ready or facts.scaled_to_zero_as_asked:
         return "Ready"
     if degraded:
         return "Degraded"
@@ -351,7 +393,7 @@ def _with_failure(desired: Desired, status: Mapping[str, Any], reason: str, mess
         kept["Degraded"] = condition("Degraded", True, reason, message, generation, previous, now)
     conditions = [kept[t] for t in CONDITION_TYPES if t in kept]
     phase = "Degraded" if serving else status.get("phase")
-    return _typed({**status, "phase": phase, "conditions": conditions})
+    return _with_generic_conditions({**status, "phase": phase, "conditions": conditions}, generation, previous, now)
 
 
 def blocked(desired: Desired, observed: Observed, targets: Mapping[str, int], problems: Iterable[ChildProblem],

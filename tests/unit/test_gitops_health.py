@@ -3,9 +3,8 @@ real Lua 5.1 set up as Argo CD's VM, and the real kstatus library, on statuses t
 produces (planner.plan and the status functions) for each situation a model meets.
 
 kstatus reads only generic conditions (cli-utils pkg/kstatus/status/generic.go: `Reconciling` and
-`Stalled`, then `Ready`); where the operator writes neither, the case marks the gap with a strict xfail
-that names what kstatus needs, so it fails the day status.py closes the gap and the mark must go. The
-marks expect a failed assertion only: a missing kstatus helper or a crash is a failure.
+`Stalled`, then `Ready`); status.py derives both from Ready and Progressing on every path, and the cases
+say what each situation must read as.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from disagg_connector import contract
 from disagg_connector.router.health import RouterHealth
 from disagg_operator import planner
 from disagg_operator import status as status_mod
+from disagg_operator.api.crd import build_crd
 from disagg_operator.state import ChildProblem, Observed, RouterView, key_of
 
 from ..support.gitops import HEALTH_LUA, Verdict, argocd_health, kstatus
@@ -95,30 +95,12 @@ TWO_PREFILLS = desired({"prefill": {"replicas": 2}})
 APPLY_FAILED = ChildProblem("ApplyFailed", "Deployment", "m-decode", "the server rejected our request (HTTP 500)")
 API_DOWN = ChildProblem("ApiUnavailable", "API", "server", "the API server did not answer (timed out); retrying")
 
-# kstatus's needs, with the lines of cli-utils v0.37.2 pkg/kstatus/status that read them.
-NEEDS_RECONCILING = ("kstatus reads Ready=True as Current (status.go:165) although the old revision still serves: "
-                     "it needs Reconciling=True while Progressing is True (generic.go:51)")  # fmt: skip
-NEEDS_STALLED = ("kstatus reads Ready=False as InProgress (status.go:171) and waits out its timeout: "
-                 "it needs Stalled=True with the Ready reason while no pass can progress (generic.go:54)")  # fmt: skip
-NEEDS_PROGRESS_UNTIL_OLD_PODS_GO = ("kstatus reads Ready=True with Progressing=False as Current (status.go:165) while pods of "
-                                    "the old revision still run (status.old_revisions() looks at Deployments only, so "
-                                    "Progressing turns False once they are deleted, before their pods go): it needs "
-                                    "Progressing (and Reconciling=True, generic.go:51) until status.<role>.replicas "
-                                    "equals updatedReplicas")  # fmt: skip
-NEEDS_STATUS_AT_CREATE = ("kstatus reads a model without status as Current (status.go:134: no observedGeneration, no "
-                          "conditions) until the operator's first write: it needs status.observedGeneration below "
-                          "metadata.generation from the start (generic.go:89)")  # fmt: skip
-NEEDS_SUSPENDED_AS_DONE = ("kstatus reads Ready=False ScaledToZero as InProgress (status.go:171) for a model that is "
-                           "exactly as asked: it needs Ready=True (or no Ready) once a role is at 0 as the spec says")  # fmt: skip
-
-
 @dataclass(frozen=True)
 class Case:
     id: str
     status: Callable[[], dict[str, Any]]
     argo: tuple[str, str]  # (health status, a phrase of its message)
     kstatus: str
-    kstatus_gap: str | None = None
     generation: int = GENERATION
 
 
@@ -132,23 +114,23 @@ CASES = [
     Case("rollout-new-revision-not-ready", lambda: planned(NEW_IMAGE, rolling(new_ready=False)),
          ("Progressing", "RolloutInProgress"), "InProgress"),
     Case("rollout-new-ready-old-still-serving", lambda: planned(NEW_IMAGE, rolling(new_ready=True)),
-         ("Progressing", "RolloutInProgress"), "InProgress", NEEDS_RECONCILING),
+         ("Progressing", "RolloutInProgress"), "InProgress"),
     Case("rollout-old-deployments-deleted-pods-not-yet", lambda: planned(NEW_IMAGE, old_pods_left()),
-         ("Progressing", "2 pod(s) of an older revision still running"), "InProgress", NEEDS_PROGRESS_UNTIL_OLD_PODS_GO),
+         ("Progressing", "RolloutInProgress"), "InProgress"),
     Case("rollout-done", lambda: planned(NEW_IMAGE, steady(NEW_IMAGE)), ("Healthy", "ready at revision"), "Current"),
     Case("scaling-out", lambda: planned(TWO_PREFILLS, steady(TWO_PREFILLS)), ("Progressing", "WaitingForPods"), "InProgress"),
     Case("scaled-to-zero", lambda: planned(SCALED_TO_ZERO, Observed(steady(SCALED_TO_ZERO).children, serving_pods(
-        SCALED_TO_ZERO.revision, decode=0))), ("Suspended", "ScaledToZero"), "Current", NEEDS_SUSPENDED_AS_DONE),
+        SCALED_TO_ZERO.revision, decode=0))), ("Suspended", "ScaledToZero"), "Current"),
     Case("invalid-spec", lambda: status_mod.invalid_status(["spec.decode.parallelism.pipeline: push cannot"], GENERATION,
-         planned(WORLD, steady(WORLD)), NOW), ("Degraded", "InvalidSpec: spec.decode"), "Failed", NEEDS_STALLED),
+         planned(WORLD, steady(WORLD)), NOW), ("Degraded", "InvalidSpec: spec.decode"), "Failed"),
     Case("child-refused", lambda: planned(NEW_IMAGE, refused(NEW_IMAGE, steady(WORLD))),
-         ("Degraded", "ChildRejected: nothing was changed"), "Failed", NEEDS_STALLED),
+         ("Degraded", "ChildRejected: nothing was changed"), "Failed"),
     Case("child-refused-before-anything-runs", lambda: planned(WORLD, refused(WORLD, Observed())),
-         ("Degraded", "ChildRejected"), "Failed", NEEDS_STALLED),
+         ("Degraded", "ChildRejected"), "Failed"),
     Case("ownership-conflict", lambda: planned(WORLD, Observed(steady(WORLD).children, steady(WORLD).pods,
          foreign={key_of(FOREIGN_SERVICE): FOREIGN_SERVICE})), ("Degraded", "OwnershipConflict: nothing was changed: Service m-router"),
-         "Failed", NEEDS_STALLED),
-    Case("quota-exceeded", lambda: planned(WORLD, over_quota()), ("Degraded", "QuotaExceeded"), "Failed", NEEDS_STALLED),
+         "Failed"),
+    Case("quota-exceeded", lambda: planned(WORLD, over_quota()), ("Degraded", "QuotaExceeded"), "Failed"),
     # Capacity, crashes and the fabric may clear without a spec change: kstatus waiting is right for them.
     Case("crash-loop", lambda: planned(WORLD, crash_looping()), ("Degraded", "CrashLoop"), "InProgress"),
     Case("insufficient-efa", lambda: planned(WORLD, unschedulable()), ("Degraded", "InsufficientEFADevices"), "InProgress"),
@@ -175,10 +157,7 @@ def test_argocd_health_of_operator_statuses(case: Case) -> None:
     assert case.argo[1] in verdict.message, verdict
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=c.kstatus_gap)) if c.kstatus_gap else c
-    for c in CASES
-], ids=[c.id for c in CASES])  # fmt: skip
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_kstatus_of_operator_statuses(case: Case) -> None:
     (verdict,) = kstatus([model(case.status(), case.generation)])
     assert verdict.status == case.kstatus, verdict
@@ -200,9 +179,13 @@ def test_argo_cd_reads_a_model_without_status_as_progressing() -> None:
     assert argocd_health(as_created()) == Verdict("Progressing", "waiting for the operator to judge this spec")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=NEEDS_STATUS_AT_CREATE)
-def test_kstatus_reads_a_model_without_status_as_in_progress() -> None:
-    assert kstatus([as_created()])[0].status == "InProgress"
+def test_kstatus_reads_a_model_the_operator_has_not_judged_as_in_progress() -> None:
+    """The CRD defaults status to observedGeneration 0 (the API server drops status on create), so a model
+    reads InProgress before the operator's first write, and while no operator runs at all."""
+    (version,) = build_crd()["spec"]["versions"]
+    created = {**as_created(), "status": version["schema"]["openAPIV3Schema"]["properties"]["status"]["default"]}
+    assert kstatus([created])[0].status == "InProgress"
+    assert argocd_health(created) == Verdict("Progressing", "waiting for the operator to judge this spec")
 
 
 def test_the_script_needs_no_library_argo_cd_leaves_out() -> None:

@@ -3,17 +3,18 @@
 -- Argo CD runs it without Lua's standard libraries (base and table only), so it uses neither string nor math.
 --
 -- First match wins:
---   Progressing  no status yet, or status.observedGeneration below metadata.generation (this spec not judged yet)
+--   Progressing  no status yet (or the CRD's default, observedGeneration 0), or status.observedGeneration
+--                below metadata.generation (this spec not judged yet)
 --   Degraded     Ready=False for a reason that needs a change to clear (an invalid spec, a refused child,
 --                missing capacity, a crash loop, a failed fabric preflight, ...): every reason but the few
 --                that clear by themselves, so a reason the operator learns later shows as Degraded, not
 --                as a rollout that never ends
---   Suspended    Ready=False because a role is scaled to 0
 --   Progressing  Progressing=True (a rollout, pods coming up), or pods of an older revision still counted
 --                (status.<role>.replicas above updatedReplicas: as Argo CD's own Deployment check, old pods
 --                pending termination keep a rollout Progressing)
 --   Degraded     Degraded=True (serving, but short of its size or with a failing pod), or KVTransferHealthy=False
 --                (the routers see KV transfers fail, time out or mismatch protocols)
+--   Suspended    Ready=True because a role is scaled to 0 as asked (nothing serves until it scales up)
 --   Healthy      Ready=True, judged at metadata.generation
 --   Progressing  otherwise
 
@@ -55,7 +56,7 @@ end
 local function verdict(o)
   local status = o.status
   local generation = o.metadata.generation
-  if status == nil or status.observedGeneration == nil then
+  if status == nil or status.observedGeneration == nil or status.observedGeneration == 0 then
     return "Progressing", "waiting for the operator to judge this spec"
   end
   if generation ~= nil and status.observedGeneration < generation then
@@ -64,13 +65,8 @@ local function verdict(o)
   end
   local c = conditions_by_type(status)
   local ready, progressing, degraded, transfers = c.Ready, c.Progressing, c.Degraded, c.KVTransferHealthy
-  if ready ~= nil and ready.status == "False" and ready.reason ~= nil then
-    if ready.reason == "ScaledToZero" then
-      return "Suspended", say(ready)
-    end
-    if not passing[ready.reason] then
-      return "Degraded", say(ready)
-    end
+  if ready ~= nil and ready.status == "False" and ready.reason ~= nil and not passing[ready.reason] then
+    return "Degraded", say(ready)
   end
   if progressing ~= nil and progressing.status == "True" then
     return "Progressing", say(progressing)
@@ -87,6 +83,9 @@ local function verdict(o)
   end
   if ready ~= nil and ready.status == "True" and
       (ready.observedGeneration == nil or generation == nil or ready.observedGeneration == generation) then
+    if ready.reason == "ScaledToZero" then
+      return "Suspended", say(ready)
+    end
     return "Healthy", ready.message or ""
   end
   if ready ~= nil then

@@ -85,6 +85,9 @@ def _status_schema() -> dict[str, Any]:
     conditions = schema["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]
+    # The API server drops status on create; this default makes a model the operator has not judged yet read
+    # as such (observedGeneration 0 < metadata.generation) to kstatus and Argo CD, even while no operator runs.
+    schema["default"] = {"observedGeneration": 0}
     return schema
 
 
