@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
 API_GROUP = "disagg.dev"
 API_VERSION = "v1alpha1"
@@ -190,6 +190,15 @@ def child_labels(model: str, role: Role, revision: str | None = None) -> dict[st
     if revision is not None:
         labels[LABEL_REVISION] = revision
     return labels
+
+
+def pod_serving(pod: Mapping[str, Any]) -> bool:
+    """A pod (as the API returns it, a dict) that counts: Ready=True and not terminating. The operator's
+    ready counts and the router's backends are the same pods."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or ()
+    return any(c.get("type") == "Ready" and str(c.get("status")) == "True" for c in conditions)
 
 
 # --- NIXL identity ---------------------------------------------------------------------------------

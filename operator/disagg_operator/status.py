@@ -50,9 +50,7 @@ def _terminating(pod: Obj) -> bool:
     return bool(pod.get("metadata", {}).get("deletionTimestamp"))
 
 
-def pod_ready(pod: Obj) -> bool:
-    conditions = pod.get("status", {}).get("conditions") or []
-    return not _terminating(pod) and any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+pod_ready = contract.pod_serving
 
 
 def role_counts(observed: Observed, role: str, revision: str) -> dict[str, int]:

@@ -31,12 +31,6 @@ from disagg_connector import contract
 from tests.vllm_sim.harness import FAST, Proc, free_port, get_json, http_get, wait_until
 
 
-def pod_ready(pod: dict[str, Any]) -> bool:
-    return not pod["metadata"].get("deletionTimestamp") and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or []
-    )
-
-
 @dataclass
 class PodEngine:
     proc: Proc
@@ -121,7 +115,7 @@ class PodEngines:
                         self.engines[uid].stop()
                 return
             ip = (pod.get("status") or {}).get("podIP")
-            if known or not ip or not pod_ready(pod):
+            if known or not ip or not contract.pod_serving(pod):
                 return
             # kwok hands a deleted pod's IP to the next pod of its node at once: that pod's engine is gone.
             for other_uid, other in self.engines.items():

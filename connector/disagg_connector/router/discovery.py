@@ -86,13 +86,6 @@ def _parse_time(value: Any) -> float:
         return 0.0
 
 
-def pod_is_ready(pod: Mapping[str, Any]) -> bool:
-    for cond in (pod.get("status") or {}).get("conditions") or ():
-        if cond.get("type") == "Ready":
-            return str(cond.get("status")) == "True"
-    return False
-
-
 def pod_key(pod: Mapping[str, Any]) -> str:
     meta = pod.get("metadata") or {}
     return str(meta.get("uid") or f"{meta.get('namespace', '')}/{meta.get('name', '')}")
@@ -108,7 +101,7 @@ def backends_from_pod(pod: Mapping[str, Any], engine_id_override: str | None = N
     name, uid, ip = meta.get("name"), meta.get("uid"), status.get("podIP")
     if role not in contract.ENGINE_ROLES or not revision or not name or not uid:
         return []
-    if meta.get("deletionTimestamp") or not ip or not pod_is_ready(pod):
+    if not ip or not contract.pod_serving(pod):
         return []
     try:
         identities = contract.identities_from_pod(name, uid, ip, meta.get("annotations") or {})
