@@ -229,7 +229,7 @@ def _with_generic_conditions(
         found["Reconciling"] = condition("Reconciling", False, ready["reason"], "no pass can progress until that changes",
                                          generation, previous, now)  # fmt: skip
     else:
-        found["Stalled"] = condition("Stalled", False, "Progressing", "", generation, previous, now)
+        found["Stalled"] = condition("Stalled", False, "AsExpected", "", generation, previous, now)
         reconciling = progressing.get("status") == "True"
         found["Reconciling"] = condition("Reconciling", reconciling, progressing.get("reason", "Complete"),
                                          progressing.get("message", "") if reconciling else "", generation, previous, now)  # fmt: skip
