@@ -53,7 +53,7 @@ def replay(real: dict[str, Any], profile: str, work: Path) -> dict[str, Any]:
         tuple(s["prompts"]), tuple(s["rates"]), tuple(mode(m) for m in s["modes"]), s["max_tokens"], s["cell_seconds"],
         s["min_requests"], s["drain_timeout"], s["seed"],
     )  # fmt: skip
-    options = LocalOptions(gpus=("0", "1"), port_base=h.free_port(), workdir=str(work), launcher=SIM,
+    options = LocalOptions(gpus=("0", "1"), port_base=h.free_port_block(64), workdir=str(work), launcher=SIM,
                            env=(("DISAGG_SIM_PROFILE", profile),))
     with contextlib.redirect_stdout(sys.stderr):  # the plan and per-cell lines: progress, not the result
         return run_bench(read_model(str(REPO / model_file(real))), options, sweep, work, 60, ["tests.bench.sim_vs_real"])

@@ -26,7 +26,7 @@ FAST = (("DISAGG_SIM_PROFILE", "fast"),)
 def test_engines_serve_under_the_rendered_identities_and_push_through_the_router(tmp_path: Path) -> None:
     # 64-word prompts are below the router's default disaggregation threshold: disaggregate every request
     doc = dm({"engine": {"enablePrefixCaching": False}, "decode": {"replicas": 2}, "router": {"disaggregationThresholdTokens": 0}}, name="local")
-    options = LocalOptions(gpus=("0", "1", "2"), port_base=h.free_port(), workdir=str(tmp_path), launcher=SIM, env=FAST)
+    options = LocalOptions(gpus=("0", "1", "2"), port_base=h.free_port_block(64), workdir=str(tmp_path), launcher=SIM, env=FAST)
     plan = local_plan(doc, options)
     with started(plan, tmp_path / "logs", startup_timeout=60) as running:
         for e in plan.engines:
@@ -53,7 +53,7 @@ def test_bench_sweeps_modes_and_writes_results(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [
         sys.executable, "-m", "disagg_operator.localrun", "bench", "-f", str(model), "--gpus", "0,1",
-        "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port()),
+        "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port_block(64)),
         "--modes", "router-push,direct-push,router-pull,direct-pull", "--prompts", "64,512", "--rates", "8",
         "--cell-seconds", "0.5", "--min-requests", "4", "--max-tokens", "6", "--load-format", "dummy", "--out", str(out),
     ]  # fmt: skip

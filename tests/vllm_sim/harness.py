@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,6 +45,31 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+# Below Linux's default ephemeral range (32768-60999): no outgoing connection is given a local port here, so a
+# block of consecutive ports that binds now stays free (a base from free_port() lies inside that range, and the
+# ports after it may be taken by any client socket a moment later).
+_BLOCK_RANGE = (21000, 32768)
+
+
+def free_port_block(n: int) -> int:
+    """The first of n consecutive ports that all bind now, for a harness that numbers its ports from a base."""
+    for _ in range(200):
+        base = random.randrange(_BLOCK_RANGE[0], _BLOCK_RANGE[1] - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((HOST, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports in {_BLOCK_RANGE}")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
