@@ -239,7 +239,7 @@ def launch_sim(
     """Start a simulated engine (does not wait: see wait_ready)."""
     name = name or f"{revision}-{role}-{uuid.uuid4().hex[:6]}"
     uid = str(uuid.uuid4())
-    port, side = free_ports(2) if dp == 1 else (free_port(), _free_range(dp))
+    port, side = free_ports(2) if dp == 1 else (free_port(), free_port_block(dp))
     eid = engine_id or contract.engine_id(name, uid)
     argv = [
         sys.executable, "-m", "tests.vllm_sim", "--role", role, "--mode", mode, "--host", HOST, "--port", str(port),
@@ -252,27 +252,6 @@ def launch_sim(
     argv += list(extra)
     proc = Proc(name, argv, log_dir)
     return Sim(proc, role, mode, name, uid, revision, port, side, tp, pp, dp, engine_id)
-
-
-def _free_range(n: int) -> int:
-    """A base port with n consecutive free ports after it."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((HOST, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def wait_ready(*things: Any, timeout: float = 60.0) -> None:
