@@ -82,19 +82,20 @@ ROUTER_HEALTH_TIMEOUT = 2.0
 def read_routers(observed: Observed, ready: Callable[[Obj], bool]) -> RouterView:
     """Each ready router pod's /health (in-flight and draining per backend), None for one that does not
     answer: the retirement of a draining pod waits for what every router says."""
-    reports = []
+    reports, names = [], []
     for pod in observed.pods:
         ip = pod.get("status", {}).get("podIP")
         if role_of(pod) != "router" or not ready(pod) or not ip:
             continue
         host = f"[{ip}]" if ":" in ip else ip
+        names.append(pod["metadata"]["name"])
         try:
             with urllib.request.urlopen(f"http://{host}:{contract.ROUTER_PORT}/health", timeout=ROUTER_HEALTH_TIMEOUT) as r:
                 reports.append(parse_health(json.load(r)))
         except (OSError, ValueError, HealthDocumentError) as error:
             log.info("router pod %s: no health report (%s)", pod["metadata"]["name"], error)
             reports.append(None)
-    return RouterView(tuple(reports))
+    return RouterView(tuple(reports), tuple(names))
 
 
 @dataclass(frozen=True)

@@ -100,10 +100,10 @@ Action = Union[Apply, Delete, Scale, Annotate, SetStatus]
 class Plan:
     actions: tuple[Action, ...]
     status: dict[str, Any]
-    ready: bool
     problems: tuple[ChildProblem, ...] = ()
     requeue_after: float | None = None  # come back then even if nothing else happens (draining)
     draining: tuple[str, ...] = field(default=())
+    overdue: tuple[str, ...] = ()  # pods let go at the drain bound without a router saying they were idle
 
     @property
     def applies(self) -> tuple[Apply, ...]:
@@ -156,6 +156,22 @@ class _Engines:
     pod_actions: list[Action] = field(default_factory=list)
     old_actions: list[Action] = field(default_factory=list)
     draining: list[str] = field(default_factory=list)
+    holding: dict[str, str] = field(default_factory=dict)  # draining pod -> what still holds it
+    overdue: list[str] = field(default_factory=list)  # let go at the drain bound, not seen idle
+
+    def add(self, result: Retirement, now: str) -> None:
+        self.pod_actions += _retirement_actions(result) + [
+            Annotate(p, {contract.ANNOTATION_DRAINING: now}, "leaving") for p in result.mark]
+        self.draining += result.waiting
+        self.holding.update(result.holding)
+        self.overdue += result.overdue
+
+
+def drain_bounds(desired: Desired) -> dict[str, float]:
+    """Per role, how long a draining pod may stay when its routers cannot say it is idle (retirement.py)."""
+    spec = desired.model.spec
+    prefill_kv = spec.router.request_deadline_seconds + spec.kv_transfer.lease_seconds
+    return {"prefill": min(spec.rollout.drain_timeout_seconds, prefill_kv), "decode": spec.rollout.drain_timeout_seconds}
 
 
 def _retirement_actions(result: Retirement) -> list[Action]:
@@ -167,7 +183,7 @@ def _retirement_actions(result: Retirement) -> list[Action]:
 
 def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, int], now: str) -> _Engines:
     spec, model, revision = desired.model.spec, desired.ref.name, desired.revision
-    timeout = spec.router.request_deadline_seconds + spec.kv_transfer.lease_seconds
+    bounds = drain_bounds(desired)
     budgets = {r: rollout.budget(targets[r], getattr(spec.rollout, r).max_surge, getattr(spec.rollout, r).max_unavailable)
                for r in contract.ENGINE_ROLES}  # fmt: skip
     current = {r: observed.children.get(("Deployment", contract.engine_deployment_name(model, r, revision)))  # type: ignore[arg-type]
@@ -191,19 +207,15 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
     out = _Engines()
     for role in contract.ENGINE_ROLES:
         live = current[role]
-        result = retire(_pods_of(observed, role, revision), _replicas(live), step.new[role], observed.routers, now, timeout) \
+        result = retire(_pods_of(observed, role, revision), _replicas(live), step.new[role], observed.routers, now, bounds[role]) \
             if live is not None else Retirement(replicas=step.new[role])  # fmt: skip
         out.current_replicas[role] = result.replicas
-        out.pod_actions += _retirement_actions(result) + [
-            Annotate(p, {contract.ANNOTATION_DRAINING: now}, "leaving") for p in result.mark]
-        out.draining += result.waiting
+        out.add(result, now)
     for old in newest_first:
         for role, deployment in old_deployments[old].items():
             want = step.old[old].get(role, 0)
-            result = retire(_pods_of(observed, role, old), _replicas(deployment), want, observed.routers, now, timeout)
-            out.pod_actions += _retirement_actions(result) + [
-                Annotate(p, {contract.ANNOTATION_DRAINING: now}, "leaving") for p in result.mark]
-            out.draining += result.waiting
+            result = retire(_pods_of(observed, role, old), _replicas(deployment), want, observed.routers, now, bounds[role])
+            out.add(result, now)
             if result.replicas == 0 and not result.busy:
                 out.old_actions.append(Delete(deployment, "retired"))
             elif result.replicas < _replicas(deployment):
@@ -248,7 +260,7 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
     problems += [observed.refused[k] for k in (*rendered, *scalers) if k in observed.refused]
     if problems:
         status = status_mod.blocked(desired, observed, targets, problems, now)
-        return Plan(actions=(), status=status, ready=False, problems=tuple(problems))
+        return Plan(actions=(), status=status, problems=tuple(problems))
 
     engines = _plan_engines(desired, observed, targets, now)
     for role, replicas in engines.current_replicas.items():
@@ -264,12 +276,12 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
     ]
     stale = [Delete(o, "stale") for k, o in observed.children.items() if k not in wanted and not is_engine_deployment(o)]
     retired = {a.obj["metadata"]["name"] for a in engines.old_actions if isinstance(a, Delete)}
-    readiness = status_mod.readiness(desired, observed, targets)
     after = _without(observed, {d.key for d in stale} | {("Deployment", n) for n in retired})
     return Plan(
         actions=(*engines.pod_actions, *applies, *engines.old_actions, *stale, *_role_scaler_statuses(desired, observed)),
-        status=status_mod.compute(desired, after, targets, now, draining=tuple(engines.draining)),
-        ready=readiness.ready,
+        status=status_mod.compute(desired, after, targets, now,
+                                  draining={n: engines.holding.get(n, "") for n in engines.draining}),
         requeue_after=DRAIN_POLL_SECONDS if engines.draining else None,
         draining=tuple(engines.draining),
+        overdue=tuple(engines.overdue),
     )

@@ -7,10 +7,13 @@ here, and a ready pod only once no request is left on it:
    not-ready pods before ready ones anyway. Pods not created yet count the same.
 2. Each further pod to go is **marked draining** (`contract.ANNOTATION_DRAINING` = the time of marking). The
    router sends it no new request and reports its in-flight count on /health.
-3. A marked pod is **drained** when every ready router reports it draining with nothing in flight (or does
-   not route to it at all), when no router is ready (nothing can reach it), or when the router's leg
-   deadline plus the KV lease has passed since the mark (nothing that started before can still need it:
-   a decode holds it at most for the deadline, and prefill's KV blocks are freed after the lease).
+3. A marked pod is **drained** when it is idle: every ready router reports it draining with nothing in flight
+   (or does not route to it at all), streams included, or no router is ready (nothing can reach it). Only
+   when that cannot be known does a bound end the wait (`bound_s`, counted from the mark): for a decode,
+   `spec.rollout.drainTimeoutSeconds` (a router that never answers, a stream that never ends); a decode
+   streams for as long as generation runs, so no request deadline bounds it. For a prefill, the router's leg
+   deadline plus the KV lease when that is shorter: its own leg ends within the deadline, and no decode can
+   read its KV after the lease.
 4. A drained pod gets the lowest **pod-deletion-cost** (`controller.kubernetes.io/pod-deletion-cost`), and
    only when that annotation is observed does the Deployment shrink: the ReplicaSet controller removes, among
    ready pods, those of lowest cost first, so it removes exactly the drained pods. (Why not delete the pod:
@@ -46,11 +49,6 @@ def marked(pod: Obj) -> bool:
     return contract.ANNOTATION_DRAINING in annotations(pod)
 
 
-def _ready(pod: Obj) -> bool:
-    conditions = pod.get("status", {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
 @dataclass(frozen=True)
 class Retirement:
     replicas: int  # what the Deployment may be scaled to now
@@ -58,6 +56,8 @@ class Retirement:
     unmark: tuple[Obj, ...] = ()  # marked pods that stay after all
     cost: tuple[Obj, ...] = ()  # drained pods to give the lowest deletion cost
     waiting: tuple[str, ...] = field(default=())  # pods still draining (or waiting for their cost to be seen)
+    holding: Mapping[str, str] = field(default_factory=dict)  # draining pod -> what still holds it, in words
+    overdue: tuple[str, ...] = ()  # pods let go at the bound although a router could not say they were idle
 
     @property
     def busy(self) -> bool:
@@ -69,19 +69,25 @@ def _newest_first(pods: Iterable[Obj]) -> list[Obj]:
                   reverse=True)  # fmt: skip
 
 
-def retire(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterView | None, now: str, timeout_s: float) -> Retirement:
-    """How far a Deployment of `live_replicas` can shrink toward `want` now, and what to do to get further."""
+def retire(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterView | None, now: str, bound_s: float) -> Retirement:
+    """How far a Deployment of `live_replicas` can shrink toward `want` now, and what to do to get further.
+    `routers` None: not asked this pass (a pod is then drained only at the bound)."""
     active = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
     if want >= live_replicas:
         return Retirement(replicas=want, unmark=tuple(p for p in active if marked(p)))
-    ready = [p for p in active if _ready(p)]
+    ready = [p for p in active if contract.pod_serving(p)]
     excess = live_replicas - want
     free = min(excess, live_replicas - len(ready))  # not ready, or not even created
     need = excess - free
 
+    def holding(pod: Obj) -> str | None:
+        return "the routers not asked yet" if routers is None else routers.holding(pod["metadata"]["name"])
+
+    def overdue(pod: Obj) -> bool:
+        return (parse_time(now) - parse_time(annotations(pod)[contract.ANNOTATION_DRAINING])).total_seconds() >= bound_s
+
     def drained(pod: Obj) -> bool:
-        since = (parse_time(now) - parse_time(annotations(pod)[contract.ANNOTATION_DRAINING])).total_seconds()
-        return since >= timeout_s or (routers is not None and routers.idle(pod["metadata"]["name"]))
+        return holding(pod) is None or overdue(pod)
 
     leaving = [p for p in ready if marked(p)]
     # Keep the pods that are furthest along (drained, cost set), then the earliest marked.
@@ -93,10 +99,13 @@ def retire(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterVi
     removable = [p for p in leaving if drained(p) and annotations(p).get(DELETION_COST) == LEAVING_COST]
     to_cost = [p for p in leaving if drained(p) and annotations(p).get(DELETION_COST) != LEAVING_COST]
     waiting = [p["metadata"]["name"] for p in leaving if p not in removable] + [p["metadata"]["name"] for p in fresh]
+    held = {p["metadata"]["name"]: why for p in leaving if not drained(p) and (why := holding(p))}
     return Retirement(
         replicas=live_replicas - free - len(removable),
         mark=tuple(fresh),
         unmark=tuple(staying_marked),
         cost=tuple(to_cost),
         waiting=tuple(waiting),
+        holding=held,
+        overdue=tuple(p["metadata"]["name"] for p in to_cost if holding(p) is not None),
     )

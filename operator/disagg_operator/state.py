@@ -80,20 +80,29 @@ class ChildProblem:
 @dataclass(frozen=True)
 class RouterView:
     """What the routers of the model say (their /health), as the executor read it: one entry per ready
-    router pod, None for one that did not answer (then nobody can say a pod is idle before the timeout)."""
+    router pod, None for one that did not answer (then nobody can say a pod is idle before the timeout).
+    `names`: the router pods, in the order of `reports` (for messages; may be empty)."""
 
     reports: tuple[RouterHealth | None, ...] = ()
+    names: tuple[str, ...] = ()
+
+    def holding(self, pod_name: str) -> str | None:
+        """What still holds a draining pod, in words; None when every ready router reports it draining with
+        nothing in flight (or does not route to it at all), streams included, or when no router is ready."""
+        for index, report in enumerate(self.reports):
+            router = self.names[index] if index < len(self.names) else f"#{index}"
+            if report is None:
+                return f"router {router} did not answer"
+            entries = [b for b in report.backends if b.pod == pod_name]
+            inflight = sum(b.inflight for b in entries)
+            if inflight:
+                return f"{inflight} request(s) in flight on router {router}"
+            if any(not b.draining for b in entries):
+                return f"router {router} has not seen the mark yet"
+        return None
 
     def idle(self, pod_name: str) -> bool:
-        if not self.reports:
-            return True  # no ready router: nothing can route to the pod
-        for report in self.reports:
-            if report is None:
-                return False
-            entries = [b for b in report.backends if b.pod == pod_name]
-            if any(b.inflight > 0 or not b.draining for b in entries):
-                return False
-        return True
+        return self.holding(pod_name) is None
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,17 @@
 """Status from what is observed, and from what a pass could not do: pure functions only.
 
-Ready means the *current* revision's prefill, decode and router are ready, never that old pods happen
-to satisfy a count (Dynamo #3567). A pod that cannot be scheduled becomes a capacity reason naming the
-resource; a crash loop, a failed fabric preflight and a Deployment that cannot create pods have reasons of
-their own. A pass that cannot write (a child refused by the API server, a same-named object someone else
-owns, a failed write) says so in Ready (and Degraded, while something still serves), naming the child and
-the API server's message. A condition's lastTransitionTime moves only when its status flips, so an
+Ready means serving: a router is ready, some revision has a ready prefill and decode (the router pairs
+within a revision), and each role serves at its target or is on its way there (a rollout, a resize)
+without a problem that leaves it short by more than spec.rollout.<role>.maxUnavailable. So Ready stays True
+through a routine rollout and through a bad image's rollout while the old revision serves (as a
+Deployment stays Available); Progressing says a rollout or resize runs, Degraded that something is wrong
+while serving. Progressing=False Complete only when the current revision alone serves at the targets
+(Readiness.rolled_out). A pod that cannot be scheduled becomes a capacity reason naming the resource; a
+crash loop, a failed fabric preflight and a Deployment that cannot create pods have reasons of their own. A
+pass that cannot write because of something only a change clears (a child refused by the API server, a
+same-named object someone else owns, RBAC, quota) says so in Ready (and Degraded, while something still
+serves), naming the child and the API server's message; a write that retrying clears (RETRIED_REASONS)
+says so in Progressing while the model serves, and in Ready otherwise. A condition's lastTransitionTime moves only when its status flips, so an
 unchanged world yields an identical status and no write.
 
 Besides its own conditions every status carries the two that generic tools read (kstatus, and with it
@@ -17,12 +23,13 @@ derived from Ready and Progressing in one place (_with_generic_conditions), on e
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from disagg_connector import contract
 from disagg_connector.preflight import parse_termination_message
 
+from . import rollout
 from .api.models import DisaggregatedModelStatus
 from .state import ChildProblem, Desired, Obj, Observed, RouterView, revision_of, role_of
 
@@ -42,6 +49,8 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "FabricReady", "KVTransfe
 # Ready=False reasons that only a change clears (the spec, a same-named object, RBAC, admission policy, a quota):
 # retrying cannot make progress, so kstatus should report Failed instead of waiting out its timeout.
 STALLED_REASONS = ("InvalidSpec", "ChildRejected", "OwnershipConflict", "Forbidden", "QuotaExceeded", "PodCreationFailed")
+# Write failures that retrying clears (the API server busy or away, a write that raced another writer).
+RETRIED_REASONS = ("ApiUnavailable", "Conflict", "ApplyFailed")
 # Worst first: what a revision's router verdicts say, when several routers disagree.
 _KV_REASONS = ("ProtocolMismatch", "TransfersFailing", "DeadlinesHit")
 
@@ -74,21 +83,40 @@ def desired_replicas(observed: Observed, role: str, revision: str) -> int | None
 
 @dataclass(frozen=True)
 class Readiness:
-    """Counts of the current revision and whether it serves on its own at the roles' target sizes."""
+    """What serves now, and how far the current revision is: counts per role, the roles' targets and how many
+    ready pods each may lack during a rollout or a resize (spec.rollout.<role>.maxUnavailable)."""
 
     revision: str
-    roles: Mapping[str, Mapping[str, int]]
+    roles: Mapping[str, Mapping[str, int]]  # the current revision's counts
     wanted: Mapping[str, int]  # the role targets (sizing.targets)
     routers_ready: int
     routers_wanted: int
+    serving: Mapping[str, int] = field(default_factory=dict)  # ready pods per role in revisions with a ready pair
+    unavailable: Mapping[str, int] = field(default_factory=dict)  # per role: ready pods it may lack
 
     @property
     def engines_ready(self) -> bool:
         return all(self.roles[r]["readyReplicas"] >= max(1, self.wanted[r]) for r in contract.ENGINE_ROLES)
 
     @property
-    def ready(self) -> bool:
+    def routers_ok(self) -> bool:
+        return self.routers_ready >= max(1, self.routers_wanted)
+
+    @property
+    def rolled_out(self) -> bool:
+        """The current revision alone serves at the targets (the end of a rollout or a resize)."""
         return self.engines_ready and self.routers_ready >= self.routers_wanted
+
+    @property
+    def serves(self) -> bool:
+        """Requests are answered: a router is ready and some revision has a ready prefill and decode."""
+        return self.routers_ok and all(self.serving.get(r, 0) > 0 for r in contract.ENGINE_ROLES)
+
+    @property
+    def short(self) -> tuple[str, ...]:
+        """Roles serving fewer ready pods than their target less what the rollout budget lets them lack."""
+        return tuple(r for r in contract.ENGINE_ROLES
+                     if self.serving.get(r, 0) < self.wanted[r] - self.unavailable.get(r, 0))  # fmt: skip
 
     @property
     def scaled_to_zero_as_asked(self) -> bool:
@@ -101,15 +129,30 @@ class Readiness:
         engines = ", ".join(f"{r} {self.roles[r]['readyReplicas']}/{self.wanted[r]}" for r in contract.ENGINE_ROLES)
         return f"{engines}, router {self.routers_ready}/{self.routers_wanted} ready at revision {self.revision}"
 
+    def serving_summary(self) -> str:
+        return ", ".join(f"{r} {self.serving.get(r, 0)}/{self.wanted[r]}" for r in contract.ENGINE_ROLES) + \
+            f" ready pods serve, router {self.routers_ready}/{self.routers_wanted}"
+
+
+def _serving(observed: Observed) -> dict[str, int]:
+    """Ready pods per role across the revisions that have a ready pair (the router pairs within a revision)."""
+    ready = [(role_of(p), revision_of(p)) for p in observed.pods if role_of(p) in contract.ENGINE_ROLES and pod_ready(p)]
+    paired = {v for r, v in ready if r == "prefill"} & {v for r, v in ready if r == "decode"}
+    return {role: sum(1 for r, v in ready if r == role and v in paired) for role in contract.ENGINE_ROLES}
+
 
 def readiness(desired: Desired, observed: Observed, targets: Mapping[str, int]) -> Readiness:
-    revision = desired.revision
+    revision, spec = desired.revision, desired.model.spec
+    budgets = {r: rollout.budget(targets[r], getattr(spec.rollout, r).max_surge, getattr(spec.rollout, r).max_unavailable)
+               for r in contract.ENGINE_ROLES}  # fmt: skip
     return Readiness(
         revision=revision,
         roles={role: role_counts(observed, role, revision) for role in contract.ENGINE_ROLES},
         wanted=dict(targets),
         routers_ready=sum(1 for p in observed.pods if role_of(p) == "router" and pod_ready(p)),
         routers_wanted=desired_replicas(observed, "router", revision) or 0,
+        serving=_serving(observed),
+        unavailable={r: b.unavailable for r, b in budgets.items()},
     )
 
 
@@ -269,8 +312,10 @@ def _old_serving(observed: Observed, revision: str, old: set[str]) -> str:
 
 
 def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], now: str,
-            draining: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
-    """The status of what is observed, assuming this pass can do what it plans."""
+            draining: Mapping[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The status of what is observed, assuming this pass can do what it plans. `draining`: pods that are
+    leaving -> what still holds each, in words (empty when nothing is known)."""
+    draining = draining or {}
     ref, plan, revision = desired.ref, desired.rendered.plan, desired.revision
     previous = desired.previous_status or {}
     facts = readiness(desired, observed, targets)
@@ -287,36 +332,42 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     summary = facts.summary()
 
     first_problem = (fabric_failures[0] if fabric_failures else None) or crash or creation or capacity
-    if facts.ready:
-        ready_cond = ("Ready", True, "Ready", summary)
-    elif first_problem:
-        ready_cond = ("Ready", False, first_problem.reason, first_problem.message)
+    # Ready means serving: True while some revision has a ready pair and the roles serve at their targets, or
+    # are on their way there (a rollout, a resize) without a problem that leaves them short beyond the budget.
+    serving = facts.serving_summary()
+    if facts.serves and not (facts.short and first_problem):
+        ready_cond = ("Ready", True, "Ready", summary if facts.rolled_out else serving)
     elif facts.scaled_to_zero_as_asked:
         # As asked (like a Deployment at 0 replicas): done, though nothing serves until the role scales up.
         ready_cond = ("Ready", True, "ScaledToZero", f"a role is scaled to 0 as asked; nothing is served until it scales up: {summary}")
+    elif first_problem:
+        below = f"serving below the size asked ({serving}): " if facts.serves else ""
+        ready_cond = ("Ready", False, first_problem.reason, below + first_problem.message)
     elif any(facts.wanted[r] == 0 for r in contract.ENGINE_ROLES):
         ready_cond = ("Ready", False, "WaitingForPods", f"a role is scaled to 0 and the other is not ready yet: {summary}")
     else:
         ready_cond = ("Ready", False, "WaitingForPods", summary)
 
-    leaving = f"; draining {', '.join(draining)}" if draining else ""
+    leaving = "; draining " + ", ".join(f"{pod} ({why})" if why else pod for pod, why in draining.items()) if draining else ""
+    # A problem that does not stop serving (a surge pod without a node, a crash of the new revision) holds
+    # the rollout up: Progressing says so.
+    held = f"; {first_problem.reason}: {first_problem.message}" if first_problem and ready_cond[1] else ""
     if old:
         progress_cond = ("Progressing", True, "RolloutInProgress",
                          f"revision {revision} is rolling out ({summary}); still serving: "
-                         f"{_old_serving(observed, revision, old)}{leaving}")
+                         f"{_old_serving(observed, revision, old)}{leaving}{held}")
     elif draining:
-        progress_cond = ("Progressing", True, "Scaling", f"{summary}{leaving}")
-    elif not (facts.ready or facts.scaled_to_zero_as_asked):
-        progress_cond = ("Progressing", True, "WaitingForPods", summary)
+        progress_cond = ("Progressing", True, "Scaling", f"{summary}{leaving}{held}")
+    elif not (facts.rolled_out or facts.scaled_to_zero_as_asked):
+        progress_cond = ("Progressing", True, "WaitingForPods", f"{summary}{held}")
     else:
         progress_cond = ("Progressing", False, "Complete", f"revision {revision} is fully rolled out")
 
-    short = [r for r in contract.ENGINE_ROLES if not old and 0 < facts.roles[r]["readyReplicas"] < facts.wanted[r]]
     degraded_problem = crash or (fabric_failures[0] if fabric_failures else None) or (creation if something_serves(observed) else None)
     if degraded_problem:
         degraded = ("Degraded", True, degraded_problem.reason, degraded_problem.message)
-    elif short:
-        degraded = ("Degraded", True, "ReducedCapacity", f"serving below the desired size: {summary}")
+    elif facts.serves and facts.short and first_problem:
+        degraded = ("Degraded", True, "ReducedCapacity", f"serving below the desired size ({serving}): {first_problem.message}")
     else:
         degraded = ("Degraded", False, "AsExpected", "")
 
@@ -332,7 +383,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
                   for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv)]  # fmt: skip
     return _with_generic_conditions({
         "observedGeneration": ref.generation,
-        "phase": _phase(facts, degraded[1]),
+        "phase": _phase(facts, ready_cond[1], degraded[1]),
         "transferMode": plan.mode,
         "transferModeReason": plan.reason,
         "backend": plan.backend,
@@ -373,8 +424,8 @@ def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tupl
     return None, "NoTrafficYet", "the routers know no revision with a ready pair yet"
 
 
-def _phase(facts: Readiness, degraded: bool) -> str:
-    if facts.ready or facts.scaled_to_zero_as_asked:
+def _phase(facts: Readiness, ready: bool | None, degraded: bool | None) -> str:
+    if ready:
         return "Ready"
     if degraded:
         return "Degraded"
@@ -406,6 +457,14 @@ def blocked(desired: Desired, observed: Observed, targets: Mapping[str, int], pr
 def write_failed(
     desired: Desired, observed: Observed, planned: Mapping[str, Any], failure: ChildProblem, done: int, total: int, now: str
 ) -> dict[str, Any]:
-    """A write failed after `done` of `total` actions; the rest is retried with backoff."""
+    """A write failed after `done` of `total` actions; the rest is retried with backoff. A failure that the
+    retries clear by themselves does not stop a model that serves from being Ready: Progressing says it."""
     message = f"{done} of {total} changes made, then {failure.describe()}; retrying"
+    ready = next((c for c in planned.get("conditions") or [] if c.get("type") == "Ready"), {})
+    if failure.reason in RETRIED_REASONS and ready.get("status") == "True":
+        previous, generation = desired.previous_status or {}, desired.ref.generation
+        kept = {c["type"]: c for c in planned.get("conditions") or []}
+        kept["Progressing"] = condition("Progressing", True, failure.reason, message, generation, previous, now)
+        conditions = [kept[t] for t in CONDITION_TYPES if t in kept]
+        return _with_generic_conditions({**planned, "conditions": conditions}, generation, previous, now)
     return _with_failure(desired, planned, failure.reason, message, something_serves(observed), now)

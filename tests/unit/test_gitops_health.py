@@ -136,13 +136,13 @@ CASES = [
     Case("insufficient-efa", lambda: planned(WORLD, unschedulable()), ("Degraded", "InsufficientEFADevices"), "InProgress"),
     Case("preflight-failed", lambda: planned(WORLD, preflight_failed()), ("Degraded", "NixlBackendUnavailable"), "InProgress"),
     Case("write-failed-half-way", lambda: status_mod.write_failed(NEW_IMAGE, steady(WORLD), planned(NEW_IMAGE, steady(WORLD)),
-         APPLY_FAILED, 3, 8, NOW), ("Degraded", "ApplyFailed: 3 of 8 changes made"), "InProgress"),
-    # A transient failure keeps a model that does not serve yet Progressing; one that serves says Degraded (as the
-    # operator's Degraded condition does) until the next pass gets through.
+         APPLY_FAILED, 3, 8, NOW), ("Progressing", "ApplyFailed: 3 of 8 changes made"), "InProgress"),
+    # A failure that retrying clears keeps the model Progressing, serving or not: Ready means serving, and the
+    # next pass gets through.
     Case("api-unavailable-before-serving", lambda: status_mod.write_failed(WORLD, Observed(), planned(WORLD, Observed()),
          API_DOWN, 0, 8, NOW), ("Progressing", "WaitingForPods"), "InProgress"),
     Case("api-unavailable-while-serving", lambda: status_mod.write_failed(WORLD, steady(WORLD), planned(WORLD, steady(WORLD)),
-         API_DOWN, 0, 1, NOW), ("Degraded", "ApiUnavailable"), "InProgress"),
+         API_DOWN, 0, 1, NOW), ("Progressing", "ApiUnavailable"), "InProgress"),
     Case("kv-transfers-failing", lambda: planned(WORLD, replace(steady(WORLD), routers=RouterView((failing_transfers(),)))),
          ("Degraded", "TransfersFailing: "), "Current"),
     Case("operator-bug", lambda: status_mod.unservable("InternalError", "the operator failed on this model (KeyError)",

@@ -73,10 +73,10 @@ def router(pods: dict[str, tuple[int, bool]]) -> RouterHealth:
 
 
 OLD_P, OLD_D = f"p-{WORLD.revision}-0", f"d-{WORLD.revision}-0"
-IDLE = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}),) * 2)
-BUSY = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}), router({OLD_P: (0, True), OLD_D: (1, True)})))
-UNSEEN = RouterView((router({OLD_P: (0, False), OLD_D: (0, False)}),))
-SILENT = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}), None))
+IDLE = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}),) * 2, ("r0", "r1"))
+BUSY = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}), router({OLD_P: (0, True), OLD_D: (1, True)})), ("r0", "r1"))
+UNSEEN = RouterView((router({OLD_P: (0, False), OLD_D: (0, False)}),), ("r0",))
+SILENT = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}), None), ("r0", "r1"))
 
 
 def with_stale_policy() -> Observed:
@@ -131,12 +131,14 @@ CASES = [
     Case("scale-is-written-to-the-role-scaler-and-its-deployment", SCALED, lambda: steady(WORLD),
          lambda a: a == [("Apply", contract.ROLE_KIND, "m-prefill", "update"),
                          ("Apply", "Deployment", contract.engine_deployment_name("m", "prefill", WORLD.revision), "update")],
-         ("False", "WaitingForPods"), lambda s: SCALED.revision == WORLD.revision and s["prefill"]["targetReplicas"] == 2),
+         ("True", "Ready"), lambda s: SCALED.revision == WORLD.revision and s["prefill"]["targetReplicas"] == 2
+         and cond(s, "Progressing")["reason"] == "WaitingForPods" and cond(s, "Degraded")["status"] == "False"),
     Case("revision-change-starts-with-one-surge-pod-per-role", NEW_IMAGE, lambda: steady(WORLD),
          lambda a: {x[2] for x in a if x[3] == "create"} == set(deployments(NEW_IMAGE)) and not [x for x in a if x[0] == "Delete"],
-         ("False", "WaitingForPods"), lambda s: cond(s, "Progressing")["reason"] == "RolloutInProgress"),
+         ("True", "Ready"), lambda s: cond(s, "Progressing")["reason"] == "RolloutInProgress"),
     Case("new-revision-not-ready-keeps-old", NEW_IMAGE, lambda: rolling(new_ready=False),
-         lambda a: a == [], ("False", "WaitingForPods"), lambda s: cond(s, "Progressing")["reason"] == "RolloutInProgress"),
+         lambda a: a == [], ("True", "Ready"), lambda s: cond(s, "Progressing")["reason"] == "RolloutInProgress"
+         and cond(s, "Degraded")["status"] == "False" and cond(s, "Reconciling")["status"] == "True"),
     Case("a-ready-new-pair-marks-the-old-pair-draining", NEW_IMAGE, lambda: rolling(new_ready=True),
          lambda a: a == [("Annotate", "Pod", OLD_P, "leaving"), ("Annotate", "Pod", OLD_D, "leaving")],
          ("True", "Ready"), lambda s: f"draining {OLD_P}, {OLD_D}" in cond(s, "Progressing")["message"]),
@@ -150,9 +152,20 @@ CASES = [
          lambda a: a == [], ("True", "Ready"), routers=UNSEEN),
     Case("a-silent-router-is-waited-for", NEW_IMAGE, lambda: rolling(True, LEAVING), lambda a: a == [],
          ("True", "Ready"), routers=SILENT),
-    Case("deadline-plus-lease-ends-the-wait", NEW_IMAGE, lambda: rolling(True, LEAVING),
+    Case("a-stream-outlives-deadline-plus-lease-and-keeps-its-decode", NEW_IMAGE, lambda: rolling(True, LEAVING),
+         lambda a: a == [("Annotate", "Pod", OLD_P, "drained")], ("True", "Ready"),
+         lambda s: f"{OLD_D} (1 request(s) in flight on router r1)" in cond(s, "Progressing")["message"],
+         routers=BUSY, now="2026-12-01T00:59:00Z"),  # long past 60 s deadline + 120 s lease, within the 1 h bound
+    Case("a-silent-router-holds-a-decode-until-the-drain-timeout", NEW_IMAGE, lambda: rolling(True, LEAVING),
+         lambda a: a == [("Annotate", "Pod", OLD_P, "drained")], ("True", "Ready"),
+         lambda s: f"{OLD_D} (router r1 did not answer)" in cond(s, "Progressing")["message"],
+         routers=SILENT, now="2026-12-01T00:03:00Z"),  # a prefill's KV is no one's after deadline + lease
+    Case("the-drain-timeout-ends-the-wait", NEW_IMAGE, lambda: rolling(True, LEAVING),
          lambda a: [x[3] for x in a] == ["drained", "drained"], ("True", "Ready"), routers=SILENT,
-         now="2026-12-01T00:03:00Z"),  # 60 s deadline + 120 s lease after the mark
+         now="2026-12-01T01:00:00Z"),  # spec.rollout.drainTimeoutSeconds (3600) after the mark
+    Case("a-router-that-answers-late-lets-the-pod-go-at-once", NEW_IMAGE, lambda: rolling(True, LEAVING),
+         lambda a: [x[3] for x in a] == ["drained", "drained"], ("True", "Ready"), routers=IDLE,
+         now="2026-12-01T00:20:00Z"),
     Case("once-the-cost-is-seen-the-old-revision-goes", NEW_IMAGE, lambda: rolling(True, COSTED),
          lambda a: sorted(x[2] for x in a) == deployments(WORLD) and {x[:2] for x in a} == {("Delete", "Deployment")}
          and {x[3] for x in a} == {"retired"},

@@ -59,7 +59,8 @@ def test_ready_when_current_revision_and_router_are_ready() -> None:
     assert cond(status, "Progressing")["status"] == "False"
 
 
-def test_old_revision_pods_never_count_as_ready() -> None:
+def test_old_revision_pods_serve_but_never_count_as_the_current_revisions_ready() -> None:
+    """Ready means serving (the old pair serves), readyReplicas counts the current revision only (Dynamo #3567)."""
     observed = world(
         [deployment("prefill", 1), deployment("decode", 1), deployment("router", 1),
          deployment("prefill", 1, "old"), deployment("decode", 1, "old")],
@@ -67,7 +68,7 @@ def test_old_revision_pods_never_count_as_ready() -> None:
          pod("prefill", "p1", ready=False), pod("decode", "d1"), pod("router", "r1")],
     )  # fmt: skip
     status = status_of(observed)
-    assert cond(status, "Ready")["status"] == "False"
+    assert cond(status, "Ready")["status"] == "True"
     assert status["prefill"] == {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 1, "targetReplicas": 1}
     progressing = cond(status, "Progressing")
     assert progressing["status"] == "True" and progressing["reason"] == "RolloutInProgress"

@@ -351,8 +351,9 @@ class EngineSpec(ApiModel):
     )
     termination_grace_period_seconds: Annotated[int, Field(ge=0, le=3600)] = Field(
         default=120,
-        description="Seconds a stopping vLLM pod gets before it is killed. Its preStop waits "
-        "min(router.requestDeadlineSeconds, this - 10) so requests already routed to it finish.",
+        description="Seconds a stopping vLLM pod gets before it is killed. Its preStop waits up to "
+        "this - 15 for the engine to be idle (nothing running or waiting, no KV block held), so size it "
+        "for the longest generation.",
     )
 
 
@@ -529,10 +530,12 @@ class RoleSpec(ApiModel):
 
     replicas: Annotated[int, Field(ge=0, le=1000)] = Field(
         default=1,
-        description="Pods of this role, each one vLLM engine. 0 stops the role (Ready turns False). The size "
+        description="Pods of this role, each one vLLM engine. 0 stops the role (Ready=True ScaledToZero: nothing is "
+        "served until it scales up again). The size "
         "lives in the role's DisaggregatedRole `<model>-<role>` (its scale subresource): a change of this field is "
         "written there; `kubectl scale`, an HPA or KEDA scale that object, and the operator never undoes them "
-        "until this field changes again.",
+        "until this field changes again (a DisaggregatedRole deleted by hand comes back at the size status "
+        "last recorded as targetReplicas).",
     )
     parallelism: Parallelism = _sub(Parallelism, "vLLM parallel sizes of each pod's engine.")
     accelerator: AcceleratorSpec = _sub(AcceleratorSpec, "Accelerators per pod.")
@@ -735,6 +738,14 @@ class RolloutSpec(ApiModel):
 
     prefill: RoleRollout = _sub(RoleRollout, "Bounds for the prefill role.")
     decode: RoleRollout = _sub(RoleRollout, "Bounds for the decode role.")
+    drain_timeout_seconds: Annotated[int, Field(ge=30, le=86400)] = Field(
+        default=3600,
+        description="Seconds a pod that leaves (a rollout, scale-in) may stay draining when its routers cannot "
+        "say it is idle (a router that does not answer, a stream that never ends); a pod goes as soon as every "
+        "ready router reports nothing in flight on it, streams included. Size it for the longest generation "
+        "you serve. A prefill is let go sooner: after router.requestDeadlineSeconds plus kvTransfer.leaseSeconds "
+        "no decode can still read its KV.",
+    )
 
 
 # --- spec -------------------------------------------------------------------------------------------
