@@ -253,8 +253,8 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
     scalers = {}
     for role in contract.ENGINE_ROLES:
         key = sizing.scaler_key(desired, role)
-        scalers[key] = stamped(rendered.pop(key))
-        scalers[key]["spec"]["replicas"] = targets[role]
+        scaler = stamped(rendered.pop(key))
+        scalers[key] = {**scaler, "spec": {**scaler["spec"], "replicas": targets[role]}}  # a new dict: plan edits no input
 
     problems = [ownership_conflict(k, observed.foreign[k]) for k in (*rendered, *scalers) if k in observed.foreign]
     problems += [observed.refused[k] for k in (*rendered, *scalers) if k in observed.refused]

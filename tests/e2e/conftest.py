@@ -242,10 +242,12 @@ def crd_installed(cluster) -> None:
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.PLURAL}.{contract.API_GROUP}")
 
 
-# The examples keep production deadlines (60 s per leg, a 120 s KV lease). A pod the operator retires
-# waits for them when no router answers for it (kwok's router pods run nothing), so e2e models that roll
-# out or scale in without a router process use short ones.
-FAST_DRAIN = {"router": {"requestDeadlineSeconds": 2}, "kvTransfer": {"leaseSeconds": 5}}
+# The examples keep production bounds (60 s per leg, a 120 s KV lease, a 1 h drain timeout). A pod the
+# operator retires waits for them when no router answers for it (kwok's router pods run nothing), so e2e
+# models that roll out or scale in without a router process use short ones. Tests with a router process
+# that answers keep the production drain timeout (the drain then ends when the routers say the pod is idle).
+FAST_DRAIN = {"router": {"requestDeadlineSeconds": 2}, "kvTransfer": {"leaseSeconds": 5}, "rollout": {"drainTimeoutSeconds": 7}}
+PRODUCTION_DRAIN_TIMEOUT = {"rollout": {"drainTimeoutSeconds": 3600}}
 
 
 def model_manifest(name: str, patch: dict | None = None, example: str = "minimal") -> dict:

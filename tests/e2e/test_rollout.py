@@ -34,7 +34,7 @@ from disagg_connector import contract
 from tests.vllm_sim.pods import PodEngines, router_kubeconfig, start_router
 
 from ..conftest import REPO
-from .conftest import model_manifest
+from .conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
 from .test_router_e2e import BackgroundClient, wait_for
 from .waiting import condition
 
@@ -101,7 +101,7 @@ def big_model(name: str, pool_label: str, mode: str) -> dict[str, Any]:
         "kvTransfer": {"mode": mode, "leaseSeconds": 120}, "router": {"replicas": 1, "requestDeadlineSeconds": 60,
                                                                         "disaggregationThresholdTokens": 0, "maxRetries": 3},
         "prefill": role, "decode": copy.deepcopy(role),
-        "network": {"placement": {"zone": "None", "spine": "None"}},
+        "network": {"placement": {"zone": "None", "spine": "None"}}, **PRODUCTION_DRAIN_TIMEOUT,
     })  # fmt: skip
 
 

@@ -297,3 +297,67 @@ def test_scale_in_drains_the_pod_that_leaves_first() -> None:
     assert [(a.obj["metadata"]["name"], a.why) for a in marks] == [(f"d-{two.revision}-1", "leaving")]
     assert not [a for a in plan.applies if a.obj["kind"] == "Deployment"], "the Deployment keeps the pod until it is drained"
     assert plan.requeue_after is not None and plan.draining == (f"d-{two.revision}-1",)
+
+
+def test_a_role_deleted_after_kubectl_scale_comes_back_at_its_recorded_size() -> None:
+    """scale to 3, delete the DisaggregatedRole: it is recreated at 3 (the status's targetReplicas), and no serving
+    decode is drained; a spec changed since (another generation) is asked for its own size instead."""
+    scaled = _scaled_by_hand(WORLD, "decode", 3)
+    observed = with_role_status(Observed(scaled.children, serving_pods(WORLD.revision, decode=3)), WORLD.revision)
+    first = planner.plan(WORLD, observed, NOW)
+    assert first.status["decode"]["targetReplicas"] == 3
+    without_role = Observed({k: v for k, v in observed.children.items() if k != (contract.ROLE_KIND, "m-decode")}, observed.pods)
+    again = planner.plan(desired(previous=first.status), without_role, NOW)
+    recreated = next(a.obj for a in again.applies if a.obj["kind"] == contract.ROLE_KIND)
+    assert (recreated["metadata"]["name"], recreated["spec"]["replicas"], a_why(again, "m-decode")) == ("m-decode", 3, "create")
+    assert not [a for a in again.actions if isinstance(a, planner.Annotate)], "no serving pod is drained"
+    assert again.status["decode"]["targetReplicas"] == 3
+    newer = planner.plan(desired({"engine": {"image": "x/y:z"}}, previous=first.status, generation=4), without_role, NOW)
+    assert newer.status["decode"]["targetReplicas"] == 1, "a new generation's spec asks for its own size"
+
+
+def a_why(plan: planner.Plan, name: str) -> str:
+    return next(a.why for a in plan.applies if a.obj["metadata"]["name"] == name)
+
+
+def _crash_looping(observed: Observed, revision: str) -> Observed:
+    """The pods of `revision` crash-loop (a bad image)."""
+    waiting = {"name": "vllm", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+               "lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}
+    pods = tuple({**p, "status": {**p["status"], "containerStatuses": [waiting]}}
+                 if p["metadata"]["labels"].get(contract.LABEL_REVISION) == revision else p for p in observed.pods)  # fmt: skip
+    return replace(observed, pods=pods)
+
+
+def test_ready_means_serving_through_a_bad_images_rollout() -> None:
+    """The new revision crash-loops while the old one serves at full size: Ready stays True (kubectl wait, a
+    GitOps gate and an alert on Ready see a model that serves), Degraded says CrashLoop, Progressing says the
+    rollout is held up and why; nothing of the old revision is drained."""
+    plan = planner.plan(NEW_IMAGE, _crash_looping(rolling(new_ready=False), NEW_IMAGE.revision), NOW)
+    ready, degraded, progressing = (cond(plan.status, t) for t in ("Ready", "Degraded", "Progressing"))
+    assert (ready["status"], ready["reason"]) == ("True", "Ready"), ready
+    assert (degraded["status"], degraded["reason"]) == ("True", "CrashLoop"), degraded
+    assert progressing["reason"] == "RolloutInProgress" and "CrashLoop" in progressing["message"], progressing
+    assert cond(plan.status, "Stalled")["status"] == "False"
+    assert not [a for a in plan.actions if isinstance(a, planner.Annotate)]
+
+
+def test_a_crash_loop_that_leaves_a_role_short_of_its_size_is_not_ready() -> None:
+    """No rollout: the only decode crash-loops, nothing of the current revision serves: Ready=False CrashLoop."""
+    observed = _crash_looping(steady(WORLD), WORLD.revision)
+    observed = replace(observed, pods=tuple({**p, "status": {**p["status"], "conditions": [{"type": "Ready", "status": "False"}]}}
+                                            if p["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode" else p
+                                            for p in observed.pods))  # fmt: skip
+    ready = cond(planner.plan(WORLD, observed, NOW).status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "CrashLoop"), ready
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_plan_leaves_its_inputs_unchanged(case: Case) -> None:
+    """plan() is pure: the rendered objects and the observed world are the same after it as before (a planner
+    that edits them makes later passes, and tests sharing a world, depend on order)."""
+    observed = replace(case.observed(), routers=case.routers)
+    before = copy.deepcopy((case.world.rendered.objects, observed.children, observed.pods, case.world.previous_status))
+    planner.plan(case.world, observed, case.now)
+    planner.plan(case.world, _scaled_by_hand(case.world, "decode", 3), case.now)
+    assert (case.world.rendered.objects, observed.children, observed.pods, case.world.previous_status) == before

@@ -738,7 +738,7 @@ class RolloutSpec(ApiModel):
 
     prefill: RoleRollout = _sub(RoleRollout, "Bounds for the prefill role.")
     decode: RoleRollout = _sub(RoleRollout, "Bounds for the decode role.")
-    drain_timeout_seconds: Annotated[int, Field(ge=30, le=86400)] = Field(
+    drain_timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = Field(
         default=3600,
         description="Seconds a pod that leaves (a rollout, scale-in) may stay draining when its routers cannot "
         "say it is idle (a router that does not answer, a stream that never ends); a pod goes as soon as every "
