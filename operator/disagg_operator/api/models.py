@@ -953,7 +953,9 @@ class DisaggregatedModelStatus(ApiModel):
     decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode pod counts.")
     router: RouterStatus = Field(default_factory=RouterStatus, description="Router pods and URL.")
     conditions: list[Condition] = Field(
-        default_factory=list, description="Ready, Progressing, Degraded and FabricReady, with reasons."
+        default_factory=list, description="Ready (the model serves at the size asked, or is on its way there "
+        "within the rollout budget), Progressing, Degraded, FabricReady, KVTransferHealthy, and for kstatus readers "
+        "Reconciling and Stalled, each with a reason that says what to do."
     )
 
 
