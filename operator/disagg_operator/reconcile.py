@@ -131,6 +131,9 @@ class Reconciler:
                 if probes:
                     plan = planner.plan(desired, observed.with_probes(probes.foreign, probes.refused), now)
             outcome = executor.execute(plan, self.cluster, on_done=self._count)
+            if plan.overdue:
+                log.warning("%s/%s: %s let go at the drain bound (spec.rollout.drainTimeoutSeconds) though no router "
+                            "said they were idle", namespace, name, ", ".join(plan.overdue))  # fmt: skip
         except TRANSPORT_ERRORS as error:
             problem = ChildProblem("ApiUnavailable", "API", "server", f"the API server did not answer ({error}); retrying")
             self._try_write_failure(key, desired, observed, problem)

@@ -35,7 +35,8 @@ def router_args(dm: DisaggregatedModel) -> list[str]:
         "--kv-lease-seconds", str(dm.spec.kv_transfer.lease_seconds),
         "--max-retries", str(router.max_retries),
         "--disaggregation-threshold-tokens", str(router.disaggregation_threshold_tokens),
-        "--shutdown-grace-seconds", str(router.request_deadline_seconds),
+        # A stopping router lets its streams end (aiohttp returns as soon as they have), as a retiring engine does.
+        "--shutdown-grace-seconds", str(dm.spec.rollout.drain_timeout_seconds),
     ]  # fmt: skip
 
 
@@ -98,7 +99,7 @@ def deployment(dm: DisaggregatedModel, plan: TransferPlan, defaults: RenderDefau
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": contract.router_name(model),
-        "terminationGracePeriodSeconds": PRE_STOP_SECONDS + router.request_deadline_seconds + SHUTDOWN_MARGIN_SECONDS,
+        "terminationGracePeriodSeconds": PRE_STOP_SECONDS + dm.spec.rollout.drain_timeout_seconds + SHUTDOWN_MARGIN_SECONDS,
         "containers": [container],
     }
     if router.node_selector:
