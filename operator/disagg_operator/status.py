@@ -30,6 +30,7 @@ from disagg_connector import contract
 from disagg_connector.preflight import parse_termination_message
 
 from . import rollout
+from .api import vocabulary
 from .api.models import DisaggregatedModelStatus
 from .state import ChildProblem, Desired, Obj, Observed, RouterView, revision_of, role_of
 
@@ -45,12 +46,12 @@ CAPACITY_REASONS = {
 }
 CRASH_WAITING_REASONS = {"CrashLoopBackOff"}
 IMAGE_WAITING_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "FabricReady", "KVTransferHealthy", "Reconciling", "Stalled")
+CONDITION_TYPES = tuple(vocabulary.CONDITION_TYPES)
 # Ready=False reasons that only a change clears (the spec, a same-named object, RBAC, admission policy, a quota):
 # retrying cannot make progress, so kstatus should report Failed instead of waiting out its timeout.
-STALLED_REASONS = ("InvalidSpec", "ChildRejected", "OwnershipConflict", "Forbidden", "QuotaExceeded", "PodCreationFailed")
+STALLED_REASONS = vocabulary.STALLED_REASONS
 # Write failures that retrying clears (the API server busy or away, a write that raced another writer).
-RETRIED_REASONS = ("ApiUnavailable", "Conflict", "ApplyFailed")
+RETRIED_REASONS = vocabulary.RETRIED_REASONS
 # Worst first: what a revision's router verdicts say, when several routers disagree.
 _KV_REASONS = ("ProtocolMismatch", "TransfersFailing", "DeadlinesHit")
 

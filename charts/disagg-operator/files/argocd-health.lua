@@ -18,11 +18,13 @@
 --   Healthy      Ready=True, judged at metadata.generation
 --   Progressing  otherwise
 
--- Ready=False reasons that clear without anyone changing anything.
+-- Ready=False reasons that clear without anyone changing anything (class "transient" in the operator's
+-- vocabulary, operator/disagg_operator/api/vocabulary.py; a test keeps this table equal to it).
 local passing = {
   WaitingForPods = true,  -- pods of the current revision are starting
   ApiUnavailable = true,  -- the API server did not answer the operator; it retries
   Conflict = true,        -- a write raced another writer; retried at once
+  ApplyFailed = true,     -- another write failure, retried with backoff
 }
 
 local function conditions_by_type(status)
