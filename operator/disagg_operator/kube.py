@@ -1,5 +1,5 @@
 """The only module that talks to the Kubernetes API: server-side apply (real and dry run), a GET by name,
-deletes, status writes. Everything it is asked to do was decided by pure code elsewhere; reads of the
+deletes, status writes, Events. Everything it is asked to do was decided by pure code elsewhere; reads of the
 model and its children come from the watch-fed cache (cache.py), not from here.
 
 Every request carries a timeout: an API server that stops answering must fail the pass (to be retried
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -140,3 +142,53 @@ class Cluster:
             body={"status": status}, field_manager=self.field_manager,
             _content_type="application/merge-patch+json", _request_timeout=REQUEST_TIMEOUT,
         )  # fmt: skip
+
+
+class EventRecorder:
+    """Records Events (events.k8s.io/v1) on a model. A repeat of an Event (same model, reason, note and
+    related object) within SERIES_SECONDS becomes a count on the first one (its `series`), as client-go's
+    recorder aggregates, so a looping failure does not flood. Recording never fails a pass."""
+
+    SERIES_SECONDS = 600.0
+
+    def __init__(self, api_client: client.ApiClient, instance: str, clock: Callable[[], float] = time.time):
+        self.api = client.EventsV1Api(api_client)
+        self.instance = instance
+        self.clock = clock
+        self._seen: dict[tuple[str, ...], tuple[str, int, float]] = {}  # key -> (event name, count, first seen)
+
+    @staticmethod
+    def _micro_time(at: float) -> str:
+        return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+    def record(self, model: dict[str, Any], event: Any) -> None:
+        meta = model["metadata"]
+        related = event.related
+        key = (meta["uid"], event.reason, event.note, (related or {}).get("metadata", {}).get("name", ""))
+        now = self.clock()
+        self._seen = {k: v for k, v in self._seen.items() if now - v[2] < self.SERIES_SECONDS}
+        try:
+            seen = self._seen.get(key)
+            if seen is not None and now - seen[2] < self.SERIES_SECONDS:
+                name, count, first = seen
+                self.api.patch_namespaced_event(name, meta["namespace"], {"series": {
+                    "count": count + 1, "lastObservedTime": self._micro_time(now)}}, _request_timeout=REQUEST_TIMEOUT)
+                self._seen[key] = (name, count + 1, first)
+                return
+            body = {
+                "apiVersion": "events.k8s.io/v1", "kind": "Event",
+                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                "eventTime": self._micro_time(now), "reportingController": f"{contract.API_GROUP}/{contract.OPERATOR_NAME}",
+                "reportingInstance": self.instance, "action": event.action, "reason": event.reason, "type": event.type,
+                "note": event.note[:1024],
+                "regarding": {"apiVersion": model["apiVersion"], "kind": model["kind"], "name": meta["name"],
+                              "namespace": meta["namespace"], "uid": meta["uid"]},
+            }  # fmt: skip
+            if related is not None:
+                rm = related["metadata"]
+                body["related"] = {"apiVersion": related.get("apiVersion", "v1"), "kind": related.get("kind", "Pod"),
+                                   "name": rm["name"], "namespace": rm.get("namespace", meta["namespace"]), "uid": rm.get("uid")}  # fmt: skip
+            created = self.api.create_namespaced_event(meta["namespace"], body, _request_timeout=REQUEST_TIMEOUT)
+            self._seen[key] = (created.metadata.name, 1, now)
+        except (ApiException, OSError) as error:  # an Event is a courtesy: never worth a failed pass
+            log.info("event %s on %s/%s not recorded: %s", event.reason, meta["namespace"], meta["name"], error)

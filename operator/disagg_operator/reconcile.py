@@ -25,12 +25,12 @@ from typing import Any, Callable, Mapping
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
-from . import executor, planner, retirement, sizing
+from . import events, executor, planner, retirement, sizing
 from . import status as status_mod
 from .api.validation import SpecError, parse
 from .cache import Cache
 from .config import RenderDefaults
-from .kube import Cluster, error_message
+from .kube import Cluster, EventRecorder, error_message
 from .metrics import CONTROLLER, OperatorMetrics
 from .render import render
 from .state import ChildProblem, Desired, ModelRef, Observed, role_of
@@ -67,8 +67,10 @@ def _resource_version(obj: Mapping[str, Any] | None) -> int:
 
 class Reconciler:
     def __init__(self, cache: Cache, cluster: Cluster, defaults: RenderDefaults, metrics: OperatorMetrics,
-                 now: Callable[[], str] = utc_now, router_poll_seconds: float = 300.0):  # fmt: skip
+                 now: Callable[[], str] = utc_now, router_poll_seconds: float = 300.0,
+                 recorder: EventRecorder | None = None):  # fmt: skip
         self.cache = cache
+        self.recorder = recorder
         self.router_poll_seconds = router_poll_seconds
         self._routers_read: dict[ModelKey, tuple[float, frozenset[str]]] = {}  # when, and which routers were ready
         self.cluster = cluster
@@ -109,12 +111,11 @@ class Reconciler:
             model = parse({k: body[k] for k in ("apiVersion", "kind", "spec") if k in body}
                           | {"metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation") if k in meta}})
             rendered = render(model, self.defaults)
-        except SpecError as error:  # a spec admission would have refused: an older CRD, or none
-            self._write_if_changed(key, previous, status_mod.invalid_status(
-                [str(p) for p in error.problems], meta.get("generation"), previous, self.now()))
-            return PassResult("invalid", "InvalidSpec")
-        except ValueError as error:
-            self._write_if_changed(key, previous, status_mod.invalid_status([str(error)], meta.get("generation"), previous, self.now()))
+        except (SpecError, ValueError) as error:  # a spec admission would have refused: an older CRD, or none
+            problems = [str(p) for p in error.problems] if isinstance(error, SpecError) else [str(error)]
+            status = status_mod.invalid_status(problems, meta.get("generation"), previous, self.now())
+            self._record(body, events.of_status(previous, status))
+            self._write_if_changed(key, previous, status)
             return PassResult("invalid", "InvalidSpec")
 
         desired = Desired(ModelRef(namespace, name, meta["uid"], meta.get("generation")), model, rendered, previous)
@@ -148,12 +149,18 @@ class Reconciler:
         else:
             assert outcome.failure is not None
             status = status_mod.write_failed(desired, observed, plan.status, outcome.failure, outcome.done, outcome.total, now)
+        self._record(body, events.of_pass(desired, observed, plan, outcome.done, outcome.failure, status))
         self._write_if_changed(key, previous, status)
         if plan.problems:
             return PassResult("blocked", plan.problems[0].reason, plan.problems[0].describe())
         if outcome.failure is not None:
             return PassResult("error", outcome.failure.reason, outcome.failure.describe())
         return PassResult("success", requeue_after=plan.requeue_after)
+
+    def _record(self, body: Mapping[str, Any], found: list[events.Event]) -> None:
+        if self.recorder is not None:
+            for event in found:
+                self.recorder.record(dict(body), event)
 
     def _router_poll_due(self, key: ModelKey, observed: Observed) -> bool:
         """Once per poll period, and at once when the set of ready router pods changed since the last read."""

@@ -21,13 +21,15 @@ WRITERS = [
     REPO / "operator/disagg_operator/status.py", REPO / "operator/disagg_operator/planner.py",
     REPO / "operator/disagg_operator/executor.py", REPO / "operator/disagg_operator/reconcile.py",
     REPO / "connector/disagg_connector/preflight.py", REPO / "connector/disagg_connector/router/health.py",
+    REPO / "operator/disagg_operator/events.py",
 ]  # fmt: skip
 # CamelCase strings of those modules that are not reasons: API kinds, field values, condition types.
 NOT_REASONS = {
     "Deployment", "Pod", "Service", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget", "NetworkPolicy",
     "HorizontalPodAutoscaler", "Unknown", "True", "False", "Push", "Pull", "API", "CrashLoopBackOff",
     "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "PodScheduled", "ReplicaFailure", "Invalid", "Pending",
-    "Progressing", "Degraded", "FallbackToLogsOnError", "Error", "GPUs",
+    "Progressing", "Degraded", "FallbackToLogsOnError", "Error", "GPUs", "Normal", "Warning", "Drain", "Retire",
+    "Scale", "Delete", "Plan", "Rollout", "Apply", "Status",
 }  # fmt: skip
 
 
@@ -37,7 +39,7 @@ def _strings(path: Path) -> set[str]:
 
 
 def test_every_reason_written_is_declared() -> None:
-    declared = set(vocabulary.BY_NAME) | set(vocabulary.CONDITION_TYPES)
+    declared = set(vocabulary.BY_NAME) | set(vocabulary.CONDITION_TYPES) | set(vocabulary.EVENT_REASONS)
     for path in WRITERS:
         unknown = _strings(path) - declared - NOT_REASONS
         assert not unknown, f"{path.relative_to(REPO)} writes reasons the vocabulary does not declare: {sorted(unknown)}"

@@ -11,7 +11,7 @@ The class is what generic readers act on:
 
 Read from here: status.py (STALLED_REASONS, RETRIED_REASONS), the Argo CD health script's `passing` table
 (checked by tests/unit/test_vocabulary.py), kstatus's Stalled set, docs/reasons.md (generated), and the
-reasons of the Events the operator records on the model. Reasons made in the data plane (the preflight
+reasons of the Events the operator records on the model (EVENT_REASONS, and the condition reasons). Reasons made in the data plane (the preflight
 program's, the router's KV verdicts) are declared here as well, and a test checks that the connector's lists
 match.
 """
@@ -104,6 +104,19 @@ REASONS: tuple[Reason, ...] = (
     _r("RouterUnreachable", "KVTransferHealthy", "failing", "No router pod answered on /health: check that network policies let the operator in."),
 )
 
+# Reasons of the Events the operator records on a model (events.py) besides the condition reasons above
+# (a refused child, a failed write, Ready lost and KV transfers failing use those).
+EVENT_REASONS: dict[str, str] = {
+    "RolloutStarted": "A new revision started replacing the old one.",
+    "RolloutStep": "A revision's role changed size in a rollout (new pods come, old ones go).",
+    "RolloutComplete": "The new revision serves alone.",
+    "Scaled": "A role changed size to its target (spec, kubectl scale, an HPA).",
+    "PodDraining": "A pod that leaves was marked draining: the routers send it nothing new.",
+    "PodRetired": "A draining pod is idle (no router has anything in flight on it) and goes.",
+    "DrainTimedOut": "A draining pod went at spec.rollout.drainTimeoutSeconds without a router saying it was idle.",
+    "RevisionRetired": "An old revision's Deployment was deleted once its pods were gone.",
+}
+
 BY_NAME: dict[str, Reason] = {r.name: r for r in REASONS}
 
 
@@ -123,4 +136,6 @@ def markdown_table() -> str:
     lines += [f"| `{t}` | {doc} |" for t, doc in CONDITION_TYPES.items()]
     lines += ["", "| reason | conditions | class | meaning |", "|---|---|---|---|"]
     lines += [f"| `{r.name}` | {', '.join(r.conditions)} | {r.klass} | {r.doc} |" for r in REASONS]
+    lines += ["", "| Event reason (besides the reasons above) | meaning |", "|---|---|"]
+    lines += [f"| `{name}` | {doc} |" for name, doc in EVENT_REASONS.items()]
     return "\n".join(lines) + "\n"

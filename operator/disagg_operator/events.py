@@ -1,0 +1,102 @@
+"""The Events a pass records on its DisaggregatedModel: one per decision, in the vocabulary's names. Pure.
+
+`kubectl describe dm <name>` (and `kubectl events --for dm/<name>`) then tells a rollout's story: started,
+each step, each pod draining and retired, done; and what went wrong: a refused child, an ownership conflict,
+a write that failed, Ready lost, KV transfers failing, a drain that hit its timeout. Only actions the
+executor carried out make an Event. Repeats (a looping failure) are aggregated by the recorder (kube.py) into
+one Event with a count, as client-go's recorder does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping
+
+from . import planner
+from .api import vocabulary
+from .state import ChildProblem, Desired, Observed, Obj, revision_of, role_of
+
+
+@dataclass(frozen=True)
+class Event:
+    type: Literal["Normal", "Warning"]
+    reason: str  # one of vocabulary.EVENT_REASONS, or a condition reason of vocabulary.REASONS
+    action: str  # what the operator did or saw (events.k8s.io `action`)
+    note: str
+    related: Obj | None = None  # the child or pod it is about
+
+
+def _condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any]:
+    return next((c for c in (status or {}).get("conditions") or [] if c.get("type") == type_), {})
+
+
+def _name(obj: Obj) -> str:
+    return obj["metadata"]["name"]
+
+
+def _action_event(action: planner.Action, observed: Observed, rolling: bool) -> Event | None:
+    obj = action.obj
+    if isinstance(action, planner.Annotate) and action.why == "leaving":
+        return Event("Normal", "PodDraining", "Drain", f"{role_of(obj)} pod {_name(obj)} drains: no new request; it goes once "
+                     "no router has anything in flight on it", obj)  # fmt: skip
+    if isinstance(action, planner.Annotate) and action.why == "drained":
+        return Event("Normal", "PodRetired", "Retire", f"{role_of(obj)} pod {_name(obj)} is idle: it goes", obj)
+    if isinstance(action, planner.Scale):
+        before = int((obj.get("spec") or {}).get("replicas") or 0)
+        return Event("Normal", "RolloutStep", "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> "
+                     f"{action.replicas} pods", obj)  # fmt: skip
+    if isinstance(action, planner.Delete) and action.why == "retired":
+        return Event("Normal", "RevisionRetired", "Delete", f"{role_of(obj)} Deployment {_name(obj)} of revision "
+                     f"{revision_of(obj)} deleted: its pods are gone", obj)  # fmt: skip
+    if isinstance(action, planner.Apply) and obj["kind"] == "Deployment" and role_of(obj) in ("prefill", "decode"):
+        live = next((c for c in observed.deployments if _name(c) == _name(obj)), None)
+        before = int((live.get("spec") or {}).get("replicas") or 0) if live else 0
+        after = int(obj["spec"]["replicas"])
+        if live is not None and before == after:
+            return None  # a template change, not a size change
+        verb = "RolloutStep" if rolling else "Scaled"
+        return Event("Normal", verb, "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> {after} pods", obj)
+    return None
+
+
+def of_pass(desired: Desired, observed: Observed, plan: planner.Plan, done: int, failure: ChildProblem | None,
+            status: Mapping[str, Any]) -> list[Event]:  # fmt: skip
+    """The Events of one pass: its problems, the actions it carried out (the first `done`), a failed write,
+    and the conditions that changed meaning (a rollout started or done, Ready lost, KV transfers failing)."""
+    previous = desired.previous_status
+    events = [Event("Warning", p.reason, "Plan", f"nothing was changed: {p.describe()}") for p in plan.problems]
+    before, after = _condition(previous, "Progressing"), _condition(status, "Progressing")
+    rolling = after.get("reason") == "RolloutInProgress"
+    if rolling and before.get("reason") != "RolloutInProgress":
+        events.append(Event("Normal", "RolloutStarted", "Rollout", f"revision {desired.revision} replaces "
+                            f"{', '.join(sorted({revision_of(d) or '' for d in observed.deployments if revision_of(d) != desired.revision and role_of(d) in ('prefill', 'decode')})) or 'the old pods'}"))  # fmt: skip
+    events += [e for a in plan.actions[:done] if (e := _action_event(a, observed, rolling)) is not None]
+    events += [Event("Warning", "DrainTimedOut", "Retire", f"pod {pod} let go at spec.rollout.drainTimeoutSeconds: no router "
+                     "could say it was idle") for pod in plan.overdue if done == len(plan.actions)]  # fmt: skip
+    if failure is not None:
+        events.append(Event("Warning", failure.reason, "Apply", f"{done} of {len(plan.actions)} changes made, then {failure.describe()}"))
+    if before.get("reason") == "RolloutInProgress" and after.get("reason") == "Complete":
+        events.append(Event("Normal", "RolloutComplete", "Rollout", f"revision {desired.revision} serves alone"))
+    events += of_status(previous, status)
+    return events
+
+
+def of_status(previous: Mapping[str, Any] | None, status: Mapping[str, Any]) -> list[Event]:
+    """Ready lost or back, KV transfers failing: once per change, not once per pass."""
+    out = []
+    was, now = _condition(previous, "Ready"), _condition(status, "Ready")
+    reason = now.get("reason", "")
+    known = vocabulary.BY_NAME.get(reason)
+    # Pods starting at create are no news; a model that stops serving, or a reason that needs someone, is.
+    worth = was.get("status") == "True" or (known is not None and known.klass != "transient")
+    if now.get("status") == "False" and worth and (was.get("status") != "False" or was.get("reason") != reason):
+        out.append(Event("Warning", reason, "Status", f"not ready: {now.get('message', '')}"))
+    elif now.get("status") == "True" and was.get("status") == "False":
+        out.append(Event("Normal", "Ready", "Status", now.get("message", "")))
+    was, now = _condition(previous, "KVTransferHealthy"), _condition(status, "KVTransferHealthy")
+    if now.get("status") == "False" and (was.get("status") != "False" or was.get("reason") != now.get("reason")):
+        out.append(Event("Warning", now.get("reason", ""), "Status", now.get("message", "")))
+    elif now.get("reason") == "RouterUnreachable" and was.get("reason") != "RouterUnreachable":
+        out.append(Event("Warning", "RouterUnreachable", "Status", now.get("message", "")))
+    return out
+
