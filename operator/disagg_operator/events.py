@@ -52,8 +52,8 @@ def _action_event(action: planner.Action, observed: Observed, rolling: bool) -> 
         live = next((c for c in observed.deployments if _name(c) == _name(obj)), None)
         before = int((live.get("spec") or {}).get("replicas") or 0) if live else 0
         after = int(obj["spec"]["replicas"])
-        if live is not None and before == after:
-            return None  # a template change, not a size change
+        if (live is not None and before == after) or (live is None and not rolling):
+            return None  # a template change, not a size change; or the model's first pods
         verb = "RolloutStep" if rolling else "Scaled"
         return Event("Normal", verb, "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> {after} pods", obj)
     return None
@@ -67,7 +67,7 @@ def of_pass(desired: Desired, observed: Observed, plan: planner.Plan, done: int,
     events = [Event("Warning", p.reason, "Plan", f"nothing was changed: {p.describe()}") for p in plan.problems]
     before, after = _condition(previous, "Progressing"), _condition(status, "Progressing")
     rolling = after.get("reason") == "RolloutInProgress"
-    if rolling and before.get("reason") != "RolloutInProgress":
+    if rolling and before.get("reason") != "RolloutInProgress" and not plan.problems:
         events.append(Event("Normal", "RolloutStarted", "Rollout", f"revision {desired.revision} replaces "
                             f"{', '.join(sorted({revision_of(d) or '' for d in observed.deployments if revision_of(d) != desired.revision and role_of(d) in ('prefill', 'decode')})) or 'the old pods'}"))  # fmt: skip
     events += [e for a in plan.actions[:done] if (e := _action_event(a, observed, rolling)) is not None]
