@@ -1,8 +1,10 @@
 """The router's command line. The operator renders the contract flags; the rest are optional.
 
-Contract flags (keep their names): ``--served-model-name``, ``--mode {push,pull}``, ``--namespace``,
-``--selector``, ``--static-endpoints``, ``--port``, ``--leg-timeout-seconds``, ``--kv-lease-seconds``,
-``--max-retries``, ``--shutdown-grace-seconds``, ``--disaggregation-threshold-tokens``.
+Contract flags the operator renders (keep their names): ``--served-model-name``, ``--namespace``,
+``--selector``, ``--port``, ``--leg-timeout-seconds``, ``--kv-lease-seconds``, ``--max-retries``,
+``--shutdown-grace-seconds``, ``--disaggregation-threshold-tokens``. ``--static-endpoints`` and ``--mode``
+are for a router without discovery (`disagg-localrun`, benchmarks): the operator renders neither, since every
+engine pod carries its revision's transfer mode.
 
 Every default is written once, in :class:`RouterConfig`; the parser reads it from there.
 """
