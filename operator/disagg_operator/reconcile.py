@@ -5,8 +5,10 @@ A pass reads top-down:
 2. parse and render it (an invalid spec gets `InvalidSpec` in status, nothing running is touched);
 3. plan from what the cache holds; if the plan writes, probe its writes and plan again with what the
    probes found (planner.py: nothing half-applied);
-4. execute the plan; a failed write turns into its reason in status;
-5. write status if it changed: on every outcome, errors included.
+4. execute the plan;
+5. finish: one function builds the status of whatever the outcome was (status.of_outcome: an invalid spec, a
+   bug, the API server away, a plan carried out in full or in part), the pass's Events are recorded, and the
+   status is written if it changed.
 A pass that could not do all it planned is retried with capped exponential backoff; every model is
 also re-queued every resync period, which repairs what no event announced.
 
@@ -25,7 +27,7 @@ from typing import Any, Callable, Mapping
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
-from . import events, executor, planner, retirement, sizing
+from . import events, executor, planner, retirement
 from . import status as status_mod
 from .api.validation import SpecError, parse
 from .cache import Cache
@@ -94,14 +96,11 @@ class Reconciler:
             return self._reconcile(key, body, previous)
         except Exception as error:  # a bug: say so in status (if the API lets us), retry with backoff
             log.exception("reconcile of %s/%s failed", namespace, name)
-            status = status_mod.unservable(
-                "InternalError", f"the operator failed on this model ({type(error).__name__}: {error}); see its log",
-                "retrying with backoff", body["metadata"].get("generation"), previous, self.now(),
-                phase=(previous or {}).get("phase") or "Pending")  # fmt: skip
+            crashed = status_mod.PassOutcome(body["metadata"].get("generation"), previous, crashed=f"{type(error).__name__}: {error}")
             try:
-                self._write_if_changed(key, previous, status)
-            except Exception:
-                log.info("status of %s/%s not written either", namespace, name)
+                self._finish(key, body, crashed, [], best_effort=True)
+            except Exception:  # the worker thread must live on, whatever failed
+                log.exception("status of %s/%s not written either", namespace, name)
             return PassResult("error", "InternalError")
 
     def _reconcile(self, key: ModelKey, body: Mapping[str, Any], previous: Mapping[str, Any] | None) -> PassResult:
@@ -113,9 +112,7 @@ class Reconciler:
             rendered = render(model, self.defaults)
         except (SpecError, ValueError) as error:  # a spec admission would have refused: an older CRD, or none
             problems = [str(p) for p in error.problems] if isinstance(error, SpecError) else [str(error)]
-            status = status_mod.invalid_status(problems, meta.get("generation"), previous, self.now())
-            self._record(body, events.of_status(previous, status))
-            self._write_if_changed(key, previous, status)
+            self._finish(key, body, status_mod.PassOutcome(meta.get("generation"), previous, invalid=tuple(problems)), None)
             return PassResult("invalid", "InvalidSpec")
 
         desired = Desired(ModelRef(namespace, name, meta["uid"], meta.get("generation")), model, rendered, previous)
@@ -135,32 +132,39 @@ class Reconciler:
             if plan.overdue:
                 log.warning("%s/%s: %s let go at the drain bound (spec.rollout.drainTimeoutSeconds) though no router "
                             "said they were idle", namespace, name, ", ".join(plan.overdue))  # fmt: skip
-        except TRANSPORT_ERRORS as error:
-            problem = ChildProblem("ApiUnavailable", "API", "server", f"the API server did not answer ({error}); retrying")
-            self._try_write_failure(key, desired, observed, problem)
-            return PassResult("error", "ApiUnavailable")
-        except ApiException as error:  # a GET of a probe refused (RBAC, say)
-            problem = ChildProblem("ApplyFailed", "API", "request", error_message(error))
-            self._try_write_failure(key, desired, observed, problem)
-            return PassResult("error", "ApplyFailed")
+        except (*TRANSPORT_ERRORS, ApiException) as error:  # the API server away, or a probe's GET refused (RBAC)
+            problem = (ChildProblem("ApplyFailed", "API", "request", error_message(error)) if isinstance(error, ApiException)
+                       else ChildProblem("ApiUnavailable", "API", "server", f"the API server did not answer ({error}); retrying"))  # fmt: skip
+            away = status_mod.PassOutcome(meta.get("generation"), previous, desired, observed, failure=problem)
+            self._finish(key, body, away, [], best_effort=True)
+            return PassResult("error", problem.reason)
 
-        if outcome.ok:
-            status = plan.status
-        else:
-            assert outcome.failure is not None
-            status = status_mod.write_failed(desired, observed, plan.status, outcome.failure, outcome.done, outcome.total, now)
-        self._record(body, events.of_pass(desired, observed, plan, outcome.done, outcome.failure, status))
-        self._write_if_changed(key, previous, status)
+        ended = status_mod.PassOutcome(meta.get("generation"), previous, desired, observed, plan.status, outcome.failure,
+                                       outcome.done, outcome.total)  # fmt: skip
+        self._finish(key, body, ended, lambda status: events.of_pass(desired, observed, plan, outcome.done, outcome.failure, status))
         if plan.problems:
             return PassResult("blocked", plan.problems[0].reason, plan.problems[0].describe())
         if outcome.failure is not None:
             return PassResult("error", outcome.failure.reason, outcome.failure.describe())
         return PassResult("success", requeue_after=plan.requeue_after)
 
-    def _record(self, body: Mapping[str, Any], found: list[events.Event]) -> None:
+    def _finish(self, key: ModelKey, body: Mapping[str, Any], outcome: status_mod.PassOutcome,
+                told: Callable[[dict[str, Any]], list[events.Event]] | list[events.Event] | None,
+                best_effort: bool = False) -> None:  # fmt: skip
+        """The status of the pass's outcome, its Events (`told`: a function of the status, a list, or None for
+        the status changes alone), and the status written if it changed. `best_effort`: the API server may be
+        what failed, so a status that cannot be written is only logged."""
+        status = status_mod.of_outcome(outcome, self.now())
+        found = told(status) if callable(told) else (told if told is not None else events.of_status(outcome.previous, status))
         if self.recorder is not None:
             for event in found:
                 self.recorder.record(dict(body), event)
+        try:
+            self._write_if_changed(key, outcome.previous, status)
+        except (ApiException, *TRANSPORT_ERRORS):
+            if not best_effort:
+                raise
+            log.info("status of %s/%s not written either: the API server is unavailable", *key)
 
     def _router_poll_due(self, key: ModelKey, observed: Observed) -> bool:
         """Once per poll period, and at once when the set of ready router pods changed since the last read."""
@@ -186,14 +190,6 @@ class Reconciler:
         if written and written[0] > _resource_version(body):
             return written[1]
         return body.get("status")
-
-    def _try_write_failure(self, key: ModelKey, desired: Desired, observed: Observed, problem: ChildProblem) -> None:
-        try:
-            base = status_mod.compute(desired, observed, sizing.targets(desired, observed), self.now())
-            status = status_mod.write_failed(desired, observed, base, problem, 0, 0, self.now())
-            self._write_if_changed(key, desired.previous_status, status)
-        except (ApiException, *TRANSPORT_ERRORS):
-            log.info("status of %s/%s not written either: the API server is unavailable", *key)
 
     def _write_if_changed(self, key: ModelKey, previous: Mapping[str, Any] | None, status: dict[str, Any]) -> None:
         old = previous or {}

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Mapping
 from disagg_connector import contract
 from disagg_connector.preflight import parse_termination_message
 
-from . import rollout
+from . import rollout, sizing
 from .api import vocabulary
 from .api.models import DisaggregatedModelStatus
 from .state import ChildProblem, Desired, Obj, Observed, RouterView, revision_of, role_of
@@ -469,3 +469,40 @@ def write_failed(
         conditions = [kept[t] for t in CONDITION_TYPES if t in kept]
         return _with_generic_conditions({**planned, "conditions": conditions}, generation, previous, now)
     return _with_failure(desired, planned, failure.reason, message, something_serves(observed), now)
+
+
+@dataclass(frozen=True)
+class PassOutcome:
+    """How a pass ended, all that the status of any outcome needs (KubeRay's calculateStatus(instance, err)):
+    an internal error (`crashed`), an invalid spec (`invalid`), or a plan (`planned`: the status it would
+    make) carried out in part (`failure` after `done` of `total` actions; `ApiUnavailable` when the API server
+    was away before anything was planned, then `planned` is None)."""
+
+    generation: int | None
+    previous: Mapping[str, Any] | None
+    desired: Desired | None = None
+    observed: Observed | None = None
+    planned: Mapping[str, Any] | None = None
+    failure: ChildProblem | None = None
+    done: int = 0
+    total: int = 0
+    invalid: tuple[str, ...] = ()
+    crashed: str | None = None
+
+
+def of_outcome(outcome: PassOutcome, now: str) -> dict[str, Any]:
+    """The one function that builds the status of a pass, whatever its outcome."""
+    if outcome.crashed is not None:
+        return unservable("InternalError", f"the operator failed on this model ({outcome.crashed}); see its log",
+                          "retrying with backoff", outcome.generation, outcome.previous, now,
+                          phase=(outcome.previous or {}).get("phase") or "Pending")  # fmt: skip
+    if outcome.invalid:
+        return invalid_status(list(outcome.invalid), outcome.generation, outcome.previous, now)
+    desired, observed = outcome.desired, outcome.observed
+    assert desired is not None and observed is not None, "a plan's outcome needs its desired and observed worlds"
+    planned = outcome.planned
+    if planned is None:  # nothing was planned: what is observed, as it is
+        planned = compute(desired, observed, sizing.targets(desired, observed), now)
+    if outcome.failure is not None:
+        return write_failed(desired, observed, planned, outcome.failure, outcome.done, outcome.total, now)
+    return dict(planned)
