@@ -9,9 +9,12 @@ a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 import sys
+import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -26,12 +29,20 @@ from .manifests import dump_all, load_all
 from .rbac import cluster_role
 from .render import render
 
+if TYPE_CHECKING:
+    from .metrics import OperatorMetrics
+
 EXIT_INVALID = 1
 EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3  # run: a port the operator must serve cannot be bound
 
 
 class InputError(Exception):
     """A file that cannot be read as DisaggregatedModel documents."""
+
+
+class StartError(Exception):
+    """`run` cannot serve an endpoint (a port taken, an address not here): said before kopf starts."""
 
 
 def _read_documents(source: str) -> list[tuple[str, Any]]:
@@ -168,8 +179,62 @@ def cmd_crd(_: argparse.Namespace) -> int:
     return 0
 
 
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _serve_metrics(args: argparse.Namespace) -> OperatorMetrics:
+    from .metrics import OperatorMetrics  # only `run` needs prometheus_client
+
+    metrics = OperatorMetrics(workers=args.workers)
+    if not args.metrics_port:
+        return metrics
+    try:
+        metrics.serve(args.metrics_port, args.metrics_address)
+    except OSError as error:
+        where = _endpoint(args.metrics_address, args.metrics_port)
+        change = ("choose another port with --metrics-port (0 turns /metrics off)" if error.errno == errno.EADDRINUSE
+                  else "check --metrics-address and --metrics-port")  # fmt: skip
+        raise StartError(f"cannot serve /metrics on {where}: {error.strerror or error}; {change}") from None
+    return metrics
+
+
+def _try_bind(host: str, port: int) -> None:
+    """Bind as aiohttp will for kopf (SO_REUSEADDR, every address of the host), then let go."""
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+
+
+def _check_liveness(url: str) -> None:
+    """kopf binds --liveness only after its startup handlers ran, and a taken port then ends it with a
+    traceback in its log: find out now, and say which flag to change."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http":
+        raise StartError(f"--liveness {url}: kopf serves only http:// URLs")
+    try:
+        host, port = parts.hostname or "localhost", parts.port or 80  # kopf's defaults
+    except ValueError as error:
+        raise StartError(f"--liveness {url}: {error}") from None
+    try:
+        _try_bind(host, port)
+    except OSError as error:
+        change = "choose another port in --liveness" if error.errno == errno.EADDRINUSE else "check --liveness"
+        where = _endpoint(host, port)
+        raise StartError(f"cannot serve the liveness endpoint on {where}: {error.strerror or error}; {change}") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the operator (kopf) against the cluster of the kubeconfig or the pod's service account."""
+    # Ports first, before kopf and any cluster access: a taken port exits here at once, not as kopf's
+    # startup activity retried every 60 s with liveness never up. /metrics stays bound from here on.
+    metrics = _serve_metrics(args)
+    if args.liveness:
+        _check_liveness(args.liveness)
+
     import kopf
 
     from . import handlers  # registers the handlers
@@ -177,8 +242,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     handlers.OPTIONS = handlers.Options(
         workers=args.workers,
         resync_seconds=args.resync_seconds,
-        metrics_port=args.metrics_port or None,
-        metrics_address=args.metrics_address,
+        metrics=metrics,
         peering=None if args.standalone else args.peering,
         priority=args.priority,
         clusterwide=not args.namespace,
@@ -243,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except StartError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
 
 
 if __name__ == "__main__":

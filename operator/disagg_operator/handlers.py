@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from disagg_connector import contract
 
 from .cache import CHILD_INDEX_PREFIX, MODEL_NAMES_INDEX, MODELS_INDEX, PODS_INDEX, IndexCache, index_key, slim, slim_pod
 from .config import RenderDefaults
-from .kube import REQUEST_TIMEOUT, Cluster, load_api_client
+from .kube import REQUEST_TIMEOUT, Cluster, EventRecorder, load_api_client
 from .metrics import OperatorMetrics
 from .reconcile import Controller, Reconciler
 from .render import MANAGED_KINDS
@@ -42,8 +43,7 @@ class Options:
 
     workers: int = 4
     resync_seconds: float = 300.0
-    metrics_port: int | None = 8081
-    metrics_address: str = "0.0.0.0"
+    metrics: OperatorMetrics | None = None  # already serving: cli.py binds its port before kopf starts
     peering: str | None = None  # None: standalone, always active
     priority: int = 0
     clusterwide: bool = True
@@ -132,15 +132,16 @@ def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     global _controller
     configure(settings)
     cluster = Cluster(load_api_client())
-    metrics = OperatorMetrics(workers=OPTIONS.workers)
+    metrics = OPTIONS.metrics or OperatorMetrics(workers=OPTIONS.workers)
     # The routers' KV-transfer numbers are read on the resync period (and whenever a pod drains).
-    reconciler = Reconciler(CACHE, cluster, RenderDefaults.from_env(), metrics, router_poll_seconds=OPTIONS.resync_seconds)
+    # Events name this replica (its pod's name in a cluster) as their reporting instance.
+    recorder = EventRecorder(cluster.api_client, instance=socket.gethostname())
+    reconciler = Reconciler(CACHE, cluster, RenderDefaults.from_env(), metrics, router_poll_seconds=OPTIONS.resync_seconds,
+                            recorder=recorder)  # fmt: skip
     gate = PeeringGate(cluster, OPTIONS.peering, OPTIONS.priority, OPTIONS.clusterwide) if OPTIONS.peering else None
     _controller = Controller(reconciler, workers=OPTIONS.workers, resync_seconds=OPTIONS.resync_seconds,
                              active=(lambda key: gate(key[0])) if gate else (lambda key: True))  # fmt: skip
     _controller.start()
-    if OPTIONS.metrics_port is not None:
-        metrics.serve(OPTIONS.metrics_port, OPTIONS.metrics_address)
     log.info("operator started: %d workers, resync every %.0f s, API timeout %s s", OPTIONS.workers,
              OPTIONS.resync_seconds, REQUEST_TIMEOUT)  # fmt: skip
 

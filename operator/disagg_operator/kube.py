@@ -159,6 +159,9 @@ class EventRecorder:
 
     @staticmethod
     def _micro_time(at: float) -> str:
+        # The client re-serializes a time it recognises with isoformat(), which drops the fraction when it is
+        # 0, and the API server's MicroTime then refuses it: never send a whole second.
+        at = at if int(at * 1e6) % 1_000_000 else at + 1e-6
         return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
     def record(self, model: dict[str, Any], event: Any) -> None:
@@ -177,7 +180,8 @@ class EventRecorder:
                 return
             body = {
                 "apiVersion": "events.k8s.io/v1", "kind": "Event",
-                "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+                # Named as client-go names Events: the object's name and the time in hex nanoseconds.
+                "metadata": {"name": f"{meta['name']}.{time.time_ns():x}", "namespace": meta["namespace"]},
                 "eventTime": self._micro_time(now), "reportingController": f"{contract.API_GROUP}/{contract.OPERATOR_NAME}",
                 "reportingInstance": self.instance, "action": event.action, "reason": event.reason, "type": event.type,
                 "note": event.note[:1024],

@@ -72,4 +72,5 @@ class OperatorMetrics:
         self.registry.register(_Live(queue_stats, phases))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Binds now (OSError when it cannot: `run` says so before kopf starts), serves from a daemon thread."""
         start_http_server(port, addr=addr, registry=self.registry)

@@ -9,7 +9,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,30 +47,42 @@ class OperatorProcess:
         self.command = command
         self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
         self.starts = 0
 
     @property
     def log_path(self) -> Path:
         return self.log_dir / f"operator-{id(self):x}-{self.starts}.log"
 
-    def start(self) -> "OperatorProcess":
+    def start(self, timeout: float = 60) -> "OperatorProcess":
+        """Started and live, or RuntimeError with its log; a failed start leaves no process behind."""
         self.starts += 1
         url = f"http://127.0.0.1:{free_port()}/healthz"
         venv_bin = str(Path(sys.executable).parent)  # console scripts (disagg-operator) of this venv
         env = {**os.environ, **self.extra_env, "KUBECONFIG": self.kubeconfig, "PYTHONUNBUFFERED": "1",
                "PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"}  # fmt: skip
         self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(self.command(url, self.metrics_port), cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+        try:
+            argv = self.command(url, self.metrics_port)
+            self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            self._wait_live(url, timeout)
+        except BaseException:  # a timeout, an early exit, or the test interrupted: stop what was started
+            self.stop()
+            raise
+        return self
+
+    def _wait_live(self, url: str, timeout: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"operator exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 with urllib.request.urlopen(url, timeout=2):
-                    return self
+                    return
             except OSError:
                 time.sleep(0.5)
-        raise RuntimeError(f"operator not live after 60 s:\n{self.log()}")
+        raise RuntimeError(f"operator not live after {timeout:g} s:\n{self.log()}")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -80,7 +92,9 @@ class OperatorProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc = None
+        if self._log:
+            self._log.close()
+        self.proc, self._log = None, None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -3,6 +3,7 @@ Event is one Event with a count (events.k8s.io/v1 series), not a flood."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,10 +20,13 @@ from .waiting import condition, wait_for
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 
 
-def model_events(api_client: Any, namespace: str, name: str) -> list[Any]:
-    listed = client.EventsV1Api(api_client).list_namespaced_event(namespace).items
-    mine = [e for e in listed if e.regarding and e.regarding.kind == contract.KIND and e.regarding.name == name]
-    return sorted(mine, key=lambda e: (e.event_time, e.metadata.creation_timestamp, e.metadata.resource_version))
+def model_events(api_client: Any, namespace: str, name: str) -> list[dict[str, Any]]:
+    """events.k8s.io/v1 Events regarding the model, oldest first (as raw JSON: Events that other components
+    wrote through core/v1 have no eventTime, which the client's typed model refuses)."""
+    raw = client.EventsV1Api(api_client).list_namespaced_event(namespace, _preload_content=False)
+    listed = json.loads(raw.data)["items"]
+    mine = [e for e in listed if (e.get("regarding") or {}).get("kind") == contract.KIND and e["regarding"]["name"] == name]
+    return sorted(mine, key=lambda e: (e.get("eventTime") or "", int(e["metadata"]["resourceVersion"])))
 
 
 def test_kubectl_describe_tells_a_rollouts_story_in_order(operator, cluster, api_client, namespace) -> None:
@@ -40,13 +44,17 @@ def test_kubectl_describe_tells_a_rollouts_story_in_order(operator, cluster, api
                 and condition(obj, "Progressing").get("reason") == "Complete")  # fmt: skip
 
     wait_for("the rollout complete", complete, 180)
-    reasons = wait_for("RolloutComplete recorded", lambda: (r := [e.reason for e in model_events(api_client, namespace, name)])
+    reasons = wait_for("RolloutComplete recorded", lambda: (r := [e["reason"] for e in model_events(api_client, namespace, name)])
                        and "RolloutComplete" in r and r, 30)  # fmt: skip
     story = [r for r in reasons if r in ("RolloutStarted", "PodDraining", "PodRetired", "RevisionRetired", "RolloutComplete")]
     assert story[0] == "RolloutStarted" and story[-1] == "RolloutComplete", reasons
     assert story.index("PodDraining") < story.index("PodRetired") < story.index("RevisionRetired"), reasons
     assert story.count("PodDraining") == 2 and story.count("PodRetired") == 2, reasons  # the old prefill and decode
-    assert not [e for e in model_events(api_client, namespace, name) if e.type == "Warning"], "a routine rollout warns of nothing"
+    # kwok's router pod runs no router: the operator cannot ask it, says so once, and lets each old pod go at the
+    # (e2e-short) drain timeout with a warning. Nothing else is worth a warning in a routine rollout.
+    warnings = [(e["reason"], e.get("series")) for e in model_events(api_client, namespace, name) if e["type"] == "Warning"]
+    assert {r for r, _ in warnings} == {"RouterUnreachable", "DrainTimedOut"}, warnings
+    assert [r for r, _ in warnings].count("RouterUnreachable") == 1 and not any(s for _, s in warnings), warnings
     described = cluster.kubectl("describe", f"{PLURAL}/{name}", "-n", namespace).stdout
     for reason in ("RolloutStarted", "PodDraining", "PodRetired", "RolloutComplete"):
         assert reason in described, described[-3000:]
@@ -69,8 +77,8 @@ def test_a_repeated_event_is_one_event_with_a_count(cluster, crd_installed, api_
     for _ in range(3):
         recorder.record(model, warning)
         clock.now += 5
-    (event,) = [e for e in model_events(api_client, namespace, "loud") if e.reporting_instance == "e2e"]
-    assert event.reason == "Conflict" and event.type == "Warning" and event.series.count == 3, event
+    (event,) = [e for e in model_events(api_client, namespace, "loud") if e.get("reportingInstance") == "e2e"]
+    assert event["reason"] == "Conflict" and event["type"] == "Warning" and event["series"]["count"] == 3, event
     clock.now += EventRecorder.SERIES_SECONDS  # long after: a new Event, not a count on the old one
     recorder.record(model, warning)
-    assert len([e for e in model_events(api_client, namespace, "loud") if e.reporting_instance == "e2e"]) == 2
+    assert len([e for e in model_events(api_client, namespace, "loud") if e.get("reportingInstance") == "e2e"]) == 2

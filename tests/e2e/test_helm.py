@@ -4,9 +4,10 @@ uninstall.
 The operator cannot run as a container here (no container runtime: kwok plays kubelet), so the chart's
 Deployment pods are kwok's, and the operator runs as a local process with exactly what the chart gives its
 pod: a token of the chart's ServiceAccount, the container's command and arguments (only the liveness address
-moved to a free loopback port), and the container's environment. A model reaching Ready proves the chart's
-RBAC suffices; SelfSubjectAccessReviews with the same token prove it is not broader than the rules of
-`disagg-operator rbac`; the audit log proves the writes were the chart ServiceAccount's own.
+moved to a free loopback port; the metrics port is a free one, set as the chart's value), and the container's
+environment. A model reaching Ready proves the chart's RBAC suffices; SelfSubjectAccessReviews with the same
+token prove it is not broader than the rules of `disagg-operator rbac`; the audit log proves the writes were
+the chart ServiceAccount's own.
 
 The control plane is shared: the operator started here watches only this test's namespaces.
 """
@@ -210,6 +211,8 @@ def helm_env(cluster, crd_installed, tmp_path: Path) -> Iterator[dict[str, Any]]
     env = {
         "api": api, "core": core, "release": f"dop-{suffix}", "ns": f"helm-op-{suffix}",
         "a": f"helm-a-{suffix}", "b": f"helm-b-{suffix}", "tmp": tmp_path, "operators": [],
+        # The chart's operator runs here as a local process: /metrics on a port no one else holds.
+        "metrics_port": free_port(),
     }  # fmt: skip
     make_namespace(core, env["ns"], {"pod-security.kubernetes.io/enforce": "restricted",
                                      "pod-security.kubernetes.io/enforce-version": "latest"})  # fmt: skip
@@ -234,6 +237,8 @@ def helm_env(cluster, crd_installed, tmp_path: Path) -> Iterator[dict[str, Any]]
 
 
 def install(cluster, env: dict[str, Any], command: str, values: dict[str, Any]) -> str:
+    """Every install and upgrade sets the free metrics port: an upgrade without it would reset it to 8081."""
+    values = {"metricsPort": env["metrics_port"], **values}
     result = helm(
         command, env["release"], str(CHART), "-n", env["ns"], "--wait", "--timeout", "180s",
         *values_args(values, env["tmp"]), kubeconfig=cluster.kubeconfig,
@@ -268,8 +273,8 @@ def test_install_run_upgrade_uninstall(cluster, helm_env) -> None:
     apps = client.AppsV1Api(api)
 
     # --- 1. install, cluster-wide, one replica ------------------------------------------------------------
-    metrics_port = free_port()  # the chart's operator runs here as a local process: a port no one else holds
-    notes = install(cluster, env, "install", {"metricsPort": metrics_port})
+    metrics_port = env["metrics_port"]
+    notes = install(cluster, env, "install", {})
     assert "kind: DisaggregatedModel" in notes and "kubectl apply" in notes, notes
     assert "keeps the CRD and every" in notes
     dep = apps.read_namespaced_deployment(fullname, ns)
@@ -380,6 +385,7 @@ def test_install_run_upgrade_uninstall(cluster, helm_env) -> None:
     op = chart_operator(dep, kubeconfig, env["tmp"], [])
     argv = op.command("x", 0)
     assert argv[:2] == ["/bin/sh", "-c"] and "--peering" in argv and "--standalone" not in argv
+    assert argv[argv.index("--metrics-port") + 1] == str(metrics_port), "the upgrade kept the free metrics port"
     env["operators"].append(op.start())
 
     def rolled() -> dict[str, Any] | None:
