@@ -1,0 +1,259 @@
+"""Day 2 never cuts a response: streams that outlive every request deadline and KV lease survive an image
+rollout, a scale-in and an operator restart in the middle of a drain, on the real API server.
+
+A 1P2D model with a short router leg deadline (4 s) and KV lease (6 s) but the production drain timeout
+(1 h): before "drained means idle", a retiring decode was removed once deadline + lease (10 s) had passed
+since its mark, cutting every stream longer than that. Simulated engines run on the pods' IPs (decode steps
+of 100 ms, so a 240-token stream lasts 24 s, more than twice that bound), the router runs on its router
+pod's IP so the operator asks it what is in flight, and a client keeps short requests going throughout.
+
+Each phase starts long streams, waits until every one has its first token (so each is on a pod that the
+change will retire), makes the change, and checks: every stream ends with all its tokens and [DONE], no
+request failed, and no retired pod went while its engine still worked (its simulator's own counters at the
+moment its pod was deleted). The rollout cannot finish before the streams on the old decodes end.
+
+The test runs twice: on a quiet machine, and with both cores kept busy by CPU hogs it starts and stops
+(timing must not decide correctness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+from kubernetes import client
+
+from disagg_connector import contract
+from tests.vllm_sim.harness import FAST
+from tests.vllm_sim.pods import PodEngines, router_kubeconfig, start_router
+
+from .conftest import model_manifest
+from .test_rollout import BUSY, KV_TROUBLE, get_model, rolled_out
+from .test_router_e2e import BackgroundClient, wait_for
+from .waiting import condition
+
+GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
+DEADLINE_S, LEASE_S = 4, 6
+TPOT_MS = 100.0
+LONG_TOKENS = 240  # 24 s at TPOT_MS: more than twice deadline + lease
+STREAMS = 4  # two per decode pod (the router balances by in-flight count)
+
+
+def long_model(name: str) -> dict[str, Any]:
+    return model_manifest(name, {
+        "decode": {"replicas": 2},
+        "router": {"replicas": 1, "requestDeadlineSeconds": DEADLINE_S, "maxRetries": 3, "disaggregationThresholdTokens": 0},
+        "kvTransfer": {"leaseSeconds": LEASE_S},
+        "rollout": {"drainTimeoutSeconds": 3600},  # the production default: never shortened here
+        "engine": {"terminationGracePeriodSeconds": 600},
+    })  # fmt: skip
+
+
+@dataclass
+class Stream:
+    index: int
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    tokens: int = 0
+    finish_reason: str | None = None
+    done: bool = False
+    error: str | None = None
+
+    @property
+    def whole(self) -> bool:
+        return self.error is None and self.done and self.tokens == LONG_TOKENS and self.finish_reason == "length"
+
+
+class LongStreams:
+    """`STREAMS` streaming completions of LONG_TOKENS tokens each through the router, in a thread of their own."""
+
+    def __init__(self, base: str, served: str, first: int):
+        self.base, self.served = base, served
+        self.streams = [Stream(first + i) for i in range(STREAMS)]
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="long-streams", daemon=True)
+        self._thread.start()
+
+    async def _one(self, session: Any, s: Stream) -> None:
+        body = {"model": self.served, "prompt": f"a long answer, please ({s.index})", "max_tokens": LONG_TOKENS, "stream": True}
+        try:
+            async with session.post(self.base + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    s.error = f"HTTP {r.status}: {(await r.read())[:300]!r}"
+                    return
+                buffer = b""
+                async for chunk in r.content.iter_any():
+                    buffer += chunk
+                    while b"\n\n" in buffer:
+                        event, buffer = buffer.split(b"\n\n", 1)
+                        self._event(s, event.decode())
+        except Exception as e:  # noqa: BLE001 - a cut stream is what this test looks for
+            s.error = f"{type(e).__name__}: {e}"
+        finally:
+            s.finished_at = time.monotonic()
+
+    @staticmethod
+    def _event(s: Stream, event: str) -> None:
+        if not event.startswith("data: "):
+            return
+        data = event[len("data: "):]
+        if data == "[DONE]":
+            s.done = True
+            return
+        doc = json.loads(data)
+        if "error" in doc:
+            s.error = json.dumps(doc["error"])[:300]
+            return
+        choice = doc["choices"][0]
+        if choice.get("text"):
+            s.tokens += 1
+            s.last_token_at = time.monotonic()
+            s.first_token_at = s.first_token_at or s.last_token_at
+        s.finish_reason = choice.get("finish_reason") or s.finish_reason
+
+    async def _main(self) -> None:
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+            await asyncio.gather(*(self._one(session, s) for s in self.streams))
+
+    def all_started(self) -> bool:
+        broken = [s for s in self.streams if s.error or (s.finished_at and not s.whole)]
+        assert not broken, broken
+        return all(s.first_token_at for s in self.streams)
+
+    def wait(self) -> list[Stream]:
+        self._thread.join(timeout=600)
+        assert not self._thread.is_alive(), "the long streams did not end"
+        return self.streams
+
+
+def check_whole(streams: list[Stream], what: str) -> float:
+    """Every stream complete; returns when the last token of any of them arrived."""
+    cut = [s for s in streams if not s.whole]
+    assert not cut, f"{what}: streams cut or incomplete: {cut}"
+    lasted = [s.finished_at - s.first_token_at for s in streams]  # type: ignore[operator]
+    assert min(lasted) > DEADLINE_S + LEASE_S, f"{what}: the streams must outlive deadline + lease: {lasted}"
+    return max(s.last_token_at for s in streams)  # type: ignore[type-var]
+
+
+@pytest.fixture(params=["quiet", "both-cores-busy"])
+def load(request) -> Iterator[str]:
+    hogs = []
+    if request.param == "both-cores-busy":
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield request.param
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def draining_pod(core: client.CoreV1Api, namespace: str, name: str) -> str | None:
+    selector = f"{contract.LABEL_MODEL}={contract.model_label_value(name)},{contract.LABEL_ROLE}=decode"
+    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
+        if contract.ANNOTATION_DRAINING in (pod.metadata.annotations or {}) and not pod.metadata.deletion_timestamp:
+            return pod.metadata.name
+    return None
+
+
+def decode_settled(custom: client.CustomObjectsApi, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+    obj = get_model(custom, namespace, name)
+    status = obj.get("status") or {}
+    done = (status.get("decode", {}).get("replicas") == replicas and status["decode"].get("readyReplicas") == replicas
+            and condition(obj, "Progressing").get("reason") == "Complete")  # fmt: skip
+    return obj if done else None
+
+
+def test_streams_outlive_every_bound_through_day_2(load, operator, cluster, api_client, namespace, tmp_path: Path) -> None:
+    custom, apps, core = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    name = "long"
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, long_model(name))
+    first = wait_for("1P2D Ready", lambda: (o := get_model(custom, namespace, name)) and condition(o, "Ready").get("status") == "True"
+                     and o["status"]["decode"]["readyReplicas"] == 2 and o, 180)["status"]["revision"]  # fmt: skip
+    served = get_model(custom, namespace, name)["spec"]["model"]["name"]
+
+    engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, timing={**FAST, "tpot_ms": TPOT_MS}, stop_gone=True)
+    engines.start()
+    wait_for("3 engines listening", lambda: engines.serving(1, 2), 120)
+    (router_pod,) = core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}=router").items
+    token = cluster.kubectl("create", "token", contract.router_name(name), "-n", namespace, "--duration=1h").stdout.strip()
+    router = start_router(apps, namespace, name, router_kubeconfig(cluster.kubeconfig, token, namespace, tmp_path / "rk"),
+                          tmp_path, host=router_pod.status.pod_ip, port=contract.ROUTER_PORT)  # fmt: skip
+    background: BackgroundClient | None = None
+    try:
+        wait_for("router table 1P2D", lambda: router.table() == {first: (1, 2)}, 60)
+        background = BackgroundClient(router.url, served, workers=2)
+        background.start()
+        wait_for("traffic", lambda: len(background.results) >= 4)
+
+        # --- 1. an image change while long streams run on both old decodes ------------------------------
+        streams = LongStreams(router.url, served, first=0)
+        wait_for("every long stream has its first token", streams.all_started, 60)
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                              {"spec": {"engine": {"image": "registry.example/vllm-runtime:0.33.0-next"}}})  # fmt: skip
+        mid = wait_for("the old decodes draining", lambda: draining_pod(core, namespace, name), 120)
+        # Ready means serving: a rollout is no outage, so `kubectl wait` passes in the middle of it.
+        waited = cluster.kubectl("wait", "--for=condition=Ready", f"{PLURAL}/{name}", "-n", namespace, "--timeout=30s", check=False)
+        assert waited.returncode == 0, waited.stderr
+        assert condition(get_model(custom, namespace, name), "Progressing").get("status") == "True", "still rolling out"
+        done = wait_for("image rollout complete", lambda: rolled_out(custom, namespace, name, first), 600)
+        rolled_at = time.monotonic()
+        last_stream = check_whole(streams.wait(), "image rollout")
+        assert rolled_at >= last_stream, f"the rollout finished {last_stream - rolled_at:.1f} s before the streams on {mid} ended"
+        second = done["status"]["revision"]
+
+        # --- 2. scale-in 2 -> 1 while long streams run on both decodes ----------------------------------
+        streams = LongStreams(router.url, served, first=100)
+        wait_for("every long stream has its first token", streams.all_started, 60)
+        scaler = contract.role_scaler_name(name, "decode")
+        custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL, scaler, {"spec": {"replicas": 1}})
+        wait_for("a decode draining", lambda: draining_pod(core, namespace, name), 60)
+        wait_for("scaled in to 1 decode", lambda: decode_settled(custom, namespace, name, 1), 600)
+        check_whole(streams.wait(), "scale-in")
+
+        # --- 3. the operator restarts while a decode drains ---------------------------------------------
+        custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL, scaler, {"spec": {"replicas": 2}})
+        wait_for("back at 2 decodes", lambda: decode_settled(custom, namespace, name, 2), 180)
+        wait_for("router table 1P2D", lambda: router.table() == {second: (1, 2)}, 60)
+        streams = LongStreams(router.url, served, first=200)
+        wait_for("every long stream has its first token", streams.all_started, 60)
+        custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL, scaler, {"spec": {"replicas": 1}})
+        leaving = wait_for("a decode draining", lambda: draining_pod(core, namespace, name), 60)
+        operator.stop()
+        operator.start()
+        wait_for("scaled in to 1 decode", lambda: decode_settled(custom, namespace, name, 1), 600)
+        last_stream = check_whole(streams.wait(), "operator restart mid-drain")
+        # Its engine stops once the pod is gone (after its preStop, as under a kubelet).
+        wait_for(f"{leaving} retired", lambda: any(e.pod == leaving and e.final is not None for e in engines.all()), 120)
+
+        background.wait_past(time.monotonic(), "the last phase")
+        results = background.stop()
+        background = None
+        failed = [r for r in results if not r.ok]
+        assert not failed and len(results) >= 20, (len(failed), len(results), failed[:3])
+
+        # --- every retired pod was idle when it went -------------------------------------------------------
+        retired = [e for e in engines.all() if e.final is not None]
+        assert len(retired) >= 5, f"the rollout retired 3 pods, each scale-in one: {[e.pod for e in retired]}"
+        for engine in retired:  # each stopped the moment its pod was deleted (stop_gone), keeping what it saw
+            busy = {k: engine.stats()[k] for k in BUSY[engine.role]}
+            assert not any(busy.values()), f"{engine.pod} was deleted with work in flight: {busy} {engine.stats()['in_flight']}"
+        for engine in engines.all():
+            counters = engine.counters()
+            assert not any(counters.get(k) for k in KV_TROUBLE), (engine.pod, {k: counters.get(k) for k in KV_TROUBLE})
+    finally:
+        if background is not None:
+            background.stop()
+        code = router.proc.stop()
+        print(f"[{load}] router exited with {code}; log tail:\n{router.proc.log_text()[-2000:]}")
+        engines.stop()
