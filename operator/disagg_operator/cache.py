@@ -76,9 +76,6 @@ class IndexCache:
                              or k.startswith(CHILD_INDEX_PREFIX)}
             self._bound.set()
 
-    def wait_bound(self, timeout: float | None = None) -> bool:
-        return self._bound.wait(timeout)
-
     def _entries(self, index: str, key: tuple[str, str]) -> list[Any]:
         store = self._indexes.get(index, {}).get(key)
         return list(store) if store is not None else []

@@ -111,7 +111,3 @@ class WorkQueue(Generic[K]):
     def __len__(self) -> int:
         with self._cond:
             return len(self._ready) + len(self._delayed)
-
-    def processing(self) -> int:
-        with self._cond:
-            return len(self._processing)
