@@ -141,11 +141,7 @@ def _replicas(obj: Obj | None) -> int:
 
 
 def _pods_of(observed: Observed, role: str, revision: str | None) -> list[Obj]:
-    return [p for p in observed.pods if role_of(p) == role and revision_of(p) == revision]
-
-
-def _ready_count(pods: list[Obj]) -> int:
-    return sum(1 for p in pods if status_mod.pod_ready(p))
+    return [p.obj for p in observed.census.select(role, revision)]
 
 
 @dataclass
@@ -196,7 +192,7 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
         (d.get("metadata", {}).get("creationTimestamp") or "") for d in old_deployments[v].values())))
 
     def count(obj: Obj | None, role: str, rev: str) -> rollout.Count:
-        return rollout.Count(_replicas(obj), _ready_count(_pods_of(observed, role, rev)))
+        return rollout.Count(_replicas(obj), observed.census.count(role, rev, ready=True))
 
     step = rollout.next_step(
         budgets,
@@ -230,9 +226,9 @@ def _role_scaler_statuses(desired: Desired, observed: Observed) -> list[Action]:
         live = observed.children.get(key)
         if live is None:
             continue  # created by this pass: its status comes with the next one
-        pods = [p for p in observed.pods if role_of(p) == role and not p.get("metadata", {}).get("deletionTimestamp")]
         selector = ",".join(f"{k}={v}" for k, v in contract.selector_labels(desired.ref.name, role).items())  # type: ignore[arg-type]
-        want = {"replicas": len(pods), "readyReplicas": _ready_count(pods), "selector": selector, "revision": desired.revision}
+        want = {"replicas": observed.census.count(role, terminating=False), "readyReplicas": observed.census.count(role, ready=True),
+                "selector": selector, "revision": desired.revision}  # fmt: skip
         if {k: (live.get("status") or {}).get(k) for k in want} != want:
             actions.append(SetStatus(live, want))
     return actions

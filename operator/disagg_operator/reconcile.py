@@ -35,7 +35,7 @@ from .config import RenderDefaults
 from .kube import Cluster, EventRecorder, error_message
 from .metrics import CONTROLLER, OperatorMetrics
 from .render import render
-from .state import ChildProblem, Desired, ModelRef, Observed, role_of
+from .state import ChildProblem, Desired, ModelRef, Observed
 from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -169,8 +169,7 @@ class Reconciler:
     def _router_poll_due(self, key: ModelKey, observed: Observed) -> bool:
         """Once per poll period, and at once when the set of ready router pods changed since the last read."""
         at = time.monotonic()
-        routers = frozenset(p["metadata"]["name"] for p in observed.pods
-                            if role_of(p) == "router" and status_mod.pod_ready(p))  # fmt: skip
+        routers = frozenset(p.name for p in observed.census.select("router", ready=True))
         with self._guard:
             last_at, last_routers = self._routers_read.get(key, (-1e9, frozenset()))
             if at - last_at < self.router_poll_seconds and routers == last_routers:

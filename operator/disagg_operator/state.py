@@ -5,6 +5,7 @@ and the pass's own probes). Plain frozen data, shared by the pure planner and st
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Mapping
 
 from disagg_connector import contract
@@ -105,6 +106,55 @@ class RouterView:
         return self.holding(pod_name) is None
 
 
+def terminating(obj: Obj) -> bool:
+    return bool(obj.get("metadata", {}).get("deletionTimestamp"))
+
+
+@dataclass(frozen=True)
+class PodView:
+    """The facts about one pod that every decision reads, derived once (contract.pod_serving for `ready`)."""
+
+    obj: Obj
+    name: str
+    role: str | None
+    revision: str | None
+    ready: bool  # Ready=True and not terminating: it serves
+    terminating: bool
+    draining: bool  # marked to leave (contract.ANNOTATION_DRAINING)
+
+    @classmethod
+    def of(cls, pod: Obj) -> "PodView":
+        meta = pod.get("metadata", {})
+        return cls(pod, meta.get("name", ""), role_of(pod), revision_of(pod), contract.pod_serving(pod), terminating(pod),
+                   contract.ANNOTATION_DRAINING in (meta.get("annotations") or {}))  # fmt: skip
+
+
+_ANY = object()
+
+
+@dataclass(frozen=True)
+class Census:
+    """The observed pods, each one's facts derived once per pass, and the counts everything reads from them."""
+
+    pods: tuple[PodView, ...]
+
+    def select(self, role: str | None = None, revision: Any = _ANY, ready: bool | None = None,
+               terminating: bool | None = None) -> list[PodView]:  # fmt: skip
+        """Pods of a role (None: any), of a revision (default: any; None is a pod without one), by readiness
+        and by whether they terminate."""
+        return [p for p in self.pods
+                if (role is None or p.role == role) and (revision is _ANY or p.revision == revision)
+                and (ready is None or p.ready == ready) and (terminating is None or p.terminating == terminating)]  # fmt: skip
+
+    def count(self, role: str | None = None, revision: Any = _ANY, ready: bool | None = None,
+              terminating: bool | None = None) -> int:  # fmt: skip
+        return len(self.select(role, revision, ready, terminating))
+
+    def paired_revisions(self) -> set[str | None]:
+        """Revisions with a ready prefill and a ready decode (the router pairs only within one)."""
+        return {p.revision for p in self.select("prefill", ready=True)} & {p.revision for p in self.select("decode", ready=True)}
+
+
 @dataclass(frozen=True)
 class Observed:
     """The children this model controls (from the watch-fed cache), its pods, what this pass's probes
@@ -116,6 +166,10 @@ class Observed:
     foreign: Mapping[Key, Obj] = field(default_factory=dict)
     refused: Mapping[Key, ChildProblem] = field(default_factory=dict)
     routers: RouterView | None = None  # None: not asked this pass
+
+    @cached_property
+    def census(self) -> Census:
+        return Census(tuple(PodView.of(p) for p in self.pods))
 
     @property
     def deployments(self) -> list[Obj]:

@@ -56,22 +56,17 @@ RETRIED_REASONS = vocabulary.RETRIED_REASONS
 _KV_REASONS = ("ProtocolMismatch", "TransfersFailing", "DeadlinesHit")
 
 
-def _terminating(pod: Obj) -> bool:
-    return bool(pod.get("metadata", {}).get("deletionTimestamp"))
-
-
 pod_ready = contract.pod_serving
 
 
 def role_counts(observed: Observed, role: str, revision: str) -> dict[str, int]:
     """replicas: pods of the role across revisions; updated: of the current revision; ready: current
     revision pods that are Ready (the only ones that can serve paired with the current revision)."""
-    pods = [p for p in observed.pods if role_of(p) == role and not _terminating(p)]
-    current = [p for p in pods if revision_of(p) == revision]
+    census = observed.census
     return {
-        "replicas": len(pods),
-        "readyReplicas": sum(1 for p in current if pod_ready(p)),
-        "updatedReplicas": len(current),
+        "replicas": census.count(role, terminating=False),
+        "readyReplicas": census.count(role, revision, ready=True),
+        "updatedReplicas": census.count(role, revision, terminating=False),
     }
 
 
@@ -137,9 +132,8 @@ class Readiness:
 
 def _serving(observed: Observed) -> dict[str, int]:
     """Ready pods per role across the revisions that have a ready pair (the router pairs within a revision)."""
-    ready = [(role_of(p), revision_of(p)) for p in observed.pods if role_of(p) in contract.ENGINE_ROLES and pod_ready(p)]
-    paired = {v for r, v in ready if r == "prefill"} & {v for r, v in ready if r == "decode"}
-    return {role: sum(1 for r, v in ready if r == role and v in paired) for role in contract.ENGINE_ROLES}
+    paired = observed.census.paired_revisions()
+    return {role: sum(1 for p in observed.census.select(role, ready=True) if p.revision in paired) for role in contract.ENGINE_ROLES}
 
 
 def readiness(desired: Desired, observed: Observed, targets: Mapping[str, int]) -> Readiness:
@@ -150,7 +144,7 @@ def readiness(desired: Desired, observed: Observed, targets: Mapping[str, int]) 
         revision=revision,
         roles={role: role_counts(observed, role, revision) for role in contract.ENGINE_ROLES},
         wanted=dict(targets),
-        routers_ready=sum(1 for p in observed.pods if role_of(p) == "router" and pod_ready(p)),
+        routers_ready=observed.census.count("router", ready=True),
         routers_wanted=desired_replicas(observed, "router", revision) or 0,
         serving=_serving(observed),
         unavailable={r: b.unavailable for r, b in budgets.items()},
@@ -158,7 +152,7 @@ def readiness(desired: Desired, observed: Observed, targets: Mapping[str, int]) 
 
 
 def something_serves(observed: Observed) -> bool:
-    return any(pod_ready(p) for p in observed.pods)
+    return observed.census.count(ready=True) > 0
 
 
 def old_revisions(observed: Observed, revision: str) -> set[str]:
@@ -306,8 +300,7 @@ def invalid_status(
 def _old_serving(observed: Observed, revision: str, old: set[str]) -> str:
     parts = []
     for v in sorted(old):
-        ready = {r: sum(1 for p in observed.pods if revision_of(p) == v and role_of(p) == r and pod_ready(p))
-                 for r in contract.ENGINE_ROLES}  # fmt: skip
+        ready = {r: observed.census.count(r, v, ready=True) for r in contract.ENGINE_ROLES}
         parts.append(f"{v} (prefill {ready['prefill']}, decode {ready['decode']} ready)")
     return ", ".join(parts)
 
@@ -320,11 +313,11 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     ref, plan, revision = desired.ref, desired.rendered.plan, desired.revision
     previous = desired.previous_status or {}
     facts = readiness(desired, observed, targets)
-    engine_pods = [p for p in observed.pods if role_of(p) in contract.ENGINE_ROLES and not _terminating(p)]
+    engine_pods = [p for r in contract.ENGINE_ROLES for p in observed.census.select(r, terminating=False)]
     # An older revision is still rolling out while its Deployments or its pods remain (the garbage collector
     # takes the pods after the Deployments: status counts them until they terminate).
-    old = old_revisions(observed, revision) | {v for p in engine_pods if (v := revision_of(p)) and v != revision}
-    current_pods = [p for p in engine_pods if revision_of(p) == revision]
+    old = old_revisions(observed, revision) | {p.revision for p in engine_pods if p.revision and p.revision != revision}
+    current_pods = [p.obj for p in engine_pods if p.revision == revision]
     current_deployments = [d for d in observed.deployments if revision_of(d) in (revision, None)]
     fabric_failures, fabric_passes = _preflight_results(current_pods)
     capacity = next(filter(None, map(_unschedulable, current_pods)), None)

@@ -20,7 +20,7 @@ from disagg_operator.metrics import OperatorMetrics
 from disagg_operator.reconcile import Reconciler
 
 from ..conftest import dm
-from .world import UID, children, desired, live, steady
+from .world import UID, desired, steady
 
 NOW = "2026-12-01T00:00:00Z"
 KEY = ("ns", "m")
