@@ -54,6 +54,10 @@ ANNOTATION_VLLM_VERSION = f"{API_GROUP}/vllm-version"
 # once every router reports zero, or once the leg deadline plus the KV lease has passed since the mark.
 ANNOTATION_DRAINING = f"{API_GROUP}/draining"
 
+# --- commands of the data-plane package the operator renders into engine pods -----------------------
+# The vllm container's preStop (disagg_connector.drain): waits until the engine is idle, then returns.
+DRAIN_COMMAND = "disagg-drain"
+
 # --- ports ----------------------------------------------------------------------------------------
 HTTP_PORT = 8000
 HTTP_PORT_NAME = "http"

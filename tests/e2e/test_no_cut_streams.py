@@ -36,7 +36,7 @@ from tests.vllm_sim.harness import FAST
 from tests.vllm_sim.pods import PodEngines, router_kubeconfig, start_router
 
 from .conftest import model_manifest
-from .test_rollout import BUSY, KV_TROUBLE, get_model, rolled_out
+from .test_rollout import BUSY, KV_TROUBLE, at_deletion, get_model, rolled_out
 from .test_router_e2e import BackgroundClient, wait_for
 from .waiting import condition
 
@@ -245,9 +245,11 @@ def test_streams_outlive_every_bound_through_day_2(load, operator, cluster, api_
         # --- every retired pod was idle when it went -------------------------------------------------------
         retired = [e for e in engines.all() if e.final is not None]
         assert len(retired) >= 5, f"the rollout retired 3 pods, each scale-in one: {[e.pod for e in retired]}"
-        for engine in retired:  # each stopped the moment its pod was deleted (stop_gone), keeping what it saw
-            busy = {k: engine.stats()[k] for k in BUSY[engine.role]}
-            assert not any(busy.values()), f"{engine.pod} was deleted with work in flight: {busy} {engine.stats()['in_flight']}"
+        for engine in retired:  # what each simulator held the moment its pod was deleted (before its preStop ran)
+            seen = at_deletion(engine)
+            assert engine.pre_stop is not None and seen is engine.pre_stop.stats_at_start, f"{engine.pod}: its preStop ran"
+            busy = {k: seen[k] for k in BUSY[engine.role]}
+            assert not any(busy.values()), f"{engine.pod} was deleted with work in flight: {busy} {seen['in_flight']}"
         for engine in engines.all():
             counters = engine.counters()
             assert not any(counters.get(k) for k in KV_TROUBLE), (engine.pod, {k: counters.get(k) for k in KV_TROUBLE})

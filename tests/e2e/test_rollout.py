@@ -171,6 +171,12 @@ class Timeline:
         return peak
 
 
+def at_deletion(engine: Any) -> dict[str, Any]:
+    """A retired engine's /sim/stats as its pod got its deletionTimestamp (the harness reads them before it runs
+    the pod's preStop, which waits for the engine to be idle); its last stats when no preStop ran."""
+    return engine.pre_stop.stats_at_start if engine.pre_stop and engine.pre_stop.stats_at_start else engine.stats()
+
+
 def get_model(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, Any]:
     return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
 
@@ -247,9 +253,10 @@ def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, na
         retired = [e for e in engines.all() if e.pod in timeline.deleted]
         assert len(retired) >= 16, f"both rollouts retired every old pod: {len(retired)}"
         assert sum(1 for e in retired for ev in e.events() if ev["kind"] == "leg_received"), "the retired pods served"
-        for engine in retired:  # each stopped the moment its pod was deleted (stop_gone), keeping what it saw
-            busy = {k: engine.stats()[k] for k in BUSY[engine.role]}
-            assert not any(busy.values()), f"{engine.pod} was deleted with work in flight: {busy} {engine.stats()['in_flight']}"
+        for engine in retired:  # what each simulator held the moment its pod was deleted (before its preStop ran)
+            seen = at_deletion(engine)
+            busy = {k: seen[k] for k in BUSY[engine.role]}
+            assert not any(busy.values()), f"{engine.pod} was deleted with work in flight: {busy} {seen['in_flight']}"
         for engine in engines.all():
             counters = engine.counters()
             assert not any(counters.get(k) for k in KV_TROUBLE), (engine.pod, {k: counters.get(k) for k in KV_TROUBLE})

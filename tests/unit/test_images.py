@@ -37,8 +37,8 @@ INSTALLS = {"operator": ("connector", "operator"), "router": ("connector",), "vl
 EXPECTED = {
     "operator": (True, {"disagg-operator"}, f"{CHART_VALUES['image']['repository']}:$VERSION"),
     "router": (True, {"disagg-router"}, config.ROUTER_IMAGE.replace(":0.1.0", ":$VERSION")),
-    "vllm-runtime": (False, {"disagg-preflight", "kvbench"}, config.ENGINE_IMAGE),
-    "vllm-runtime-neuron": (False, {"disagg-preflight", "kvbench"}, config.NEURON_ENGINE_IMAGE),
+    "vllm-runtime": (False, {"disagg-preflight", "disagg-drain", "kvbench"}, config.ENGINE_IMAGE),
+    "vllm-runtime-neuron": (False, {"disagg-preflight", "disagg-drain", "kvbench"}, config.NEURON_ENGINE_IMAGE),
 }
 OCI_LABELS = {"title", "description", "source", "version", "licenses"}
 SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL)", re.I)

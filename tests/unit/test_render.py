@@ -156,6 +156,22 @@ def test_efa_wiring() -> None:
     assert "securityContext" not in plain and not any(e["name"].startswith("FI_") for e in plain["env"])
 
 
+def test_engines_pre_stop_waits_for_idle_within_the_grace_period() -> None:
+    """The vllm container's preStop is disagg-drain on the engine's own port, bounded by the grace period
+    less the margin vLLM's shutdown needs; its router deadline plays no part (streams outlive it)."""
+    from disagg_operator.render.engine import SHUTDOWN_MARGIN_SECONDS
+
+    for grace, deadline in ((120, 120 - SHUTDOWN_MARGIN_SECONDS), (3600, 3600 - SHUTDOWN_MARGIN_SECONDS), (5, 0), (0, 0)):
+        objects = render(parse(dm({"engine": {"terminationGracePeriodSeconds": grace}, "router": {"requestDeadlineSeconds": 5}}))).objects
+        for role in contract.ENGINE_ROLES:
+            (deploy,) = [d for d in by_kind(objects, "Deployment") if d["metadata"]["labels"][contract.LABEL_ROLE] == role]
+            pod = deploy["spec"]["template"]["spec"]
+            assert pod["terminationGracePeriodSeconds"] == grace
+            assert pod["containers"][0]["lifecycle"] == {"preStop": {"exec": {"command": [
+                contract.DRAIN_COMMAND, "--port", str(contract.HTTP_PORT), "--deadline-seconds", str(deadline)]}}}  # fmt: skip
+    assert 10 <= SHUTDOWN_MARGIN_SECONDS < 120, "the default grace period leaves the preStop most of its time"
+
+
 def test_network_policy_lets_only_router_reach_http() -> None:
     (policy,) = by_kind(render(parse(dm())).objects, "NetworkPolicy")
     http_rules = [r for r in policy["spec"]["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": 8000}]]

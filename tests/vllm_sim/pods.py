@@ -7,6 +7,14 @@ its annotations: exactly the identity a real vLLM pod gets from the Downward API
 arguments the operator rendered into its Deployment and a token of its own ServiceAccount, so it discovers
 those pods through the API server as it would in the cluster.
 
+**preStop, as a kubelet runs it.** kwok runs no container and no hook. When the pod of a running engine
+gets its deletionTimestamp, this runs the pod's rendered preStop command (the engines' ``disagg-drain``,
+this venv's console script) with ``--host <pod IP>``: it waits until the simulated engine's ``/metrics`` say
+it is idle. Then (with ``stop_gone``) it stops the engine, as a kubelet sends SIGTERM only after the hook, and
+annotates the pod :data:`PRE_STOP_DONE_ANNOTATION`. kwok holds such a pod (annotated
+:data:`ENGINE_ANNOTATION` when its engine started) until that annotation or its deletionTimestamp
+(hack/kwok/stages.yaml, ``pod-delete-after-pre-stop``): a pod goes only once its engine has stopped.
+
 Used by ``tests/e2e/test_router_e2e.py`` and by the last step of ``hack/demo.sh`` (``python -m
 tests.vllm_sim.pods``).
 """
@@ -16,10 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +40,35 @@ from kubernetes import client, config, watch
 
 from disagg_connector import contract
 from tests.vllm_sim.harness import FAST, Proc, free_port, get_json, http_get, wait_until
+
+# On a pod whose engine this runs (kwok holds it on deletion until PRE_STOP_DONE_ANNOTATION: hack/kwok/stages.yaml).
+ENGINE_ANNOTATION = "sim.disagg.dev/engine"
+# Written when the pod's preStop returned (value: its exit code).
+PRE_STOP_DONE_ANNOTATION = "sim.disagg.dev/pre-stop-done"
+ENGINE_CONTAINER = "vllm"
+ENGINE_START_SECONDS = 30.0  # a launched simulator listens within this (python start-up, on a busy machine)
+
+
+def pre_stop_command(pod: dict[str, Any]) -> list[str] | None:
+    """The exec preStop command of the pod's vllm container, if it has one."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") == ENGINE_CONTAINER:
+            command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+            return list(command) if command else None
+    return None
+
+
+@dataclass
+class PreStop:
+    """One run of a pod's preStop hook against its simulated engine (monotonic times)."""
+
+    argv: list[str]
+    started: float
+    stats_at_start: dict[str, Any] | None = None  # the simulator's /sim/stats when its pod got its deletionTimestamp
+    proc: subprocess.Popen[str] | None = None
+    finished: float | None = None
+    returncode: int | None = None
+    output: str = ""
 
 
 @dataclass
@@ -42,6 +82,8 @@ class PodEngine:
     http_port: int
     engine_id: str
     final: tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]] | None = None  # (legs, stats, events) at stop
+    pre_stop: PreStop | None = None  # the pod's preStop, once its pod was deleted
+    stopped_at: float | None = None  # monotonic time the engine was stopped
 
     @property
     def url(self) -> str:
@@ -52,11 +94,25 @@ class PodEngine:
             raise RuntimeError(f"engine for {self.pod} exited:\n{self.proc.log_text()[-3000:]}")
         return http_get(self.url + "/health", timeout=2)[0] == 200
 
+    def _get(self, path: str) -> Any:
+        """GET one of the simulator's hooks. An engine is launched when its pod turns Ready (at once on kwok)
+        and listens a moment later: until then a refused connection means "not yet", while it runs."""
+        deadline = time.monotonic() + ENGINE_START_SECONDS
+        while True:
+            try:
+                return get_json(self.url + path)
+            except urllib.error.URLError as e:
+                if not isinstance(e.reason, ConnectionRefusedError) or time.monotonic() > deadline:
+                    raise
+                if not self.proc.alive():
+                    raise RuntimeError(f"engine for {self.pod} exited:\n{self.proc.log_text()[-3000:]}") from e
+                time.sleep(0.05)
+
     def stats(self) -> dict[str, Any]:
         """The simulator's /sim/stats: counters, and what it still holds (KV blocks, writes, requests)."""
         if self.final is not None:
             return self.final[1]
-        return get_json(self.url + "/sim/stats")
+        return self._get("/sim/stats")
 
     def counters(self) -> dict[str, int]:
         return self.stats()["counters"]
@@ -64,7 +120,7 @@ class PodEngine:
     def events(self) -> list[dict[str, Any]]:
         if self.final is not None:
             return self.final[2]
-        return get_json(self.url + "/sim/events")["events"]
+        return self._get("/sim/events")["events"]
 
     def legs(self) -> dict[str, dict[str, Any]]:
         """xid -> the leg_received event of every leg this engine got."""
@@ -76,6 +132,7 @@ class PodEngine:
         """Keep what it saw, then stop it."""
         if self.final is None and self.proc.alive():
             self.final = (self.legs(), self.stats(), self.events())
+            self.stopped_at = time.monotonic()
         self.proc.stop()
 
 
@@ -85,8 +142,9 @@ class PodEngines:
 
     Engines of deleted pods keep running (in ``gone``) until the caller retires them, once the router no
     longer routes to them and nothing in flight can still need them; with ``stop_gone`` they stop (keeping
-    what they saw) as soon as their pod is deleted, which a test needs when kwok hands the freed pod IP to
-    the next pod of the same node.
+    what they saw) as soon as their pod is gone, which a test needs when kwok hands the freed pod IP to
+    the next pod of the same node. A pod being deleted first runs its preStop hook (module docstring):
+    it is gone once the hook returned, or its grace period passed.
     """
 
     def __init__(self, api_client: Any, namespace: str, model: str, served_name: str, log_dir: Path,
@@ -102,27 +160,87 @@ class PodEngines:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._selector = f"{contract.LABEL_MODEL}={contract.model_label_value(model)},{contract.LABEL_ROLE} in (prefill,decode)"
+        self._hooks: list[threading.Thread] = []
+        # The hook program: this venv's console script of the command the operator rendered.
+        self._bin = str(Path(sys.executable).parent)
 
     def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         uid = meta["uid"]
+        annotate: PodEngine | None = None
+        hook: PodEngine | None = None
         with self.lock:
             known = uid in self.engines
             if kind == "DELETED" or meta.get("deletionTimestamp"):
                 if known:
                     self.gone.add(uid)
-                    if self.stop_gone:
-                        self.engines[uid].stop()
-                return
-            ip = (pod.get("status") or {}).get("podIP")
-            if known or not ip or not contract.pod_serving(pod):
-                return
-            # kwok hands a deleted pod's IP to the next pod of its node at once: that pod's engine is gone.
-            for other_uid, other in self.engines.items():
-                if other.ip == ip and other.proc.alive():
-                    self.gone.add(other_uid)
-                    other.stop()
-            self.engines[uid] = self._launch(pod, ip)
+                    engine = self.engines[uid]
+                    command = pre_stop_command(pod)
+                    held = command is not None and ENGINE_ANNOTATION in (meta.get("annotations") or {})
+                    if kind != "DELETED" and held and engine.pre_stop is None:  # an engine that died: the hook returns at once
+                        engine.pre_stop = PreStop(self._hook_argv(command, engine.ip), time.monotonic())  # type: ignore[arg-type]
+                        hook = engine
+                    elif self.stop_gone and (kind == "DELETED" or not held):
+                        engine.stop()
+            else:
+                ip = (pod.get("status") or {}).get("podIP")
+                if known or not ip or not contract.pod_serving(pod):
+                    return
+                # kwok hands a deleted pod's IP to the next pod of its node at once: that pod's engine is gone.
+                for other_uid, other in self.engines.items():
+                    if other.ip == ip and other.proc.alive():
+                        self.gone.add(other_uid)
+                        other.stop()
+                self.engines[uid] = annotate = self._launch(pod, ip)
+        if annotate is not None:
+            self._annotate(annotate.pod, {ENGINE_ANNOTATION: annotate.engine_id})
+        if hook is not None:
+            thread = threading.Thread(target=self._run_pre_stop, args=(hook,), name=f"pre-stop-{hook.pod}", daemon=True)
+            self._hooks.append(thread)
+            thread.start()
+
+    def _hook_argv(self, command: list[str], ip: str) -> list[str]:
+        """The rendered command, run from this venv, pointed at the engine on the pod's IP."""
+        program = shutil.which(command[0], path=self._bin)
+        if program is None:
+            raise RuntimeError(f"the pod's preStop runs {command[0]}, which is not installed in {self._bin} (pip install -e ./connector)")
+        return [program, *command[1:], "--host", ip]
+
+    def _run_pre_stop(self, engine: PodEngine) -> None:
+        """The kubelet's part: run the hook to its end, then stop the engine (SIGTERM once the hook returned)
+        and let the pod go (the annotation kwok waits for). In that order, as a kubelet removes a pod only once
+        its containers exited: kwok hands a gone pod's IP to the next pod of its node at once, and an engine
+        still listening there would take that pod's requests."""
+        hook = engine.pre_stop
+        assert hook is not None
+        try:
+            if engine.proc.alive():
+                try:
+                    hook.stats_at_start = get_json(engine.url + "/sim/stats")  # no wait: the hook starts now
+                except (OSError, ValueError, AssertionError):
+                    pass  # not listening (yet), or dying: the hook will find out too
+            hook.proc = subprocess.Popen(hook.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            hook.output, _ = hook.proc.communicate()
+            hook.returncode = hook.proc.returncode
+            hook.finished = time.monotonic()
+            if self.stop_gone:
+                engine.stop()
+            if not self._stop.is_set():
+                self._annotate(engine.pod, {PRE_STOP_DONE_ANNOTATION: str(hook.returncode)})
+        except Exception as e:  # noqa: BLE001 - surfaced by check()
+            self.errors.append(f"preStop of {engine.pod}: {type(e).__name__}: {e}")
+
+    def _annotate(self, pod: str, annotations: dict[str, str | None]) -> None:
+        try:
+            self.core.patch_namespaced_pod(pod, self.namespace, {"metadata": {"annotations": annotations}})
+        except client.ApiException as e:
+            if e.status != 404:  # a pod already gone needs nothing
+                self.errors.append(f"annotating {pod}: {e.status} {e.reason}")
+
+    def pre_stop(self, pod: str) -> PreStop | None:
+        """The preStop run of the engine of pod ``pod`` (by name), if its pod was deleted."""
+        with self.lock:
+            return next((e.pre_stop for e in self.engines.values() if e.pod == pod and e.pre_stop is not None), None)
 
     def _launch(self, pod: dict[str, Any], ip: str) -> PodEngine:
         meta = pod["metadata"]
@@ -153,7 +271,7 @@ class PodEngines:
                 doc = json.loads(listed.data)
                 with self.lock:  # pods deleted while no watch ran: first, as a new pod may have taken one's IP
                     live = {p["metadata"]["uid"] for p in doc["items"]}
-                    went = set(self.engines) - live - self.gone
+                    went = set(self.engines) - live
                     self.gone |= went
                     if self.stop_gone:
                         for uid in went:
@@ -207,7 +325,16 @@ class PodEngines:
         if self._thread is not None:
             self._thread.join(timeout=10)
         for e in self.all():
+            if e.pre_stop is not None and e.pre_stop.proc is not None and e.pre_stop.proc.poll() is None:
+                e.pre_stop.proc.terminate()  # a hook still waiting: the test is over
+        for thread in self._hooks:
+            thread.join(timeout=10)
+        for e in self.all():
             e.proc.stop()
+        # No engine runs for these pods any more: a kubelet's hook would return at once, so kwok need not hold
+        # them (a namespace deleted after the test goes at once, not after each pod's grace period).
+        for e in self.all():
+            self._annotate(e.pod, {ENGINE_ANNOTATION: None})
 
 
 # --- the router as a local process ------------------------------------------------------------------

@@ -80,6 +80,16 @@ Only a bidirectional turn-2 read checks the expiry first.
   it behind the prefill.
 Defaults approximate Qwen3-32B (256 KiB of KV per token), TP8 H200 prefill, 100 GB/s EFA.
 
+**Metrics** (``GET /metrics``, Prometheus text by prometheus_client, as vLLM's ``PrometheusStatLogger``
+in ``v1/metrics/loggers.py``): ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and
+``vllm:kv_cache_usage_perc``, labels ``engine`` (the DP rank) and ``model_name``, computed at scrape time.
+Running: a prefill computing, a request in D's batch. Waiting: everything else handed to the engine and
+not finished: queued for P's accelerator or D's next step, waiting for its remote KV (vLLM counts
+WAITING_FOR_REMOTE_KVS in this gauge), KV arrived but not yet in the batch. KV blocks in use (of
+``--num-gpu-blocks`` per rank, ``BlockPool.get_usage``): those of every scheduled, unfinished request
+(prompt plus generated tokens), and those P still holds for a finished prefill: under its lease until D
+reads them (pull) or while it writes them (push).
+
 Test hooks: ``GET /sim/stats`` (counters), ``GET /sim/events`` (ordered event log),
 ``GET /sim/body/{xid}`` (the exact bytes this engine sent for a request), ``POST /sim/control`` (faults),
 all on the HTTP port.
@@ -104,6 +114,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 log = logging.getLogger("vllm_sim")
 
@@ -199,6 +211,7 @@ class Seq:
     notices: int = 0
     expected: int = 1
     kv_ready: bool = False
+    computing: bool = False  # P: this prefill has the accelerator
 
     @property
     def transfer_id(self) -> str | None:
@@ -210,6 +223,28 @@ class Seq:
 class Held:
     seq: Seq
     expiry: float
+
+
+class _SchedulerGauges:
+    """vLLM's scheduler gauges (names, help texts and labels of PrometheusStatLogger), read at scrape time."""
+
+    HELP = {
+        "vllm:num_requests_running": "Number of requests in model execution batches.",
+        "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
+        "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+    }
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Any:
+        values = self.engine.scheduler_gauges()
+        model = self.engine.a.served_model_name
+        for (name, doc), per_rank in zip(self.HELP.items(), values):
+            family = GaugeMetricFamily(name, doc, labels=["engine", "model_name"])
+            for rank, value in enumerate(per_rank):
+                family.add_metric([str(rank), model], float(value))
+            yield family
 
 
 class Engine:
@@ -243,6 +278,10 @@ class Engine:
         self._ev = itertools.count()
         self.session: aiohttp.ClientSession | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.inflight: dict[int, Seq] = {}  # id(seq) -> every request handed to the engine, until its answer is sent
+        self.writing: dict[int, Seq] = {}  # id(seq) -> prefills whose KV P is writing (push)
+        self.registry = CollectorRegistry()
+        self.registry.register(_SchedulerGauges(self))
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def engine_id(self, rank: int) -> str:
@@ -505,14 +544,18 @@ class Engine:
             cost = self.t.prefill(seq.prompt_tokens)
             self.compute_until = time.monotonic() + cost
             self.event("prefill_start", xid=seq.xid, rid=seq.rid, rank=seq.rank)
-            await asyncio.sleep(cost)
+            seq.computing = True
+            try:
+                await asyncio.sleep(cost)
+            finally:
+                seq.computing = False
         regs = self.regs[seq.rank]
         reg = next((regs.pop(k) for k, r in list(regs.items()) if self.matches(seq, r)), None)
         self.counters["prefills"] += 1
         self.event("prefill_done", xid=seq.xid, rid=seq.rid, rank=seq.rank, registration_waiting=reg is not None)
         if reg is not None:
             self.counters["registrations_before_prefill_done"] += 1
-            self.spawn(self.push_write(seq, reg))
+            self.start_push(seq, reg)
             return
         held = Held(seq, time.monotonic() + self.a.lease_seconds)
         self.held[seq.rank][seq.rid] = held
@@ -552,18 +595,25 @@ class Engine:
         held = self.match_held(rank, reg)
         self.event("registration_matched" if held else "registration_pending", rid=reg["request_id"], rank=rank)
         if held is not None:
-            self.spawn(self.push_write(held.seq, reg))
+            self.start_push(held.seq, reg)
         else:
             self.regs[rank][reg["request_id"]] = reg
+
+    def start_push(self, seq: Seq, reg: dict[str, Any]) -> None:
+        """The blocks P held stay in use, without a gap, until the write is done."""
+        self.writing[id(seq)] = seq
+        self.spawn(self.push_write(seq, reg))
 
     async def push_write(self, seq: Seq, reg: dict[str, Any]) -> None:
         """P's nixl-push-writer: WRITE the blocks to D, then the completion notices."""
         self.counters["pushes"] += 1
         self.pushing += 1
+        self.writing[id(seq)] = seq
         try:
             await self._push_write(seq, reg)
         finally:
             self.pushing -= 1
+            self.writing.pop(id(seq), None)
 
     async def _push_write(self, seq: Seq, reg: dict[str, Any]) -> None:
         # the writer merges contiguous blocks into one transfer region: one descriptor's prep, not one per block
@@ -664,6 +714,7 @@ class Engine:
         app.router.add_post("/v1/chat/completions", lambda r: self.generate(r, "chat"))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/sim/stats", self.stats)
         app.router.add_get("/sim/events", self.get_events)
         app.router.add_get("/sim/body/{xid}", self.body)
@@ -690,6 +741,30 @@ class Engine:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.dead else 200)
+
+    def scheduler_gauges(self) -> tuple[list[int], list[int], list[float]]:
+        """Per DP rank: requests running, requests waiting, fraction of KV blocks in use (module docstring)."""
+        dp = self.a.dp_size
+        running, waiting, blocks = [0] * dp, [0] * dp, [0] * dp
+        in_batch = {id(s) for s in self.running}
+        queued = {id(s) for s in self.arrivals}  # not scheduled yet: no blocks
+        for key, seq in self.inflight.items():
+            if seq.done:
+                continue
+            if seq.computing or key in in_batch:
+                running[seq.rank] += 1
+            else:
+                waiting[seq.rank] += 1
+            if seq.computing or (seq.path != "prefill" and key not in queued):
+                blocks[seq.rank] += self.t.blocks(seq.prompt_tokens + seq.emitted)
+        for rank, held in enumerate(self.held):
+            blocks[rank] += sum(self.t.blocks(h.seq.prompt_tokens) for h in held.values())
+        for seq in self.writing.values():
+            blocks[seq.rank] += self.t.blocks(seq.prompt_tokens)
+        return running, waiting, [min(1.0, b / self.a.num_gpu_blocks) for b in blocks]
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -767,6 +842,7 @@ class Engine:
         params = params if isinstance(params, dict) else None
         stream = bool(body.get("stream", False))
         seq = Seq(xid, rid, resp_id, kind, prompt_tokens, max_tokens, rank, params)
+        self.inflight[id(seq)] = seq
         self.counters["requests"] += 1
         self.event(
             "leg_received", xid=xid, rid=rid, endpoint=kind, rank=rank, rank_header=rank_header, stream=stream,
@@ -803,6 +879,8 @@ class Engine:
             self.by_rid.pop(seq.rid, None)
             self.stop_heartbeat(seq)
             raise
+        finally:
+            self.inflight.pop(id(seq), None)
 
     def returned_params(self, seq: Seq) -> dict[str, Any]:
         """What P returns in kv_transfer_params (pull_scheduler.py:278-293, push_scheduler.py:281-294)."""
@@ -916,6 +994,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp-size", type=int, default=1)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--lease-seconds", type=float, default=30.0, help="kv_lease_duration")
+    p.add_argument("--num-gpu-blocks", type=int, default=65536, help="KV cache blocks per DP rank (vllm:kv_cache_usage_perc)")
     p.add_argument("--push-registration-timeout", type=float, default=480.0)
     p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail")
     p.add_argument("--compat-hash", default="sim", help="stands for vLLM's NIXL compatibility hash (one per revision)")

@@ -20,6 +20,11 @@ HUGEPAGES_RESOURCE = contract.HUGEPAGES_RESOURCE
 HEALTH_PATH = "/health"
 STARTUP_PERIOD_SECONDS = 10
 PREFLIGHT_COMMAND = "disagg-preflight"
+# Of the grace period, what vLLM's own shutdown gets after the preStop returns: SIGTERM aborts what is
+# left, the engine core and worker processes are terminated (vLLM joins them for up to 5 s before it
+# kills them), NIXL and the accelerator contexts are released, uvicorn closes its connections; plus the
+# preStop's last scrape (up to 2 s). Past the grace period the kubelet sends SIGKILL.
+SHUTDOWN_MARGIN_SECONDS = 15
 
 
 def engine_image(dm: DisaggregatedModel, role: RoleSpec, defaults: RenderDefaults) -> str:
@@ -91,11 +96,22 @@ def _probes(dm: DisaggregatedModel) -> dict[str, Any]:
     }
 
 
-def _pre_stop_seconds(dm: DisaggregatedModel) -> int:
-    """Stay up while requests already routed here finish: the router stops sending to a terminating
-    pod at once, and its legs end within its deadline."""
-    grace = dm.spec.engine.termination_grace_period_seconds
-    return max(0, min(dm.spec.router.request_deadline_seconds, grace - 10))
+def pre_stop_deadline_seconds(dm: DisaggregatedModel) -> int:
+    """How long the preStop may wait for the engine to be idle: the grace period less vLLM's shutdown."""
+    return max(0, dm.spec.engine.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS)
+
+
+def _pre_stop(dm: DisaggregatedModel) -> dict[str, Any]:
+    """Stay up until nothing is in flight: the router sends a terminating pod nothing new, and
+    disagg-drain waits (bounded) until vLLM's own gauges say no request runs or waits and no KV block is
+    held (a prefill's blocks wait for their decode's read), then returns so the kubelet sends SIGTERM,
+    on which vLLM aborts whatever is left (docs/design.md, "Engine pod lifecycle")."""
+    command = [
+        contract.DRAIN_COMMAND,
+        "--port", str(contract.HTTP_PORT),
+        "--deadline-seconds", str(pre_stop_deadline_seconds(dm)),
+    ]  # fmt: skip
+    return {"exec": {"command": command}}
 
 
 def _bytes(quantity: str) -> int:
@@ -179,7 +195,7 @@ def pod_template(
         "resources": res,
         "volumeMounts": mounts,
         **_probes(dm),
-        "lifecycle": {"preStop": {"sleep": {"seconds": _pre_stop_seconds(dm)}}},
+        "lifecycle": {"preStop": _pre_stop(dm)},
     }
     env_from = vllm.env_from(spec)
     if env_from:
