@@ -64,7 +64,6 @@ HTTP_PORT_NAME = "http"
 NIXL_SIDE_CHANNEL_PORT = 5600
 NIXL_PORT_NAME = "nixl"
 ROUTER_PORT = 8000
-ROUTER_METRICS_PORT_NAME = "http"
 
 # --- vLLM releases the operator renders for --------------------------------------------------------
 VLLM_VERSIONS = ("0.24.0", "0.26.0", "0.33.0")
