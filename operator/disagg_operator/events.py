@@ -65,17 +65,24 @@ def of_pass(desired: Desired, observed: Observed, plan: planner.Plan, done: int,
     and the conditions that changed meaning (a rollout started or done, Ready lost, KV transfers failing)."""
     previous = desired.previous_status
     events = [Event("Warning", p.reason, "Plan", f"nothing was changed: {p.describe()}") for p in plan.problems]
-    before, after = _condition(previous, "Progressing"), _condition(status, "Progressing")
-    rolling = after.get("reason") == "RolloutInProgress"
-    if rolling and before.get("reason") != "RolloutInProgress" and not plan.problems:
+    # From the actions, not from Progressing: status may count an old revision's pods again for a pass after
+    # their Deployments went (the garbage collector takes the pods later), and a rollout happens once.
+    carried = plan.actions[:done]
+    old = {_name(d): revision_of(d) for d in observed.deployments
+           if role_of(d) in ("prefill", "decode") and revision_of(d) != desired.revision}  # fmt: skip
+    rolling = bool(old)
+    created = [a for a in carried if isinstance(a, planner.Apply) and a.why == "create" and a.obj["kind"] == "Deployment"
+               and role_of(a.obj) in ("prefill", "decode")]  # fmt: skip
+    if rolling and created:
         events.append(Event("Normal", "RolloutStarted", "Rollout", f"revision {desired.revision} replaces "
-                            f"{', '.join(sorted({revision_of(d) or '' for d in observed.deployments if revision_of(d) != desired.revision and role_of(d) in ('prefill', 'decode')})) or 'the old pods'}"))  # fmt: skip
-    events += [e for a in plan.actions[:done] if (e := _action_event(a, observed, rolling)) is not None]
+                            f"{', '.join(sorted({v or '' for v in old.values()}))}"))  # fmt: skip
+    events += [e for a in carried if (e := _action_event(a, observed, rolling)) is not None]
     events += [Event("Warning", "DrainTimedOut", "Retire", f"pod {pod} let go at spec.rollout.drainTimeoutSeconds: no router "
                      "could say it was idle") for pod in plan.overdue if done == len(plan.actions)]  # fmt: skip
     if failure is not None:
         events.append(Event("Warning", failure.reason, "Apply", f"{done} of {len(plan.actions)} changes made, then {failure.describe()}"))
-    if before.get("reason") == "RolloutInProgress" and after.get("reason") == "Complete":
+    retired = {_name(a.obj) for a in carried if isinstance(a, planner.Delete) and a.why == "retired"}
+    if rolling and retired and retired >= set(old):
         events.append(Event("Normal", "RolloutComplete", "Rollout", f"revision {desired.revision} serves alone"))
     events += of_status(previous, status)
     return events
