@@ -25,19 +25,11 @@ import sys
 from typing import Sequence
 
 from disagg_connector import contract
+from disagg_connector.contract.preflight import REASONS, format_termination_message
 
-REASONS: tuple[str, ...] = (
-    "NixlImportFailed",
-    "NixlBackendUnavailable",
-    "EfaDevicesMissing",
-    "AcceleratorsMissing",
-    "HugepagesMissing",
-    "SharedMemoryTooSmall",
-)
 ROOT_ENV = "DISAGG_PREFLIGHT_ROOT"
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
 HUGEPAGE_2MI = 2 * 1024 * 1024
-_LINE = re.compile(r"^([A-Z][A-Za-z0-9]*): (.*)$")
 
 
 class PreflightFailure(Exception):
@@ -46,24 +38,6 @@ class PreflightFailure(Exception):
         self.reason = reason
         self.message = " ".join(message.split())  # one line, always
         super().__init__(f"{reason}: {self.message}")
-
-
-def format_termination_message(reason: str, message: str) -> str:
-    if reason not in REASONS:
-        raise ValueError(f"unknown preflight reason {reason!r}")
-    return f"{reason}: {' '.join(message.split())}"
-
-
-def parse_termination_message(text: str | None) -> tuple[str, str] | None:
-    """(reason, message) from a container's termination message, or None if it is not ours."""
-    if not text:
-        return None
-    for line in text.strip().splitlines():
-        m = _LINE.match(line.strip())
-        if m and m.group(1) in REASONS:
-            return m.group(1), m.group(2)
-        return None  # only the first non-empty line counts
-    return None
 
 
 def _root() -> str:

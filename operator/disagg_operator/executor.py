@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from disagg_connector import contract
-from disagg_connector.router.health import HealthDocumentError, parse_health
+from disagg_connector.contract.health import HealthDocumentError, parse_health
 
 from kubernetes.client.exceptions import ApiException
 

@@ -9,7 +9,7 @@ from functools import cached_property
 from typing import Any, Mapping
 
 from disagg_connector import contract
-from disagg_connector.router.health import RouterHealth
+from disagg_connector.contract.health import RouterHealth
 
 from .api.models import DisaggregatedModel
 from .render import Rendered

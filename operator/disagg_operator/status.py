@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from disagg_connector import contract
-from disagg_connector.preflight import parse_termination_message
+from disagg_connector.contract.preflight import parse_termination_message
 
 from . import rollout, sizing
 from .api import vocabulary
@@ -390,7 +390,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
 
 
 def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tuple[bool | None, str, str]:
-    """KVTransferHealthy from the routers' own numbers (router.health.Verdict per revision, over its recent
+    """KVTransferHealthy from the routers' own numbers (contract.health.Verdict per revision, over its recent
     window): False as soon as a router sees transfers failing, deadlines hit or a protocol mismatch in a
     revision; True when they succeed; Unknown before there is anything to judge. Between two reads of the
     routers the condition stays as it was."""

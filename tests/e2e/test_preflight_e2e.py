@@ -28,7 +28,7 @@ import pytest
 from kubernetes import client
 
 from disagg_connector import contract
-from disagg_connector.preflight import REASONS, format_termination_message, parse_termination_message
+from disagg_connector.contract.preflight import REASONS, format_termination_message, parse_termination_message
 
 from ..conftest import REPO, load_example
 from .conftest import OPERATOR_USER

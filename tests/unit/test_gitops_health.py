@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from disagg_connector import contract
-from disagg_connector.router.health import RouterHealth
+from disagg_connector.contract.health import RouterHealth
 from disagg_operator import planner
 from disagg_operator import status as status_mod
 from disagg_operator.api.crd import build_crd

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from disagg_connector import preflight
-from disagg_connector.preflight import REASONS, format_termination_message, main, parse_termination_message
+from disagg_connector.contract.preflight import REASONS, format_termination_message, parse_termination_message
+from disagg_connector.preflight import main
 
 # NIXL is a test dependency (hack/setup.sh installs it): without it these tests must fail, not vanish.
 import nixl._api  # noqa: E402,F401

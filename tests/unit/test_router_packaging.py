@@ -31,7 +31,7 @@ class Refuse(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {OPERATOR_ONLY!r}:
             raise ImportError(f"{{name}} is not in the router's install")
 sys.meta_path.insert(0, Refuse())
-import disagg_connector.router.server, disagg_connector.router.health, disagg_connector.preflight
+import disagg_connector.router.server, disagg_connector.contract.health, disagg_connector.preflight
 from disagg_connector.router.cli import main
 sys.argv = ["disagg-router", "--help"]
 main()

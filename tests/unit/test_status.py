@@ -145,7 +145,7 @@ def test_status_has_the_api_shape() -> None:
 
 
 def _health(failures: dict[str, int], succeeded: int, mode_conflict: str | None = None) -> Any:
-    from disagg_connector.router.health import parse_health
+    from disagg_connector.contract.health import parse_health
 
     recent = {"requests": succeeded + sum(failures.values()), "succeeded": succeeded, "failures": failures}
     return parse_health({

@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from disagg_connector import preflight
+from disagg_connector.contract import preflight
 from disagg_operator import status as status_mod
 from disagg_operator.api import vocabulary
 
@@ -20,7 +20,7 @@ CAMEL = re.compile(r"^[A-Z][a-z]+(?:[A-Z0-9][a-z0-9]*)+$|^[A-Z][a-z]{3,}$")
 WRITERS = [
     REPO / "operator/disagg_operator/status.py", REPO / "operator/disagg_operator/planner.py",
     REPO / "operator/disagg_operator/executor.py", REPO / "operator/disagg_operator/reconcile.py",
-    REPO / "connector/disagg_connector/preflight.py", REPO / "connector/disagg_connector/router/health.py",
+    REPO / "connector/disagg_connector/contract/preflight.py", REPO / "connector/disagg_connector/contract/health.py",
     REPO / "operator/disagg_operator/events.py",
 ]  # fmt: skip
 # CamelCase strings of those modules that are not reasons: API kinds, field values, condition types.
@@ -48,7 +48,7 @@ def test_every_reason_written_is_declared() -> None:
 def test_the_data_planes_reasons_are_declared_with_their_condition() -> None:
     for reason in preflight.REASONS:
         assert vocabulary.FABRIC_READY in vocabulary.BY_NAME[reason].conditions, reason
-    health = (REPO / "connector/disagg_connector/router/health.py").read_text()
+    health = (REPO / "connector/disagg_connector/contract/health.py").read_text()
     verdicts = set(re.findall(r'Verdict\((?:True|False|None), "(\w+)"', health)) | set(re.findall(r'\(\w+, "(\w+)", "', health))
     assert verdicts >= {"TransfersFailing", "DeadlinesHit", "ProtocolMismatch", "TransfersSucceeding", "NoTrafficYet"}, verdicts
     for reason in verdicts:

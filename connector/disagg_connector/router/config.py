@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from disagg_connector import contract
-from disagg_connector.router.health import TransferMode
+from disagg_connector.contract.health import TransferMode
 
 _SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 # vLLM's default kv_lease_duration (kv_connector_extra_config), in seconds.

@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from disagg_connector import contract
 from disagg_connector.contract import EngineIdentity
-from disagg_connector.router.health import TRANSFER_MODES, TransferMode
+from disagg_connector.contract.health import TRANSFER_MODES, TransferMode
 
 log = logging.getLogger("disagg_router.discovery")
 

@@ -47,7 +47,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -56,6 +55,7 @@ import orjson
 from aiohttp import web
 
 from disagg_connector import contract
+from disagg_connector.contract.vllm_pd import DP_RANK_HEADER, engine_request_id, mint_ids, prefill_body
 from disagg_connector.router.config import RouterConfig
 from disagg_connector.router.discovery import Backend, EndpointTable, RevisionView
 from disagg_connector.router.metrics import RouterMetrics
@@ -64,16 +64,6 @@ from disagg_connector.router.stats import RouterStats
 
 log = logging.getLogger("disagg_router.dispatch")
 
-PREFILL_LEG_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-_DROP_ON_PREFILL = ("min_tokens", "min_completion_tokens", "stream_options")
-DP_RANK_HEADER = "X-data-parallel-rank"
 # llm-d's prefix decider estimates prompt tokens as bytes / 4 (AverageCharactersPerToken).
 BYTES_PER_TOKEN = 4
 _ERROR_STATUS_TYPES = {
@@ -102,18 +92,6 @@ def sse_error(status: int, message: str) -> bytes:
     return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n" + _SSE_DONE
 
 
-def engine_request_id(kind: str, xid: str) -> str:
-    """vLLM's request id for X-Request-Id ``xid`` (before its random ``-<8hex>`` suffix)."""
-    return f"cmpl-{xid}-0" if kind == "completions" else f"chatcmpl-{xid}"
-
-
-def mint_ids() -> tuple[str, str]:
-    """A fresh (X-Request-Id, transfer_id) for one dispatch: never reused, not even by a retry (P may
-    still hold a registration or blocks under the old ones). The ``xfer-`` prefix is vLLM's demo's."""
-    xid = uuid.uuid4().hex
-    return xid, f"xfer-{xid}"
-
-
 def _text_tokens(value: Any) -> int:
     if isinstance(value, str):
         return math.ceil(len(value.encode()) / BYTES_PER_TOKEN)
@@ -132,16 +110,6 @@ def estimate_prompt_tokens(kind: str, body: dict[str, Any]) -> int:
         return _text_tokens(body.get("prompt"))
     messages = body.get("messages")
     return sum(_text_tokens(m.get("content")) for m in messages if isinstance(m, dict)) if isinstance(messages, list) else 0
-
-
-def prefill_body(kind: str, body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    b = {k: v for k, v in body.items() if k not in _DROP_ON_PREFILL}
-    b["kv_transfer_params"] = {**PREFILL_LEG_PARAMS, "transfer_id": transfer_id}
-    b["max_tokens"] = 1
-    if kind == "chat" or "max_completion_tokens" in body:
-        b["max_completion_tokens"] = 1
-    b["stream"] = False
-    return b
 
 
 class LegFailure(Exception):

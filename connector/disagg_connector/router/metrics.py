@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from disagg_connector.router.health import RouterHealth
+from disagg_connector.contract.health import RouterHealth
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60, 120, 300)
 _LABELS = ("revision", "mode")

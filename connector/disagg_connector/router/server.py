@@ -23,7 +23,7 @@ from aiohttp import web
 from disagg_connector.router.config import RouterConfig
 from disagg_connector.router.discovery import EndpointTable, KubernetesDiscovery, StaticDiscovery
 from disagg_connector.router.dispatch import Dispatcher, RequestContext, openai_error
-from disagg_connector.router.health import TRANSFER_MODES, BackendHealth, RevisionHealth, RouterHealth
+from disagg_connector.contract.health import TRANSFER_MODES, BackendHealth, RevisionHealth, RouterHealth
 from disagg_connector.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg_connector.router.pairing import Balancer
 from disagg_connector.router.probe import Prober

@@ -11,7 +11,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from disagg_connector.router.health import Outcomes
+from disagg_connector.contract.health import Outcomes
 
 WINDOW_SECONDS = 60.0
 _BUCKETS = 12

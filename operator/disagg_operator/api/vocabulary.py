@@ -82,7 +82,7 @@ REASONS: tuple[Reason, ...] = (
     _r("InsufficientCPU", "Ready Degraded", "capacity", "No node has enough free CPU."),
     _r("InsufficientMemory", "Ready Degraded", "capacity", "No node has enough free memory."),
     _r("Unschedulable", "Ready Degraded", "capacity", "A pod fits no node for another reason (selectors, taints, affinity): the scheduler's words follow."),
-    # --- the fabric (the preflight program's own reasons, disagg_connector.preflight.REASONS) --------------
+    # --- the fabric (the preflight program's own reasons, disagg_connector.contract.preflight.REASONS) --------------
     _r("PreflightPassed", "FabricReady", "ok", "The preflight passed on the pods counted."),
     _r("NoPreflightYet", "FabricReady", "transient", "No prefill or decode pod has run its preflight yet."),
     _r("PreflightFailed", "Ready Degraded FabricReady", "failing", "The preflight failed without a message of ours: see the init container's log."),
@@ -92,7 +92,7 @@ REASONS: tuple[Reason, ...] = (
     _r("AcceleratorsMissing", "Ready Degraded FabricReady", "failing", "The pod sees fewer accelerators than it asks for."),
     _r("HugepagesMissing", "Ready Degraded FabricReady", "failing", "The pod has fewer 2Mi hugepages than EFA needs."),
     _r("SharedMemoryTooSmall", "Ready Degraded FabricReady", "failing", "/dev/shm is smaller than spec.network.efa.sharedMemory."),
-    # --- KV transfer, from the routers (disagg_connector.router.health verdicts) ---------------------------
+    # --- KV transfer, from the routers (disagg_connector.contract.health verdicts) ---------------------------
     _r("TransfersSucceeding", "KVTransferHealthy", "ok", "Requests of every revision got their KV recently."),
     _r("TransfersFailing", "KVTransferHealthy", "failing", "Decode engines fail to receive the KV cache: see the revision in the message."),
     _r("DeadlinesHit", "KVTransferHealthy", "failing", "Legs or the wait for the KV cache pass the router's deadline."),

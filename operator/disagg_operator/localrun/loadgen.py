@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 import aiohttp
 
 from disagg_connector.contract import EngineIdentity
-from disagg_connector.router.dispatch import engine_request_id, mint_ids, prefill_body
+from disagg_connector.contract.vllm_pd import engine_request_id, mint_ids, prefill_body
 
 # The offline test tokenizer (hack/gpu/make_model.py) maps word "w<id>" to token id <id>: 1..151642 are
 # plain tokens, so a prompt of N such words is N tokens. Other tokenizers: `usage` says the real count.
