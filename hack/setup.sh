@@ -17,15 +17,15 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $($PYTHON --version)"
   "$PYTHON" -m venv .venv
 fi
-stamp=".venv/.installed-$(cat pyproject.toml connector/pyproject.toml | sha256sum | cut -c1-16)"
+stamp=".venv/.installed-$(cat pyproject.toml connector/pyproject.toml bench/pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
-  log "installing the project (both distributions) and its test dependencies into .venv"
+  log "installing the project (its three distributions) and its test dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip==25.3
   # Off first: a .venv from before the data plane became its own distribution has disagg-router & co.
   # recorded under disagg-operator, and upgrading that would delete them after disagg-connector made them.
-  .venv/bin/python -m pip uninstall -q -y disagg-operator disagg-connector 2>/dev/null || true
-  .venv/bin/python -m pip install -q -e './connector[router,kvxfer]' -e '.[test]'
-  # NIXL without its hard torch requirement (see connector/pyproject.toml, extra kvxfer).
+  .venv/bin/python -m pip uninstall -q -y disagg-operator disagg-connector disagg-bench 2>/dev/null || true
+  .venv/bin/python -m pip install -q -e './connector[router,engine]' -e '.[test]' -e ./bench
+  # NIXL without its hard torch requirement (see connector/pyproject.toml, extra engine).
   .venv/bin/python -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
   rm -f .venv/.installed-*; touch "$stamp"
 else

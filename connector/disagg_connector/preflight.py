@@ -87,7 +87,7 @@ def check_nixl_import() -> str:
 
 
 def check_backend(backend: str) -> None:
-    from disagg_connector.kvxfer.endpoint import BackendUnavailable, NixlUnavailable, make_agent
+    from disagg_connector.nixl_agent import BackendUnavailable, NixlUnavailable, make_agent
 
     try:
         agent = make_agent(f"disagg-preflight-{os.getpid()}", backend)

@@ -40,7 +40,7 @@ else
   PY=python3
   MODEL_PY=python3
   VLLM="python3 -m vllm.entrypoints.cli.main"
-  export PYTHONPATH=$SITE:$REPO/operator:$REPO/connector
+  export PYTHONPATH=$SITE:$REPO/operator:$REPO/connector:$REPO/bench
   QUICK=""
   BUDGET=${BUDGET:-450}  # seconds for the sweep; the call's limit is 600 s, unpacking takes ~1 min
 fi
@@ -80,7 +80,7 @@ prepare() {  # everything but the compiled kernels, the byte code, the model fol
 bench() {
   local name=$1; shift
   log "bench $name: $*"
-  timeout -s INT -k 40 "$BUDGET" $PY -m disagg_operator.localrun bench -f hack/gpu/qwen3-0.6b-h200.yaml \
+  timeout -s INT -k 40 "$BUDGET" $PY -m disagg_bench.localrun bench -f hack/gpu/qwen3-0.6b-h200.yaml \
     --vllm "$VLLM" --model-path "$WORK/model" --load-format dummy --enforce-eager \
     --env VLLM_USE_FLASHINFER_SAMPLER=0 --env HF_HUB_OFFLINE=1 --env TRANSFORMERS_OFFLINE=1 \
     --out "$WORK/$name" --startup-timeout 300 "$@" $QUICK
@@ -112,7 +112,7 @@ case "$stage" in
       --cell-seconds 6 --min-requests 8 --drain-timeout 20
     if [ "${REHEARSAL:-0}" = 1 ]; then kv="--device cpu --tokens 256,1024"; else kv="--device cuda --tokens 1024,4096,16384"; fi
     # the KV shape of the model above: 28 layers x 8 KV heads x 128 dims, bf16, 128-token blocks
-    timeout 100 $PY -m disagg_connector.kvbench $kv --model qwen3-32b --num-layers 28 --num-kv-heads 8 --head-dim 128 \
+    timeout 100 $PY -m disagg_bench.kvbench $kv --model qwen3-32b --num-layers 28 --num-kv-heads 8 --head-dim 128 \
       --requests 8 --warmup 2 --rate 4 --json "$OUT/issue12-kvbench.json" | tail -30
     ;;
   issue12-pull)

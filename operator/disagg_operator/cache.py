@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 from disagg_connector import contract
 
@@ -102,31 +102,3 @@ class IndexCache:
 
     def pods(self, namespace: str, name: str) -> tuple[Obj, ...]:
         return tuple(self._entries(PODS_INDEX, (namespace, contract.model_label_value(name))))
-
-
-class MemoryCache:
-    """The same Cache over plain dicts, for tests of the reconciler and the benchmarks' bookkeeping."""
-
-    def __init__(self, models: Iterable[Obj] = (), objects: Iterable[Obj] = ()):
-        self._models = {(m["metadata"]["namespace"], m["metadata"]["name"]): m for m in models}
-        self._objects = list(objects)
-
-    def model(self, namespace: str, name: str) -> Obj | None:
-        return self._models.get((namespace, name))
-
-    def model_keys(self) -> list[tuple[str, str]]:
-        return list(self._models)
-
-    def models_named(self, namespace: str, label: str) -> list[str]:
-        return [n for (ns, n) in self._models if ns == namespace and contract.model_label_value(n) == label]
-
-    def _of(self, namespace: str, name: str) -> list[Obj]:
-        label = contract.model_label_value(name)
-        return [o for o in self._objects if o["metadata"].get("namespace") == namespace
-                and (o["metadata"].get("labels") or {}).get(contract.LABEL_MODEL) == label]
-
-    def children(self, namespace: str, name: str, uid: str) -> dict[Key, Obj]:
-        return {key_of(o): o for o in self._of(namespace, name) if o["kind"] != "Pod" and controlled_by(o, uid)}
-
-    def pods(self, namespace: str, name: str) -> tuple[Obj, ...]:
-        return tuple(o for o in self._of(namespace, name) if o["kind"] == "Pod")

@@ -239,7 +239,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from . import handlers  # registers the handlers
 
-    handlers.OPTIONS = handlers.Options(
+    options = handlers.Options(
         workers=args.workers,
         resync_seconds=args.resync_seconds,
         metrics=metrics,
@@ -255,6 +255,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         liveness_endpoint=args.liveness,
         peering_name=None if args.standalone else args.peering,
         priority=args.priority,
+        memo=handlers.OperatorMemo(options),
     )
     return 0
 

@@ -17,7 +17,7 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import kopf
@@ -39,7 +39,7 @@ MANAGED = {contract.LABEL_MANAGED_BY: contract.OPERATOR_NAME}
 
 @dataclass(frozen=True)
 class Options:
-    """Operator settings from the command line (cli.py sets them before kopf starts)."""
+    """Operator settings from the command line."""
 
     workers: int = 4
     resync_seconds: float = 300.0
@@ -49,15 +49,21 @@ class Options:
     clusterwide: bool = True
 
 
-OPTIONS = Options()
-CACHE = IndexCache()
-_controller: Controller | None = None
+@dataclass
+class OperatorMemo:
+    """kopf's ``memo``, handed to every handler: cli.py passes one to ``kopf.run(memo=...)``, no module globals.
 
+    kopf shallow-copies it for each resource it sees: ``cache`` is one shared object, and ``controller`` is
+    set by the startup handler, which kopf finishes before it starts any watch (so before any copy)."""
 
-def controller() -> Controller:
-    if _controller is None:
-        raise RuntimeError("the operator has not started")
-    return _controller
+    options: Options = field(default_factory=Options)
+    cache: IndexCache = field(default_factory=IndexCache)
+    controller: Controller | None = None
+
+    def running(self) -> Controller:
+        if self.controller is None:
+            raise RuntimeError("the operator has not started")
+        return self.controller
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -128,28 +134,28 @@ def peering_allows(peering: Mapping[str, Any], priority: int, now: float) -> boo
 
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global _controller
+def startup(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> None:
     configure(settings)
+    options = memo.options
     cluster = Cluster(load_api_client())
-    metrics = OPTIONS.metrics or OperatorMetrics(workers=OPTIONS.workers)
+    metrics = options.metrics or OperatorMetrics(workers=options.workers)
     # The routers' KV-transfer numbers are read on the resync period (and whenever a pod drains).
     # Events name this replica (its pod's name in a cluster) as their reporting instance.
     recorder = EventRecorder(cluster.api_client, instance=socket.gethostname())
-    reconciler = Reconciler(CACHE, cluster, RenderDefaults.from_env(), metrics, router_poll_seconds=OPTIONS.resync_seconds,
+    reconciler = Reconciler(memo.cache, cluster, RenderDefaults.from_env(), metrics, router_poll_seconds=options.resync_seconds,
                             recorder=recorder)  # fmt: skip
-    gate = PeeringGate(cluster, OPTIONS.peering, OPTIONS.priority, OPTIONS.clusterwide) if OPTIONS.peering else None
-    _controller = Controller(reconciler, workers=OPTIONS.workers, resync_seconds=OPTIONS.resync_seconds,
-                             active=(lambda key: gate(key[0])) if gate else (lambda key: True))  # fmt: skip
-    _controller.start()
-    log.info("operator started: %d workers, resync every %.0f s, API timeout %s s", OPTIONS.workers,
-             OPTIONS.resync_seconds, REQUEST_TIMEOUT)  # fmt: skip
+    gate = PeeringGate(cluster, options.peering, options.priority, options.clusterwide) if options.peering else None
+    memo.controller = Controller(reconciler, workers=options.workers, resync_seconds=options.resync_seconds,
+                                 active=(lambda key: gate(key[0])) if gate else (lambda key: True))  # fmt: skip
+    memo.controller.start()
+    log.info("operator started: %d workers, resync every %.0f s, API timeout %s s", options.workers,
+             options.resync_seconds, REQUEST_TIMEOUT)  # fmt: skip
 
 
 @kopf.on.cleanup()
-def cleanup(**_: Any) -> None:
-    if _controller is not None:
-        _controller.stop()
+def cleanup(memo: OperatorMemo, **_: Any) -> None:
+    if memo.controller is not None:
+        memo.controller.stop()
 
 
 @kopf.index(*MODEL, id=MODELS_INDEX)
@@ -172,15 +178,15 @@ async def index_pod(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: A
 
 
 @kopf.on.event(*MODEL, id="model_event")
-async def model_event(namespace: str, name: str, **kwargs: Any) -> None:
-    CACHE.bind(kwargs)
-    controller().enqueue(namespace, name)
+async def model_event(namespace: str, name: str, memo: OperatorMemo, **kwargs: Any) -> None:
+    memo.cache.bind(kwargs)
+    memo.running().enqueue(namespace, name)
 
 
-async def child_event(namespace: str, labels: kopf.Labels, **kwargs: Any) -> None:
-    CACHE.bind(kwargs)
-    for name in CACHE.models_named(*index_key(namespace, labels)):
-        controller().enqueue(namespace, name)
+async def child_event(namespace: str, labels: kopf.Labels, memo: OperatorMemo, **kwargs: Any) -> None:
+    memo.cache.bind(kwargs)
+    for name in memo.cache.models_named(*index_key(namespace, labels)):
+        memo.running().enqueue(namespace, name)
 
 
 for _api_version, _kind, _plural in MANAGED_KINDS:

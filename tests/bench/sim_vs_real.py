@@ -1,7 +1,7 @@
 """The simulator's prediction next to every real figure: each committed real run replayed, same sweep,
 same seed (so the same arrival times), with simulated engines timed by the profile fitted to that run.
 
-    python -m tests.bench.sim_vs_real                       # every tests/bench/results/h200-*.json (~12 min)
+    python -m tests.bench.sim_vs_real                       # every bench/results/h200-*.json (~12 min)
     python -m tests.bench.sim_vs_real --only h200-1gpu-push # one of them
     python -m tests.bench.router_bench --sim-vs-real        # the same, as a section of the router benchmark
 
@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from disagg_operator.localrun.bench import Sweep, mode, run_bench
-from disagg_operator.localrun.cli import read_model
-from disagg_operator.localrun.plan import LocalOptions
+from disagg_bench.localrun.bench import Sweep, mode, run_bench
+from disagg_bench.localrun.cli import read_model
+from disagg_bench.localrun.plan import LocalOptions
 from tests.vllm_sim import harness as h
 from tests.vllm_sim.as_vllm import CALIBRATION
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "tests" / "bench" / "results"
+RESULTS = REPO / "bench" / "results"
 SIM = (sys.executable, "-m", "tests.vllm_sim.as_vllm")
 
 

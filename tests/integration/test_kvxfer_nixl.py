@@ -15,7 +15,7 @@ import pytest
 # NIXL is a test dependency (hack/setup.sh installs it): without it these tests must fail, not vanish.
 import nixl._api  # noqa: E402,F401
 
-from disagg_connector.kvxfer.actor import spawn_actor  # noqa: E402
+from disagg_bench.kvxfer.actor import spawn_actor  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

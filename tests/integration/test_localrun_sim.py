@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg_operator.localrun.plan import LocalOptions, local_plan
-from disagg_operator.localrun.procs import started
+from disagg_bench.localrun.plan import LocalOptions, local_plan
+from disagg_bench.localrun.procs import started
 from tests.vllm_sim import harness as h
 
 from tests.conftest import REPO, dm
@@ -52,7 +52,7 @@ def test_bench_sweeps_modes_and_writes_results(tmp_path: Path) -> None:
     model.write_text(json.dumps(dm({"engine": {"enablePrefixCaching": False}}, name="bench")))
     out = tmp_path / "out"
     cmd = [
-        sys.executable, "-m", "disagg_operator.localrun", "bench", "-f", str(model), "--gpus", "0,1",
+        sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), "--gpus", "0,1",
         "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port_block(64)),
         "--modes", "router-push,direct-push,router-pull,direct-pull", "--prompts", "64,512", "--rates", "8",
         "--cell-seconds", "0.5", "--min-requests", "4", "--max-tokens", "6", "--load-format", "dummy", "--out", str(out),
@@ -82,7 +82,7 @@ def test_bench_sweeps_modes_and_writes_results(tmp_path: Path) -> None:
 def test_bad_input_says_what_to_change(tmp_path: Path, bad: str) -> None:
     model = tmp_path / "dm.yaml"
     model.write_text(json.dumps(dm()))
-    proc = subprocess.run([sys.executable, "-m", "disagg_operator.localrun", "bench", "-f", str(model), *bad.split()],
+    proc = subprocess.run([sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), *bad.split()],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert ("--colocate" in proc.stderr) if "gpus" in bad else ("choose from" in proc.stderr)

@@ -21,8 +21,9 @@ from disagg_operator import config
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "images"
-# The two distributions: the operator (pyproject.toml) and the data plane (connector/pyproject.toml).
-DISTRIBUTIONS = {"operator": ".", "connector": "connector"}
+# The distributions: the operator (pyproject.toml), the data plane (connector/pyproject.toml) and the
+# benchmarks (bench/pyproject.toml), whose kvbench the engine images carry.
+DISTRIBUTIONS = {"operator": ".", "connector": "connector", "bench": "bench"}
 SCRIPTS = {
     script: dist
     for dist, root in DISTRIBUTIONS.items()
@@ -32,7 +33,8 @@ README = (IMAGES / "README.md").read_text()
 CHART_VALUES = yaml.safe_load((REPO / "charts" / "disagg-operator" / "values.yaml").read_text())
 
 # image dir -> the distributions it installs (the router and the engines carry no operator code)
-INSTALLS = {"operator": ("connector", "operator"), "router": ("connector",), "vllm-runtime": ("connector",), "vllm-runtime-neuron": ("connector",)}
+INSTALLS = {"operator": ("connector", "operator"), "router": ("connector",), "vllm-runtime": ("connector", "bench"),
+            "vllm-runtime-neuron": ("connector", "bench")}  # fmt: skip
 # image dir -> (non-root?, the entry points it must carry, the reference the chart/operator use by default)
 EXPECTED = {
     "operator": (True, {"disagg-operator"}, f"{CHART_VALUES['image']['repository']}:$VERSION"),
@@ -159,11 +161,11 @@ def test_package_is_installed_from_the_copied_sources(image: str) -> None:
                 for src in sources:
                     dests[src.rstrip("/")] = str(Path(workdir, dest)) if not dest.startswith("/") else dest
         wanted = INSTALLS[image]
-        sources = {"connector"} | ({"pyproject.toml", "operator"} if "operator" in wanted else set())
+        sources = {"connector"} | ({"pyproject.toml", "operator"} if "operator" in wanted else set()) | ({"bench"} & set(wanted))
         assert set(dests) == sources | ({"README.md"} if "operator" in wanted else set()), f"{image}: copies {sorted(dests)}"
         installs = [c.value[0] for c in stage.commands if c.cmd == "RUN" and "pip install" in c.value[0]]
         for dist in wanted:
-            root = (dests["connector"] if dist == "connector" else dests["pyproject.toml"]).rstrip("/")
+            root = (dests[dist] if dist in ("connector", "bench") else dests["pyproject.toml"]).rstrip("/")
             root = str(Path(root).parent) if root.endswith("pyproject.toml") else root
             assert any(re.search(rf"pip install [^&]*\"?{re.escape(root)}/?(\[\w+\])?\"?(\s|$)", run) for run in installs), (
                 f"{image}: no `pip install {root}` of the copied {dist} distribution"

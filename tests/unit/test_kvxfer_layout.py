@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from disagg_connector.kvxfer import messages
-from disagg_connector.kvxfer.layout import (
+from disagg_bench.kvxfer import messages
+from disagg_bench.kvxfer.layout import (
     KVLayout,
     LayoutMismatch,
     apply_plan,
@@ -19,7 +19,7 @@ from disagg_connector.kvxfer.layout import (
     plan_transfer,
     token_offsets,
 )
-from disagg_connector.kvxfer.memory import pattern
+from disagg_bench.kvxfer.memory import pattern
 
 
 def lay(block_size=16, tp=1, rank=0, order="HND", blocks=12, heads=4, layers=2):

@@ -15,10 +15,10 @@ import pytest
 from disagg_connector import contract
 from disagg_connector.router.config import parse_args as router_args
 from disagg_connector.router.discovery import backends_from_pod, pods_from_static
-from disagg_operator.localrun import loadgen, report
-from disagg_operator.localrun.bench import Sweep, mode
-from disagg_operator.localrun.kube_env import DownwardValues, UnresolvableEnv, expand, resolve_env
-from disagg_operator.localrun.plan import LocalOptions, LocalPlan, LocalRunError, describe, flag_value, local_plan
+from disagg_bench.localrun import loadgen, report
+from disagg_bench.localrun.bench import Sweep, mode
+from disagg_bench.localrun.kube_env import DownwardValues, UnresolvableEnv, expand, resolve_env
+from disagg_bench.localrun.plan import LocalOptions, LocalPlan, LocalRunError, describe, flag_value, local_plan
 
 from ..conftest import EXAMPLES, dm, load_example
 

@@ -14,7 +14,7 @@ import pytest
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from disagg_operator.cache import MemoryCache
+from ..support.memory_cache import MemoryCache
 from disagg_operator.config import RenderDefaults
 from disagg_operator.metrics import OperatorMetrics
 from disagg_operator.reconcile import Reconciler

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from disagg_connector import contract
 from disagg_operator.api.validation import parse
-from disagg_operator.localrun.kube_env import expand
-from disagg_operator.localrun.plan import LocalOptions, local_plan
+from disagg_bench.localrun.kube_env import expand
+from disagg_bench.localrun.plan import LocalOptions, local_plan
 from disagg_operator.render import render
 
 from ..conftest import EXAMPLES, REPO, load_example

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from disagg_operator.localrun.plan import LocalOptions, local_plan
+from disagg_bench.localrun.plan import LocalOptions, local_plan
 from tests.vllm_sim import calibrate, sim
 from tests.vllm_sim.as_vllm import CALIBRATION, profile, sim_argv
 

@@ -1,6 +1,6 @@
 """Fit the simulator's timing parameters to real runs of disagg-localrun, and write them as profiles.
 
-    python -m tests.vllm_sim.calibrate                 # refit the profiles from tests/bench/results/h200-*.json
+    python -m tests.vllm_sim.calibrate                 # refit the profiles from bench/results/h200-*.json
 
 What is fitted, from the lowest request rate of each run (no queueing), p50s:
 - prefill_base_ms + prefill_us_per_token: least squares of direct-push's prefill leg over prompt length;
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "tests" / "bench" / "results"
+RESULTS = REPO / "bench" / "results"
 CALIBRATION = Path(__file__).with_name("calibration.json")
 STEP_MS = 10.0  # prefill's idle engine step: not observable here, the simulator's default
 _METRICS = re.compile(r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+).*?Avg MB per transfer=([\d.]+)")
@@ -104,13 +104,13 @@ def main() -> None:
     doc = json.loads(CALIBRATION.read_text())
     doc["profiles"]["h200-1gpu-push"] = {
         "runs": ["h200-1gpu-push.json", "h200-1gpu-push-sequential.json"],
-        "source": "tests/bench/results/h200-1gpu-push.json + h200-1gpu-push-sequential.json (vLLM 0.26.0, "
+        "source": "bench/results/h200-1gpu-push.json + h200-1gpu-push-sequential.json (vLLM 0.26.0, "
                   "Qwen3-0.6B shape, prefill and decode on one H200, UCX cuda_ipc), fitted by tests/vllm_sim/calibrate.py",
         "timing": push,
     }
     doc["profiles"]["h200-1gpu-pull-tcp"] = {
         "runs": ["h200-1gpu-pull-tcp.json"],
-        "source": "tests/bench/results/h200-1gpu-pull-tcp.json: the same engines in pull, whose READ UCX serves "
+        "source": "bench/results/h200-1gpu-pull-tcp.json: the same engines in pull, whose READ UCX serves "
                   "over TCP between two processes on one GPU (an artefact, not pull's speed), fitted by tests/vllm_sim/calibrate.py",
         "timing": pull,
     }

@@ -616,7 +616,7 @@ class RouterSpec(ApiModel):
         default=256,
         description="Prompts shorter than this many tokens (estimated from their length, 4 bytes per "
         "token) skip the prefill engine: a decode engine prefills them itself. Default from "
-        "tests/bench/results/router-bench.txt: below 256 tokens that cuts their TTFT by about 40% and "
+        "bench/results/router-bench.txt: below 256 tokens that cuts their TTFT by about 40% and "
         "slows the decode's other streams by under 5%. 0 disaggregates every request.",
     )
     decode_selection: Literal["LeastOutstanding"] = Field(
@@ -934,8 +934,10 @@ class DisaggregatedModelStatus(ApiModel):
     )
     phase: Literal["Pending", "Progressing", "Ready", "Degraded", "Invalid"] | None = Field(
         default=None,
-        description="One word for the conditions: Invalid (spec refused, see Ready's message), Ready, "
-        "Degraded, Progressing (pods of the current revision exist) or Pending.",
+        description="One word for the conditions, for people (kubectl get's PHASE column) and the "
+        "operator's models-by-phase gauge: Invalid (spec refused, see Ready's message), Ready, Degraded, "
+        "Progressing (pods of the current revision exist) or Pending. Derived from the conditions in the "
+        "same pass; tools read the conditions (Ready, Degraded, Progressing, Reconciling, Stalled).",
     )
     transfer_mode: Literal["Push", "Pull"] | None = Field(
         default=None, description="The effective KV transfer mode (spec.kvTransfer.mode resolved)."

@@ -32,9 +32,9 @@ from typing import Any, Callable, Literal
 from disagg_connector import contract
 from disagg_connector.contract import EngineIdentity
 
-from ..api.models import DisaggregatedModel
-from ..api.validation import parse
-from ..render import render
+from disagg_operator.api.models import DisaggregatedModel
+from disagg_operator.api.validation import parse
+from disagg_operator.render import render
 from .kube_env import DownwardValues, expand, resolve_env
 
 ENGINE_CONTAINER = "vllm"

@@ -23,7 +23,9 @@ Pull::
 """
 
 from .consumer import KVConsumer
-from .endpoint import BackendUnavailable, Endpoint, KVXferError, NixlUnavailable, PeerInfo, UnknownPeer, XferResult, make_agent
+from disagg_connector.nixl_agent import BackendUnavailable, NixlUnavailable, make_agent
+
+from .endpoint import Endpoint, KVXferError, PeerInfo, UnknownPeer, XferResult
 from .layout import KVLayout, LayoutMismatch, TransferPlan, coalesce, head_overlap, peer_ranks, plan_transfer
 from .memory import KVMemory, pattern
 from .producer import KVProducer

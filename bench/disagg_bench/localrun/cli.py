@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
-from ..api.validation import SpecError
-from ..manifests import load_all
+from disagg_operator.api.validation import SpecError
+from disagg_operator.manifests import load_all
 from . import report
 from .bench import Sweep, mode, run_bench
 from .kube_env import UnresolvableEnv

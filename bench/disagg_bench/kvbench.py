@@ -1,7 +1,7 @@
 """kvbench: what push buys over pull on this fabric, for a KV cache shaped like a real model.
 
 A producer process (prefill ranks) and a consumer process (decode ranks) move requests' KV with
-the :mod:`disagg_connector.kvxfer` engine on NIXL, at a request rate, for each prompt length and
+the :mod:`disagg_bench.kvxfer` engine on NIXL, at a request rate, for each prompt length and
 mode (``push``, ``pull-inline``, ``pull-background``). Per (length, mode) it prints:
 
 * prefill done -> KV received (ms): from the producer's ``prefill_done`` call to the consumer's
@@ -84,7 +84,7 @@ def _setup_cuda(device: str) -> None:
 def _producer_main(conn: Any, side: Any, cfg: dict[str, Any]) -> None:
     try:
         _setup_cuda(cfg["p_device"])
-        from disagg_connector.kvxfer import KVLayout, KVMemory, KVProducer
+        from disagg_bench.kvxfer import KVLayout, KVMemory, KVProducer
 
         layout = KVLayout.from_dict(cfg["layout"])
         mem = KVMemory(layout, cfg["p_device"])
@@ -149,7 +149,7 @@ def _producer_phase(prod: Any, side: Any, ph: dict[str, Any], layout: Any) -> di
 def _consumer_main(conn: Any, side: Any, cfg: dict[str, Any]) -> None:
     try:
         _setup_cuda(cfg["c_device"])
-        from disagg_connector.kvxfer import KVConsumer, KVLayout, KVMemory
+        from disagg_bench.kvxfer import KVConsumer, KVLayout, KVMemory
 
         layout = KVLayout.from_dict(cfg["layout"])
         mem = KVMemory(layout, cfg["c_device"])
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         p_dev = c_dev = "cpu"
     probe = _layout_dict(args, 1)
-    from disagg_connector.kvxfer import KVLayout
+    from disagg_bench.kvxfer import KVLayout
 
     lay1 = KVLayout.from_dict(probe)
     max_blocks = lay1.blocks_for(max(tokens))
