@@ -19,11 +19,14 @@ from .state import ChildProblem, Desired, Observed, Obj, revision_of, role_of
 
 @dataclass(frozen=True)
 class Event:
-    type: Literal["Normal", "Warning"]
     reason: str  # one of vocabulary.EVENT_REASONS, or a condition reason of vocabulary.REASONS
     action: str  # what the operator did or saw (events.k8s.io `action`)
     note: str
     related: Obj | None = None  # the child or pod it is about
+
+    @property
+    def type(self) -> Literal["Normal", "Warning"]:
+        return vocabulary.event_type(self.reason)
 
 
 def _condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any]:
@@ -37,16 +40,16 @@ def _name(obj: Obj) -> str:
 def _action_event(action: planner.Action, observed: Observed, rolling: bool) -> Event | None:
     obj = action.obj
     if isinstance(action, planner.Annotate) and action.why == "leaving":
-        return Event("Normal", "PodDraining", "Drain", f"{role_of(obj)} pod {_name(obj)} drains: no new request; it goes once "
+        return Event("PodDraining", "Drain", f"{role_of(obj)} pod {_name(obj)} drains: no new request; it goes once "
                      "no router has anything in flight on it", obj)  # fmt: skip
     if isinstance(action, planner.Annotate) and action.why == "drained":
-        return Event("Normal", "PodRetired", "Retire", f"{role_of(obj)} pod {_name(obj)} is idle: it goes", obj)
+        return Event("PodRetired", "Retire", f"{role_of(obj)} pod {_name(obj)} is idle: it goes", obj)
     if isinstance(action, planner.Scale):
         before = int((obj.get("spec") or {}).get("replicas") or 0)
-        return Event("Normal", "RolloutStep", "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> "
+        return Event("RolloutStep", "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> "
                      f"{action.replicas} pods", obj)  # fmt: skip
     if isinstance(action, planner.Delete) and action.why == "retired":
-        return Event("Normal", "RevisionRetired", "Delete", f"{role_of(obj)} Deployment {_name(obj)} of revision "
+        return Event("RevisionRetired", "Delete", f"{role_of(obj)} Deployment {_name(obj)} of revision "
                      f"{revision_of(obj)} deleted: its pods are gone", obj)  # fmt: skip
     if isinstance(action, planner.Apply) and obj["kind"] == "Deployment" and role_of(obj) in ("prefill", "decode"):
         live = next((c for c in observed.deployments if _name(c) == _name(obj)), None)
@@ -55,7 +58,7 @@ def _action_event(action: planner.Action, observed: Observed, rolling: bool) -> 
         if (live is not None and before == after) or (live is None and not rolling):
             return None  # a template change, not a size change; or the model's first pods
         verb = "RolloutStep" if rolling else "Scaled"
-        return Event("Normal", verb, "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> {after} pods", obj)
+        return Event(verb, "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> {after} pods", obj)
     return None
 
 
@@ -64,7 +67,7 @@ def of_pass(desired: Desired, observed: Observed, plan: planner.Plan, done: int,
     """The Events of one pass: its problems, the actions it carried out (the first `done`), a failed write,
     and the conditions that changed meaning (a rollout started or done, Ready lost, KV transfers failing)."""
     previous = desired.previous_status
-    events = [Event("Warning", p.reason, "Plan", f"nothing was changed: {p.describe()}") for p in plan.problems]
+    events = [Event(p.reason, "Plan", f"nothing was changed: {p.describe()}") for p in plan.problems]
     # From the actions, not from Progressing: status may count an old revision's pods again for a pass after
     # their Deployments went (the garbage collector takes the pods later), and a rollout happens once.
     carried = plan.actions[:done]
@@ -74,16 +77,16 @@ def of_pass(desired: Desired, observed: Observed, plan: planner.Plan, done: int,
     created = [a for a in carried if isinstance(a, planner.Apply) and a.why == "create" and a.obj["kind"] == "Deployment"
                and role_of(a.obj) in ("prefill", "decode")]  # fmt: skip
     if rolling and created:
-        events.append(Event("Normal", "RolloutStarted", "Rollout", f"revision {desired.revision} replaces "
+        events.append(Event("RolloutStarted", "Rollout", f"revision {desired.revision} replaces "
                             f"{', '.join(sorted({v or '' for v in old.values()}))}"))  # fmt: skip
     events += [e for a in carried if (e := _action_event(a, observed, rolling)) is not None]
-    events += [Event("Warning", "DrainTimedOut", "Retire", f"pod {pod} let go at spec.rollout.drainTimeoutSeconds: no router "
+    events += [Event("DrainTimedOut", "Retire", f"pod {pod} let go at spec.rollout.drainTimeoutSeconds: no router "
                      "could say it was idle") for pod in plan.overdue if done == len(plan.actions)]  # fmt: skip
     if failure is not None:
-        events.append(Event("Warning", failure.reason, "Apply", f"{done} of {len(plan.actions)} changes made, then {failure.describe()}"))
+        events.append(Event(failure.reason, "Apply", f"{done} of {len(plan.actions)} changes made, then {failure.describe()}"))
     retired = {_name(a.obj) for a in carried if isinstance(a, planner.Delete) and a.why == "retired"}
     if rolling and retired and retired >= set(old):
-        events.append(Event("Normal", "RolloutComplete", "Rollout", f"revision {desired.revision} serves alone"))
+        events.append(Event("RolloutComplete", "Rollout", f"revision {desired.revision} serves alone"))
     events += of_status(previous, status)
     return events
 
@@ -97,13 +100,13 @@ def of_status(previous: Mapping[str, Any] | None, status: Mapping[str, Any]) -> 
     # Pods starting at create are no news; a model that stops serving, or a reason that needs someone, is.
     worth = was.get("status") == "True" or (known is not None and known.klass != "transient")
     if now.get("status") == "False" and worth and (was.get("status") != "False" or was.get("reason") != reason):
-        out.append(Event("Warning", reason, "Status", f"not ready: {now.get('message', '')}"))
+        out.append(Event(reason, "Status", f"not ready: {now.get('message', '')}"))
     elif now.get("status") == "True" and was.get("status") == "False":
-        out.append(Event("Normal", "Ready", "Status", now.get("message", "")))
+        out.append(Event("Ready", "Status", now.get("message", "")))
     was, now = _condition(previous, "KVTransferHealthy"), _condition(status, "KVTransferHealthy")
     if now.get("status") == "False" and (was.get("status") != "False" or was.get("reason") != now.get("reason")):
-        out.append(Event("Warning", now.get("reason", ""), "Status", now.get("message", "")))
+        out.append(Event(now.get("reason", ""), "Status", now.get("message", "")))
     elif now.get("reason") == "RouterUnreachable" and was.get("reason") != "RouterUnreachable":
-        out.append(Event("Warning", "RouterUnreachable", "Status", now.get("message", "")))
+        out.append(Event("RouterUnreachable", "Status", now.get("message", "")))
     return out
 

@@ -34,7 +34,7 @@ from disagg_connector import contract
 from . import rollout, sizing
 from . import status as status_mod
 from .drift import needs_apply, stamped
-from .retirement import DELETION_COST, LEAVING_COST, Retirement, retire
+from .retirement import DELETION_COST, LEAVING_COST, Retirement, marked, retire
 from .state import ChildProblem, Desired, Key, Obj, Observed, is_engine_deployment, key_of, revision_of, role_of
 
 # Who may depend on whom: a RoleBinding needs its Role and ServiceAccount, the router discovers the
@@ -239,6 +239,27 @@ def _without(observed: Observed, deleted: set[Key]) -> Observed:
     revisions = {revision_of(observed.children[k]) for k in deleted if is_engine_deployment(observed.children[k])}
     return replace(observed, children={k: o for k, o in observed.children.items() if k not in deleted},
                    pods=tuple(p for p in observed.pods if revision_of(p) is None or revision_of(p) not in revisions))
+
+
+@dataclass(frozen=True)
+class RoutersRead:
+    """When a model's routers were last asked (monotonic seconds), and which router pods were ready then."""
+
+    at: float
+    ready: frozenset[str]
+
+
+def ready_routers(observed: Observed) -> frozenset[str]:
+    return frozenset(p.name for p in observed.census.select("router", ready=True))
+
+
+def routers_due(observed: Observed, last: RoutersRead | None, at: float, poll_seconds: float) -> bool:
+    """Whether this pass must also ask the routers (HTTP to their pods): while a pod drains (drained means
+    idle, and only they can say), at once when the ready router pods changed since the last read, and once
+    per poll period otherwise (KVTransferHealthy)."""
+    if any(map(marked, observed.pods)) or last is None:
+        return True
+    return at - last.at >= poll_seconds or ready_routers(observed) != last.ready
 
 
 def plan(desired: Desired, observed: Observed, now: str) -> Plan:

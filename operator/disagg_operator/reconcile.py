@@ -2,9 +2,10 @@
 
 A pass reads top-down:
 1. read the model from the cache (gone or being deleted: nothing to do, the garbage collector has it);
-2. parse and render it (an invalid spec gets `InvalidSpec` in status, nothing running is touched);
-3. plan from what the cache holds; if the plan writes, probe its writes and plan again with what the
-   probes found (planner.py: nothing half-applied);
+2. desire it (state.desire: parse and render; an invalid spec gets `InvalidSpec` in status, nothing running is
+   touched);
+3. observe (the cache; the routers too when planner.routers_due says so) and plan; if the plan writes, probe
+   its writes and plan again with what the probes found (planner.py: nothing half-applied);
 4. execute the plan;
 5. finish: one function builds the status of whatever the outcome was (status.of_outcome: an invalid spec, a
    bug, the API server away, a plan carried out in full or in part), the pass's Events are recorded, and the
@@ -27,15 +28,13 @@ from typing import Any, Callable, Mapping
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
-from . import events, executor, planner, retirement
+from . import events, executor, planner
 from . import status as status_mod
-from .api.validation import SpecError, parse
 from .cache import Cache
 from .config import RenderDefaults
 from .kube import Cluster, EventRecorder, error_message
 from .metrics import CONTROLLER, OperatorMetrics
-from .render import render
-from .state import ChildProblem, Desired, ModelRef, Observed
+from .state import ChildProblem, Observed, SpecProblems, desire
 from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -74,7 +73,7 @@ class Reconciler:
         self.cache = cache
         self.recorder = recorder
         self.router_poll_seconds = router_poll_seconds
-        self._routers_read: dict[ModelKey, tuple[float, frozenset[str]]] = {}  # when, and which routers were ready
+        self._routers_read: dict[ModelKey, planner.RoutersRead] = {}
         self.cluster = cluster
         self.defaults = defaults
         self.metrics = metrics
@@ -106,22 +105,14 @@ class Reconciler:
     def _reconcile(self, key: ModelKey, body: Mapping[str, Any], previous: Mapping[str, Any] | None) -> PassResult:
         namespace, name = key
         meta = body["metadata"]
-        try:
-            model = parse({k: body[k] for k in ("apiVersion", "kind", "spec") if k in body}
-                          | {"metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation") if k in meta}})
-            rendered = render(model, self.defaults)
-        except (SpecError, ValueError) as error:  # a spec admission would have refused: an older CRD, or none
-            problems = [str(p) for p in error.problems] if isinstance(error, SpecError) else [str(error)]
-            self._finish(key, body, status_mod.PassOutcome(meta.get("generation"), previous, invalid=tuple(problems)), None)
+        desired = desire(body, self.defaults, previous)
+        if isinstance(desired, SpecProblems):  # nothing running is touched
+            self._finish(key, body, status_mod.PassOutcome(meta.get("generation"), previous, invalid=desired.problems), None)
             return PassResult("invalid", "InvalidSpec")
-
-        desired = Desired(ModelRef(namespace, name, meta["uid"], meta.get("generation")), model, rendered, previous)
         observed = Observed(children=self.cache.children(namespace, name, meta["uid"]), pods=self.cache.pods(namespace, name))
         now = self.now()
         try:
-            # The routers are asked (HTTP to their pods, not the API server) while a pod drains, and once per
-            # router poll period otherwise, for KVTransferHealthy.
-            if any(map(retirement.marked, observed.pods)) or self._router_poll_due(key, observed):
+            if self._routers_due(key, observed):  # HTTP to the router pods, not the API server
                 observed = replace(observed, routers=executor.read_routers(observed, status_mod.pod_ready))
             plan = planner.plan(desired, observed, now)
             if plan.applies:
@@ -166,16 +157,13 @@ class Reconciler:
                 raise
             log.info("status of %s/%s not written either: the API server is unavailable", *key)
 
-    def _router_poll_due(self, key: ModelKey, observed: Observed) -> bool:
-        """Once per poll period, and at once when the set of ready router pods changed since the last read."""
+    def _routers_due(self, key: ModelKey, observed: Observed) -> bool:
         at = time.monotonic()
-        routers = frozenset(p.name for p in observed.census.select("router", ready=True))
         with self._guard:
-            last_at, last_routers = self._routers_read.get(key, (-1e9, frozenset()))
-            if at - last_at < self.router_poll_seconds and routers == last_routers:
-                return False
-            self._routers_read[key] = (at, routers)
-        return True
+            due = planner.routers_due(observed, self._routers_read.get(key), at, self.router_poll_seconds)
+            if due:
+                self._routers_read[key] = planner.RoutersRead(at, planner.ready_routers(observed))
+        return due
 
     def _count(self, action: planner.Action) -> None:
         if isinstance(action, planner.Apply):

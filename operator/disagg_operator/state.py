@@ -12,7 +12,9 @@ from disagg_connector import contract
 from disagg_connector.contract.health import RouterHealth
 
 from .api.models import DisaggregatedModel
-from .render import Rendered
+from .api.validation import SpecError, parse
+from .config import RenderDefaults
+from .render import Rendered, render
 
 Key = tuple[str, str]  # (kind, name): unique among one model's children
 Obj = dict[str, Any]
@@ -63,6 +65,26 @@ class Desired:
     @property
     def revision(self) -> str:
         return self.rendered.revision
+
+
+@dataclass(frozen=True)
+class SpecProblems:
+    """A spec admission would have refused (an older CRD, or none): every problem, each saying what to change."""
+
+    problems: tuple[str, ...]
+
+
+def desire(body: Mapping[str, Any], defaults: RenderDefaults, previous_status: Mapping[str, Any] | None) -> Desired | SpecProblems:
+    """The desired world of a model object in one step: parse its spec and render it."""
+    meta = body["metadata"]
+    try:
+        model = parse({k: body[k] for k in ("apiVersion", "kind", "spec") if k in body}
+                      | {"metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation") if k in meta}})
+        rendered = render(model, defaults)
+    except (SpecError, ValueError) as error:
+        return SpecProblems(tuple(str(p) for p in error.problems) if isinstance(error, SpecError) else (str(error),))
+    ref = ModelRef(meta["namespace"], meta["name"], meta["uid"], meta.get("generation"))
+    return Desired(ref, model, rendered, previous_status)
 
 
 @dataclass(frozen=True)

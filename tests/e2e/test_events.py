@@ -73,7 +73,7 @@ def test_a_repeated_event_is_one_event_with_a_count(cluster, crd_installed, api_
     model = custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("loud"))
     clock = Clock()
     recorder = EventRecorder(cluster.api_client(), instance="e2e", clock=clock)
-    warning = Event("Warning", "Conflict", "Apply", "0 of 3 changes made, then Pod p: the object has been modified")
+    warning = Event("Conflict", "Apply", "0 of 3 changes made, then Pod p: the object has been modified")
     for _ in range(3):
         recorder.record(model, warning)
         clock.now += 5

@@ -361,3 +361,17 @@ def test_plan_leaves_its_inputs_unchanged(case: Case) -> None:
     planner.plan(case.world, observed, case.now)
     planner.plan(case.world, _scaled_by_hand(case.world, "decode", 3), case.now)
     assert (case.world.rendered.objects, observed.children, observed.pods, case.world.previous_status) == before
+
+
+def test_the_routers_are_asked_while_a_pod_drains_when_their_set_changes_and_once_per_period() -> None:
+    observed = Observed(children={}, pods=serving_pods("abc", routers=2))
+    assert planner.routers_due(observed, None, at=0.0, poll_seconds=300)  # never read yet
+    read = planner.RoutersRead(0.0, planner.ready_routers(observed))
+    assert read.ready == {"r-0", "r-1"}
+    assert not planner.routers_due(observed, read, at=299.0, poll_seconds=300)
+    assert planner.routers_due(observed, read, at=300.0, poll_seconds=300)  # the period passed
+    one_router = Observed(children={}, pods=serving_pods("abc", routers=1))
+    assert planner.routers_due(one_router, read, at=1.0, poll_seconds=300)  # a router went
+    draining = copy.deepcopy(observed.pods)
+    draining[0]["metadata"]["annotations"] = {contract.ANNOTATION_DRAINING: "2026-12-01T00:00:00Z"}
+    assert planner.routers_due(Observed(children={}, pods=draining), read, at=1.0, poll_seconds=300)

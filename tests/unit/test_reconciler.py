@@ -14,12 +14,13 @@ import pytest
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from ..support.memory_cache import MemoryCache
 from disagg_operator.config import RenderDefaults
 from disagg_operator.metrics import OperatorMetrics
 from disagg_operator.reconcile import Reconciler
+from disagg_operator.state import Desired, SpecProblems, desire
 
 from ..conftest import dm
+from ..support.memory_cache import MemoryCache
 from .world import UID, desired, steady
 
 NOW = "2026-12-01T00:00:00Z"
@@ -176,3 +177,12 @@ def test_a_pass_starts_from_the_status_it_wrote_until_the_cache_catches_up() -> 
     written = len(cluster.statuses)
     reconciler.reconcile(KEY)
     assert len(cluster.statuses) == written, "an unchanged world writes no status"
+
+
+def test_desire_parses_and_renders_in_one_step_or_says_every_problem() -> None:
+    desired = desire(model(), RenderDefaults(), previous_status={"phase": "Ready"})
+    assert isinstance(desired, Desired) and desired.ref.name == model()["metadata"]["name"]
+    assert desired.previous_status == {"phase": "Ready"} and desired.rendered.objects
+    refused = desire(model({"kvTransfer": {"mode": "Push", "bidirectional": True}}), RenderDefaults(), None)
+    assert isinstance(refused, SpecProblems) and refused.problems
+    assert all("bidirectional" in p or "Push" in p for p in refused.problems), refused.problems

@@ -88,3 +88,14 @@ def test_crd_names_every_condition_type() -> None:
     schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     description = schema["properties"]["status"]["properties"]["conditions"]["description"]
     assert all(t in description for t in vocabulary.CONDITION_TYPES), description
+
+
+def test_an_events_type_comes_from_its_reason() -> None:
+    assert {r: vocabulary.event_type(r) for r in ("Ready", "RolloutStarted", "PodRetired", "Scaled")} == dict.fromkeys(
+        ("Ready", "RolloutStarted", "PodRetired", "Scaled"), "Normal")
+    for reason in ("DrainTimedOut", "ChildRejected", "Conflict", "CrashLoop", "TransfersFailing", "RouterUnreachable",
+                   "SomethingUndeclared"):  # fmt: skip
+        assert vocabulary.event_type(reason) == "Warning", reason
+    # every declared reason has a type, and only good news is Normal among the condition reasons
+    for reason in vocabulary.REASONS:
+        assert vocabulary.event_type(reason.name) == ("Normal" if reason.klass == "ok" else "Warning"), reason

@@ -118,6 +118,17 @@ EVENT_REASONS: dict[str, str] = {
 }
 
 BY_NAME: dict[str, Reason] = {r.name: r for r in REASONS}
+# Event reasons of the table above that need someone's attention.
+WARNING_EVENT_REASONS = frozenset({"DrainTimedOut"})
+
+
+def event_type(reason: str) -> Literal["Normal", "Warning"]:
+    """An Event's type from its reason: Warning for a condition reason that is not good news (any class but
+    ok) and for the Event reasons that need attention; Normal otherwise."""
+    known = BY_NAME.get(reason)
+    if known is not None:
+        return "Normal" if known.klass == "ok" else "Warning"
+    return "Warning" if reason in WARNING_EVENT_REASONS or reason not in EVENT_REASONS else "Normal"
 
 
 def of_class(klass: ReasonClass, condition: str | None = None) -> tuple[str, ...]:
