@@ -13,7 +13,7 @@ from typing import Any
 from kubernetes import client
 
 from disagg_connector import contract
-from tests.vllm_sim.pods import PodEngines, router_kubeconfig, start_router
+from tests.vllm_sim.pods import PodEngines, start_pod_router
 
 from .conftest import model_manifest
 from .test_router_e2e import BackgroundClient, wait_for
@@ -30,7 +30,7 @@ def control(url: str, **faults: Any) -> None:
 
 
 def test_kv_transfer_healthy_follows_the_routers_numbers(operator, cluster, api_client, namespace, tmp_path: Path) -> None:
-    custom, apps, core = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    custom = client.CustomObjectsApi(api_client)
     name = "kvh"
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
                                            model_manifest(name, {"router": {"disaggregationThresholdTokens": 0}}))  # fmt: skip
@@ -43,10 +43,7 @@ def test_kv_transfer_healthy_follows_the_routers_numbers(operator, cluster, api_
     revision, served = obj["status"]["revision"], obj["spec"]["model"]["name"]
     engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, stop_gone=True)
     engines.start()
-    (router_pod,) = core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}=router").items
-    token = cluster.kubectl("create", "token", contract.router_name(name), "-n", namespace, "--duration=1h").stdout.strip()
-    router = start_router(apps, namespace, name, router_kubeconfig(cluster.kubeconfig, token, namespace, tmp_path / "rk"),
-                          tmp_path, host=router_pod.status.pod_ip, port=contract.ROUTER_PORT)  # fmt: skip
+    router = start_pod_router(cluster, namespace, name, tmp_path)
     background = BackgroundClient(router.url, served, workers=2)
     try:
         wait_for("engines listening", lambda: engines.serving(1, 1), 60)

@@ -33,10 +33,10 @@ from kubernetes import client
 
 from disagg_connector import contract
 from tests.vllm_sim.harness import FAST
-from tests.vllm_sim.pods import PodEngines, router_kubeconfig, start_router
+from tests.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble, at_deletion, start_pod_router
 
 from .conftest import model_manifest
-from .test_rollout import BUSY, KV_TROUBLE, at_deletion, get_model, rolled_out
+from .test_rollout import get_model, rolled_out
 from .test_router_e2e import BackgroundClient, wait_for
 from .waiting import condition
 
@@ -175,7 +175,7 @@ def decode_settled(custom: client.CustomObjectsApi, namespace: str, name: str, r
 
 
 def test_streams_outlive_every_bound_through_day_2(load, operator, cluster, api_client, namespace, tmp_path: Path) -> None:
-    custom, apps, core = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "long"
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, long_model(name))
     first = wait_for("1P2D Ready", lambda: (o := get_model(custom, namespace, name)) and condition(o, "Ready").get("status") == "True"
@@ -185,10 +185,7 @@ def test_streams_outlive_every_bound_through_day_2(load, operator, cluster, api_
     engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, timing={**FAST, "tpot_ms": TPOT_MS}, stop_gone=True)
     engines.start()
     wait_for("3 engines listening", lambda: engines.serving(1, 2), 120)
-    (router_pod,) = core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}=router").items
-    token = cluster.kubectl("create", "token", contract.router_name(name), "-n", namespace, "--duration=1h").stdout.strip()
-    router = start_router(apps, namespace, name, router_kubeconfig(cluster.kubeconfig, token, namespace, tmp_path / "rk"),
-                          tmp_path, host=router_pod.status.pod_ip, port=contract.ROUTER_PORT)  # fmt: skip
+    router = start_pod_router(cluster, namespace, name, tmp_path)
     background: BackgroundClient | None = None
     try:
         wait_for("router table 1P2D", lambda: router.table() == {first: (1, 2)}, 60)
@@ -245,14 +242,10 @@ def test_streams_outlive_every_bound_through_day_2(load, operator, cluster, api_
         # --- every retired pod was idle when it went -------------------------------------------------------
         retired = [e for e in engines.all() if e.final is not None]
         assert len(retired) >= 5, f"the rollout retired 3 pods, each scale-in one: {[e.pod for e in retired]}"
-        for engine in retired:  # what each simulator held the moment its pod was deleted (before its preStop ran)
-            seen = at_deletion(engine)
-            assert engine.pre_stop is not None and seen is engine.pre_stop.stats_at_start, f"{engine.pod}: its preStop ran"
-            busy = {k: seen[k] for k in BUSY[engine.role]}
-            assert not any(busy.values()), f"{engine.pod} was deleted with work in flight: {busy} {seen['in_flight']}"
-        for engine in engines.all():
-            counters = engine.counters()
-            assert not any(counters.get(k) for k in KV_TROUBLE), (engine.pod, {k: counters.get(k) for k in KV_TROUBLE})
+        for engine in retired:
+            assert engine.pre_stop is not None and at_deletion(engine) is engine.pre_stop.stats_at_start, f"{engine.pod}: its preStop ran"
+        assert_idle_when_deleted(retired)
+        assert_no_kv_trouble(engines.all())
     finally:
         if background is not None:
             background.stop()

@@ -42,7 +42,7 @@ from kubernetes import client, watch
 
 from disagg_connector import contract
 from tests.vllm_sim.harness import FAST
-from tests.vllm_sim.pods import PodEngines, router_kubeconfig, start_router
+from tests.vllm_sim.pods import PodEngines, start_pod_router
 
 from ..conftest import REPO
 from .conftest import model_manifest
@@ -177,7 +177,7 @@ class LongStream:
 
 
 def test_a_node_drain_waits_for_the_stream_on_its_decode(operator, cluster, api_client, namespace, pool, tmp_path: Path) -> None:
-    custom, apps, core = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "drain"
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, drain_model(name, namespace))
     obj = wait_for("1P2D Ready", lambda: (o := custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
@@ -192,10 +192,7 @@ def test_a_node_drain_waits_for_the_stream_on_its_decode(operator, cluster, api_
     engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, timing={**FAST, "tpot_ms": TPOT_MS}, stop_gone=True)
     engines.start()
     pods = PodWatch(cluster.api_client(), namespace, name)
-    (router_pod,) = core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}=router").items
-    token = cluster.kubectl("create", "token", contract.router_name(name), "-n", namespace, "--duration=1h").stdout.strip()
-    router = start_router(apps, namespace, name, router_kubeconfig(cluster.kubeconfig, token, namespace, tmp_path / "rk"),
-                          tmp_path, host=router_pod.status.pod_ip, port=contract.ROUTER_PORT)  # fmt: skip
+    router = start_pod_router(cluster, namespace, name, tmp_path)
     background: BackgroundClient | None = None
     try:
         wait_for("3 engines listening", lambda: engines.serving(1, 2), 120)

@@ -31,7 +31,7 @@ import yaml
 from kubernetes import client, watch
 
 from disagg_connector import contract
-from tests.vllm_sim.pods import PodEngines, router_kubeconfig, start_router
+from tests.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble, start_pod_router
 
 from ..conftest import REPO
 from .conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
@@ -42,18 +42,6 @@ GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLUR
 POOL = f"{contract.API_GROUP}/rollout-pool"
 NODES = 10
 SURGE = 1
-
-
-# What a simulator still works on, from its /sim/stats: requests queued or running, a decode waiting for its
-# KV, a prefill's KV write under way. (KV blocks a prefill still holds are leases: a live request's decode
-# takes them before the router lets go of the prefill; the rest expire, as in vLLM, and no decode reads them:
-# checked by the decode side's counters below.)
-BUSY = {"decode": ("active", "waiting_for_kv"), "prefill": ("active", "pushing")}
-# KV a decode took that was no longer (or never) meant for it: a read after the lease, a wrong-shaped KV.
-# (A failed handshake or load is not counted: kwok makes a pod Ready the moment it is bound, with a freed IP,
-# so a router may try a pod whose simulated engine is not up yet; it retries elsewhere, as the zero failed
-# requests show. A real engine is Ready only once it serves.)
-KV_TROUBLE = ("notifications_after_expiry", "kv_wrong")
 
 
 class Pool:
@@ -171,12 +159,6 @@ class Timeline:
         return peak
 
 
-def at_deletion(engine: Any) -> dict[str, Any]:
-    """A retired engine's /sim/stats as its pod got its deletionTimestamp (the harness reads them before it runs
-    the pod's preStop, which waits for the engine to be idle); its last stats when no preStop ran."""
-    return engine.pre_stop.stats_at_start if engine.pre_stop and engine.pre_stop.stats_at_start else engine.stats()
-
-
 def get_model(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, Any]:
     return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
 
@@ -190,7 +172,7 @@ def rolled_out(custom: client.CustomObjectsApi, ns: str, name: str, old: str) ->
 
 
 def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, namespace, pool, tmp_path: Path) -> None:
-    custom, apps, core = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client), client.CoreV1Api(api_client)
+    custom, apps = client.CustomObjectsApi(api_client), client.AppsV1Api(api_client)
     name = "big"
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, big_model(name, pool.label, "Push"))
     first = wait_for("4P4D Ready", lambda: (o := get_model(custom, namespace, name)) and condition(o, "Ready").get("status") == "True"
@@ -200,10 +182,7 @@ def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, na
     engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, stop_gone=True)
     engines.start()
     wait_for("8 engines listening", lambda: engines.serving(4, 4), 120)
-    (router_pod,) = [p for p in core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}=router").items]
-    token = cluster.kubectl("create", "token", contract.router_name(name), "-n", namespace, "--duration=1h").stdout.strip()
-    router = start_router(apps, namespace, name, router_kubeconfig(cluster.kubeconfig, token, namespace, tmp_path / "rk"),
-                          tmp_path, host=router_pod.status.pod_ip, port=contract.ROUTER_PORT)  # fmt: skip
+    router = start_pod_router(cluster, namespace, name, tmp_path)
     background: BackgroundClient | None = None
     timeline = Timeline(cluster.api_client(), namespace, name)
     try:
@@ -253,13 +232,8 @@ def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, na
         retired = [e for e in engines.all() if e.pod in timeline.deleted]
         assert len(retired) >= 16, f"both rollouts retired every old pod: {len(retired)}"
         assert sum(1 for e in retired for ev in e.events() if ev["kind"] == "leg_received"), "the retired pods served"
-        for engine in retired:  # what each simulator held the moment its pod was deleted (before its preStop ran)
-            seen = at_deletion(engine)
-            busy = {k: seen[k] for k in BUSY[engine.role]}
-            assert not any(busy.values()), f"{engine.pod} was deleted with work in flight: {busy} {seen['in_flight']}"
-        for engine in engines.all():
-            counters = engine.counters()
-            assert not any(counters.get(k) for k in KV_TROUBLE), (engine.pod, {k: counters.get(k) for k in KV_TROUBLE})
+        assert_idle_when_deleted(retired)
+        assert_no_kv_trouble(engines.all())
     finally:
         timeline.stop()
         if background is not None:

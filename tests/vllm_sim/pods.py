@@ -397,6 +397,48 @@ def start_router(apps: client.AppsV1Api, namespace: str, model: str, kubeconfig:
     return LocalRouter(Proc("router", argv, log_dir), port, rendered, host)
 
 
+
+def start_pod_router(cluster: Any, namespace: str, model: str, log_dir: Path) -> LocalRouter:
+    """The model's router as its (kwok) pod would run it: the operator's rendered arguments, on the pod's own IP
+    and port, with a token of the router's own ServiceAccount (so RBAC is the chart's and the operator's)."""
+    core, apps = client.CoreV1Api(cluster.api_client()), client.AppsV1Api(cluster.api_client())
+    (router_pod,) = core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}=router").items
+    token = cluster.kubectl("create", "token", contract.router_name(model), "-n", namespace, "--duration=1h").stdout.strip()
+    return start_router(apps, namespace, model, router_kubeconfig(cluster.kubeconfig, token, namespace, log_dir / "rk"),
+                        log_dir, host=router_pod.status.pod_ip, port=contract.ROUTER_PORT)  # fmt: skip
+
+
+# What a simulator still works on, from its /sim/stats: requests queued or running, a decode waiting for its
+# KV, a prefill's KV write under way. (KV blocks a prefill still holds are leases: a live request's decode
+# takes them before the router lets go of the prefill; the rest expire, as in vLLM, and no decode reads them:
+# checked by the decode side's counters below.)
+BUSY = {"decode": ("active", "waiting_for_kv"), "prefill": ("active", "pushing")}
+# KV a decode took that was no longer (or never) meant for it: a read after the lease, a wrong-shaped KV.
+# (A failed handshake or load is not counted: kwok makes a pod Ready the moment it is bound, with a freed IP,
+# so a router may try a pod whose simulated engine is not up yet; it retries elsewhere, as the zero failed
+# requests show. A real engine is Ready only once it serves.)
+KV_TROUBLE = ("notifications_after_expiry", "kv_wrong")
+
+
+def at_deletion(engine: Any) -> dict[str, Any]:
+    """A retired engine's /sim/stats as its pod got its deletionTimestamp (the harness reads them before it runs
+    the pod's preStop, which waits for the engine to be idle); its last stats when no preStop ran."""
+    return engine.pre_stop.stats_at_start if engine.pre_stop and engine.pre_stop.stats_at_start else engine.stats()
+
+
+def assert_idle_when_deleted(retired: list[Any]) -> None:
+    """Drained means idle: what each simulator held the moment its pod was deleted (before its preStop ran)."""
+    for engine in retired:
+        seen = at_deletion(engine)
+        busy = {k: seen[k] for k in BUSY[engine.role]}
+        assert not any(busy.values()), f"{engine.pod} was deleted with work in flight: {busy} {seen['in_flight']}"
+
+
+def assert_no_kv_trouble(engines: list[Any]) -> None:
+    for engine in engines:
+        counters = engine.counters()
+        assert not any(counters.get(k) for k in KV_TROUBLE), (engine.pod, {k: counters.get(k) for k in KV_TROUBLE})
+
 # --- the demo's last step ---------------------------------------------------------------------------
 async def _stream(url: str, body: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
     import aiohttp
