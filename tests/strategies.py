@@ -33,7 +33,8 @@ def roles(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any], dict[str, An
         count = tensor * pipeline * data if accelerator == "nvidia" else draw(st.sampled_from([1, 8, 16]))
         spec: dict[str, Any] = {
             "replicas": draw(st.integers(0, 4)),
-            "parallelism": {"tensor": tensor, "pipeline": pipeline, "data": data, "context": context},
+            "parallelism": {"tensor": tensor, "pipeline": pipeline, "data": data, "context": context,
+                            "expert": draw(st.booleans())},
             "accelerator": {"type": accelerator, "count": count},
             "efa": {"count": efa},
             "resources": {"requests": {"cpu": draw(st.sampled_from([4, "500m", "16"])), "memory": "64Gi"}},
@@ -136,6 +137,7 @@ BREAKERS = [
     ("negative-replicas", [_set("decode.replicas", -3)], "spec.decode.replicas"),
     ("no-accelerator", [_set("decode.accelerator.count", 0)], "spec.decode.accelerator.count"),
     ("managed-flag", [_set("engine.extraArgs", ["--block-size", "16"])], "spec.engine.extraArgs"),
+    ("managed-expert-flag", [_set("decode.extraArgs", ["--enable_expert_parallel"])], "spec.decode.extraArgs"),
     ("unknown-field", [_set("router.deadline", 5)], "spec.router.deadline"),
     ("vllm-version-without-its-image", [_set("engine.vllmVersion", "0.26.0"), _set("engine.image", None),
                                         _set("prefill.accelerator.type", "nvidia"), _set("decode.accelerator.type", "nvidia")],

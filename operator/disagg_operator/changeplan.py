@@ -28,7 +28,7 @@ import jinja2
 from disagg_connector import contract
 
 from . import rollout
-from .api.models import DisaggregatedModel, RoleSpec
+from .api.models import DisaggregatedModel, EngineShape, RoleSpec
 from .api.validation import SpecError, parse
 from .config import RenderDefaults
 from .render import render
@@ -82,6 +82,7 @@ class ChangePlan:
     final: Mapping[str, Usage]
     peak_pods: Mapping[str, int]
     peak_accelerators: Mapping[str, Mapping[str, int]]
+    engines: Mapping[str, EngineShape]  # role -> how one engine of the new model lays out over pods
     schedule: str = SCHEDULE
 
     @property
@@ -168,17 +169,16 @@ def _role(dm: DisaggregatedModel, role: str) -> RoleSpec:
     return getattr(dm.spec, role)
 
 
-def _devices(dm: DisaggregatedModel, role: str, pods: int) -> dict[str, int]:
-    accelerator = _role(dm, role).accelerator
-    return {contract.ACCELERATOR_RESOURCES[accelerator.type]: pods * accelerator.count}
-
-
-def _usage(pods_by_model: list[tuple[DisaggregatedModel, int]], role: str) -> Usage:
+def _usage(engines_by_model: list[tuple[DisaggregatedModel, int]], role: str) -> Usage:
+    """The pods and accelerators of so many engines of a role, each model's engines in its own shape."""
     devices: dict[str, int] = {}
-    for dm, pods in pods_by_model:
-        for resource, count in _devices(dm, role, pods).items():
-            devices[resource] = devices.get(resource, 0) + count
-    return Usage(pods=sum(p for _, p in pods_by_model), accelerators=devices)
+    pods = 0
+    for dm, engines in engines_by_model:
+        spec = _role(dm, role)
+        resource = contract.ACCELERATOR_RESOURCES[spec.accelerator.type]
+        devices[resource] = devices.get(resource, 0) + engines * spec.shape.accelerators
+        pods += engines * spec.shape.pods
+    return Usage(pods=pods, accelerators=devices)
 
 
 def _budgets(new: DisaggregatedModel) -> dict[str, rollout.Budget]:
@@ -252,6 +252,7 @@ def change_plan(current: DisaggregatedModel | None, new: DisaggregatedModel, def
         final=final,
         peak_pods={r: peaks[r][0] for r in ROLES},
         peak_accelerators={r: peaks[r][1] for r in ROLES},
+        engines={r: _role(new, r).shape for r in ROLES},
     )
 
 

@@ -7,6 +7,7 @@ CEL rules included. Field names are camelCase on the wire and snake_case in Pyth
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
@@ -137,6 +138,9 @@ MANAGED_FLAGS = (
     "-dp",
     "--decode-context-parallel-size",
     "-dcp",
+    "--enable-expert-parallel",
+    "--no-enable-expert-parallel",
+    "-ep",
     "--block-size",
     "--dtype",
     "--kv-cache-dtype",
@@ -404,7 +408,8 @@ class KvTransferSpec(ApiModel):
 
 
 class Parallelism(ApiModel):
-    """vLLM parallel sizes of one engine; one pod runs every rank of it."""
+    """vLLM parallel sizes of one engine. Tensor and pipeline ranks stay inside a pod; data-parallel ranks
+    fill a pod's accelerators (accelerator.count / (tensor x pipeline) ranks per pod)."""
 
     tensor: Annotated[int, Field(ge=1, le=64)] = Field(
         default=1,
@@ -422,6 +427,38 @@ class Parallelism(ApiModel):
     context: Annotated[int, Field(ge=1, le=64)] = Field(
         default=1, description="Decode context parallel size (decode only; pull only)."
     )
+    expert: bool = Field(
+        default=False,
+        description="vLLM --enable-expert-parallel: a mixture-of-experts model's experts are spread over the "
+        "engine's tensor x data ranks instead of being sharded by tensor parallelism.",
+    )
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """How one engine of a role lays out over pods, derived from parallelism and accelerator.count (never
+    stated twice by the user). One pod per engine is the special case of ranks_per_pod == data."""
+
+    ranks_per_pod: int  # data-parallel ranks each pod runs (one vLLM engine core each)
+    pods: int  # pods per engine
+    accelerators_per_pod: int
+    tensor: int = 1  # inside a pod, per data-parallel rank
+    pipeline: int = 1
+
+    @property
+    def accelerators(self) -> int:
+        return self.pods * self.accelerators_per_pod
+
+
+def engine_shape(parallelism: Parallelism, accelerator: AcceleratorSpec) -> EngineShape:
+    """The layout of one engine. On nvidia one GPU per rank: a pod runs accelerator.count / (tensor x
+    pipeline) data-parallel ranks, and an engine spans data / that many pods. Neuron devices are not one per
+    rank (vLLM-Neuron shards by tensor parallelism over its cores): one pod per engine."""
+    tensor, pipeline = parallelism.tensor, parallelism.pipeline
+    if accelerator.type != "nvidia":
+        return EngineShape(parallelism.data, 1, accelerator.count, tensor, pipeline)
+    ranks_per_pod = max(1, accelerator.count // (tensor * pipeline))
+    return EngineShape(ranks_per_pod, max(1, parallelism.data // ranks_per_pod), accelerator.count, tensor, pipeline)
 
 
 class AcceleratorSpec(ApiModel):
@@ -537,7 +574,7 @@ class RoleSpec(ApiModel):
         "until this field changes again (a DisaggregatedRole deleted by hand comes back at the size status "
         "last recorded as targetReplicas).",
     )
-    parallelism: Parallelism = _sub(Parallelism, "vLLM parallel sizes of each pod's engine.")
+    parallelism: Parallelism = _sub(Parallelism, "vLLM parallel sizes of one engine of this role.")
     accelerator: AcceleratorSpec = _sub(AcceleratorSpec, "Accelerators per pod.")
     efa: EfaSpec = _sub(EfaSpec, "EFA devices per pod.")
     resources: ResourceRequirements = _sub(
@@ -571,6 +608,10 @@ class RoleSpec(ApiModel):
     env: EnvList = Field(
         default_factory=list, description="Environment for this role only; wins over engine.env of the same name."
     )
+
+    @property
+    def shape(self) -> EngineShape:
+        return engine_shape(self.parallelism, self.accelerator)
 
 
 # --- router, network, rollout ----------------------------------------------------------------------

@@ -80,6 +80,8 @@ def serve_command(spec: DisaggregatedModelSpec, role: contract.Role, plan: Trans
     ]  # fmt: skip
     if par.context > 1:
         argv += ["--decode-context-parallel-size", str(par.context)]
+    if par.expert:
+        argv.append("--enable-expert-parallel")
     if spec.model.kv_cache_dtype != "auto":
         argv += ["--kv-cache-dtype", spec.model.kv_cache_dtype]
     if spec.model.max_model_len is not None:
