@@ -23,9 +23,12 @@ TAGS="--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 dl() { $PY -m pip download -q --no-deps $TAGS -d $W/whl "$@"; }
 dl vllm==0.26.0
 grep -v -E "^(vllm-|TOTAL)" $HERE/wheels.txt | awk '{print $1}' | sed -E 's/^([^-]+)-([^-]+)-.*/\1==\2/' > $W/reqs.txt
-# The harness renders with disagg_operator (kubernetes' quantity parser, cel-python for admission rules):
-# the project's pins (pyproject.toml) and their frozen closure, minus what the machine or wheels.txt has.
+# The harness renders with disagg_operator (kubernetes' quantity parser, cel-python for admission rules) and
+# runs the router (orjson): the project's pins (pyproject.toml, connector/pyproject.toml) and their frozen
+# closure, minus what the machine (machine-packages.txt) or wheels.txt has. tests/unit/test_gpu_pack.py
+# fails when an import of the harness or the router is in none of them.
 cat >> $W/reqs.txt <<'PINS'
+orjson==3.13.0
 kubernetes==37.0.2
 cel-python==0.5.0
 aiohttp-retry==2.9.1

@@ -7,8 +7,8 @@
 #   hack/gpu/run.sh push             # call 2 (same machine, within its warm period), carry .gpu/a2:
 #                                    #   unpack the rest, then issue 11's sweep: push through the router and
 #                                    #   the direct-client baseline, prompts 1k/4k/16k x 1/4/8 per s, one GPU
-#   hack/gpu/run.sh pull-1gpu        # call 3 (same machine): pull on one GPU, reported as the one-GPU
-#                                    #   UCX-READ-over-TCP artefact, not as a pull result
+#   hack/gpu/run.sh pull-1gpu        # call 3 (same machine): pull on one GPU, made fair by disagg-localrun's
+#                                    #   UCX overrides for a shared GPU (READ zero-copy over cuda_ipc, as WRITE)
 #   hack/gpu/run.sh issue12-push     # on nvidia-h200-x2 (after unpack-a1 there): prefill on GPU0, decode on
 #                                    #   GPU1; push-concurrent and push-sequential through the router, direct
 #                                    #   push for the TTFT split; prompts 1k/4k/16k x 1/2/4/8; kvbench push and

@@ -312,3 +312,18 @@ def test_runs_merge_into_one_report() -> None:
     assert merged["command"] == "bench router-push ; bench router-pull ; bench router-pull"
     md = report.markdown(merged, "router-pull")
     assert "## Ratio to router-pull" in md and "| 100 | 1 | 0.50 | 0.50 |" in md
+
+
+def test_ucx_on_one_gpu_gets_zero_copy_reads_and_says_so() -> None:
+    doc = load_example(EXAMPLES[0])
+    shared = local_plan(doc, local_options(doc, gpus=("0",), colocate=True, kv_cache_memory_bytes=1 << 30,
+                                           transfer_mode="Pull"), new_uid=_uids())  # fmt: skip
+    assert shared.backend == "UCX"
+    for e in shared.engines:
+        assert e.env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on" and e.env["UCX_PROTO_EMULATION_ENABLE"] == "n"
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on" in describe(shared)
+    own = local_plan(doc, local_options(doc, gpus=("0",), colocate=True, kv_cache_memory_bytes=1 << 30,
+                                        env=(("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n"),)), new_uid=_uids())  # fmt: skip
+    assert {e.env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] for e in own.engines} == {"n"}  # the user's choice wins
+    separate = local_plan(doc, local_options(doc, gpus=tuple(str(i) for i in range(64))), new_uid=_uids())
+    assert not any("UCX_CUDA_IPC_ENABLE_GET_ZCOPY" in e.env for e in separate.engines)
