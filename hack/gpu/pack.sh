@@ -1,9 +1,11 @@
 #!/bin/bash
 # Packs vLLM 0.26.0 + NIXL 1.5.1 + vLLM's small dependencies + what the harness (disagg-localrun) imports
 # beyond the machine's own packages, for an H200 machine that already has Python 3.12 and torch
-# 2.11.0+cu130 (and no network), as two xz archives of under 64 MiB each:
-#   OUT/a1/a1.tar.xz    vllm/_C_stable_libtorch.abi3.so + vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so  (~64 MB)
-#   OUT/a2/rest.tar.xz  everything else of the site dir                                          (~50 MB)
+# 2.11.0+cu130 (and no network), as xz archives in two folders of under 64 MiB each (one device call carries
+# at most 64 MiB with the working tree, ~3 MB):
+#   OUT/a1/a1.tar.xz    vllm/_C_stable_libtorch.abi3.so                                          (~56 MB)
+#   OUT/a2/rest.tar.xz  everything else of the site dir                                          (~49 MB)
+#   OUT/a2/fa3.tar.xz   vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so                                  (~8 MB)
 # On the GPU machine: extract both into one folder (hack/gpu/run.sh does), export PYTHONPATH=that folder
 # and VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer is left out; vLLM 0.26.0's sampler imports it unguarded).
 # Dropped to fit: FA2 kernels (Hopper uses FA3), _moe_C (MoE models only), vllm-rs, fmha_sm100 (Blackwell),
@@ -51,7 +53,8 @@ rm -rf vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/_moe_C_stable_
 rm -f vllm/third_party/deep_gemm/_C.cpython-31[0134]-*.so
 find . -name "*.la" -delete
 mkdir -p $OUT/a1 $OUT/a2
-tar cf - vllm/_C_stable_libtorch.abi3.so vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so | xz -9 -T2 > $OUT/a1/a1.tar.xz
+tar cf - vllm/_C_stable_libtorch.abi3.so | xz -9 -T2 > $OUT/a1/a1.tar.xz
+tar cf - vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so | xz -9 -T2 > $OUT/a2/fa3.tar.xz
 tar cf - --exclude=./vllm/_C_stable_libtorch.abi3.so --exclude=./vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so . \
   | xz -9 -T2 > $OUT/a2/rest.tar.xz
 ls -la $OUT/a1 $OUT/a2

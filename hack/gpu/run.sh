@@ -20,7 +20,7 @@
 # runs out of time (each cell is saved as it completes). REHEARSAL=1 runs the same command lines on a CPU
 # machine with the simulator in place of vLLM (tests/vllm_sim/as_vllm.py) and a short sweep.
 set -u
-stage=${1:?usage: hack/gpu/run.sh unpack-a1|push|pull-1gpu|issue12-push|issue12-pull}
+stage=${1:?usage: hack/gpu/run.sh unpack-a1|push|pull-1gpu|issue20-1gpu|issue12-push|issue12-pull}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$REPO"
 SITE=${SITE:-/tmp/site}
@@ -68,6 +68,7 @@ unpack() {  # unpack an archive once per machine
 prepare() {  # everything but the compiled kernels, the byte code, the model folder
   if [ "${REHEARSAL:-0}" != 1 ]; then
     unpack .gpu/a2/rest.tar.xz
+    unpack .gpu/a2/fa3.tar.xz
     [ -e "$SITE/vllm/_C_stable_libtorch.abi3.so" ] || { log "the kernels of a1 are not in $SITE: run unpack-a1 on this machine first"; exit 3; }
     [ -e "$SITE/.compiled" ] || { $PY -m compileall -q -j 16 "$SITE/vllm" >/dev/null 2>&1; touch "$SITE/.compiled"; log "byte-compiled vLLM"; }
     $PY -c 'import vllm, nixl, torch; print("vllm", vllm.__version__, "torch", torch.__version__, "gpus", torch.cuda.device_count())' || exit 3
@@ -103,6 +104,15 @@ case "$stage" in
     prepare
     bench pull-1gpu $ONE_GPU --modes router-pull,direct-pull --prompts 1024,4096,16384 --rates 1 \
       --cell-seconds 8 --min-requests 8 --drain-timeout 30
+    ;;
+  issue20-1gpu)
+    # Issue 20's one-GPU comparison, one repetition per call (REP=1, 2, 3: run it three times, then
+    # `disagg-localrun report` the three results.json): push concurrent and sequential and pull, through the
+    # router and direct, pull made fair by localrun's shared-GPU UCX settings.
+    prepare
+    bench "issue20-1gpu-r${REP:-1}" $ONE_GPU \
+      --modes router-push,router-push-sequential,router-pull,direct-push,direct-pull \
+      --prompts 1024,4096,16384 --rates 2,8 --cell-seconds 5 --min-requests 8 --drain-timeout 20
     ;;
   issue12-push)
     prepare

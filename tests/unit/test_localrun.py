@@ -327,3 +327,15 @@ def test_ucx_on_one_gpu_gets_zero_copy_reads_and_says_so() -> None:
     assert {e.env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] for e in own.engines} == {"n"}  # the user's choice wins
     separate = local_plan(doc, local_options(doc, gpus=tuple(str(i) for i in range(64))), new_uid=_uids())
     assert not any("UCX_CUDA_IPC_ENABLE_GET_ZCOPY" in e.env for e in separate.engines)
+
+
+def test_repetitions_report_the_median_of_each_runs_p50_and_its_spread() -> None:
+    def run(push_ttft: float, pull_ttft: float) -> dict[str, Any]:
+        cell = lambda mode, ttft: {"prompt_tokens": 1024, "rate": 2.0, "mode": mode,  # noqa: E731
+                                   "ttft": {"p50": ttft}, "tpot": {"p50": 0.02}}
+        return {"command": "x", "started": "t", "sweep": {"modes": ["router-push", "router-pull"], "prompts": [1024],
+                "rates": [2.0]}, "groups": [], "warmup": [], "cells": [cell("router-push", push_ttft), cell("router-pull", pull_ttft)]}
+    table = report.repeats_table([run(0.100, 0.200), run(0.300, 0.200), run(0.110, 0.400)], "router-pull")
+    push, pull = table[2], table[3]
+    assert push.startswith("| 1024 | 2 | router-push | 3 | 110 (100-300) | 0.55 |"), push  # median 110 / 200
+    assert pull.startswith("| 1024 | 2 | router-pull | 3 | 200 (200-400) | 1.00 |"), pull

@@ -4,6 +4,7 @@
     disagg-localrun up    -f dm.yaml [options]        # start, wait until healthy, serve until Ctrl-C
     disagg-localrun bench -f dm.yaml [options] --modes router-push,direct-push --prompts 1024,4096 --rates 1,4
     disagg-localrun report a/results.json b/results.json --baseline router-pull   # one table of several runs
+    disagg-localrun report r1/results.json r2/results.json r3/results.json --repeats   # medians of repetitions
 
 The engines get the operator's rendered `vllm serve` arguments and env (docs/localrun.md); what a local
 run changes is an explicit option and is printed with the plan and the results.
@@ -155,6 +156,10 @@ def cmd_report(a: argparse.Namespace) -> int:
     merged = report.merge(runs)
     if a.baseline and a.baseline not in merged["sweep"]["modes"]:
         raise LocalRunError(f"--baseline {a.baseline}: the results hold {', '.join(merged['sweep']['modes'])}")
+    if a.repeats:
+        baseline = a.baseline or merged["sweep"]["modes"][0]
+        sys.stdout.write("\n".join(report.repeats_table(runs, baseline)) + "\n")
+        return 0
     sys.stdout.write(report.markdown(merged, a.baseline))
     return 0
 
@@ -194,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="one markdown report of several results.json (e.g. push and pull runs)")
     rep.add_argument("results", nargs="+", help="results.json files")
     rep.add_argument("--baseline", help="the mode the ratios are to (default: the first)")
+    rep.add_argument("--repeats", action="store_true",
+                     help="the files are repetitions of one sweep: print one table of per-cell medians over them")
     rep.set_defaults(func=cmd_report, filename="-")
     return parser
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Any
 
 from .loadgen import CellSummary
@@ -110,6 +111,34 @@ def split_table(results: dict[str, Any]) -> list[str]:
     for c in rows:
         lines.append(f"| {c['prompt_tokens']} | {c['rate']:g} | {c['mode']} | {_ms(c['ttft']['p50'])} | {_ms(c['prefill_leg']['p50'])} | "
                      f"{_ms(c['after_prefill']['p50'])} | {_ms(c['after_prefill']['mean'])} |")
+    return lines
+
+
+def repeats_table(runs: list[dict[str, Any]], baseline: str) -> list[str]:
+    """The same sweep run several times: per cell, the median over the runs of each run's TTFT p50 and TPOT
+    p50 (with the runs' spread), and the median TTFT's ratio to the baseline mode's."""
+    cells: dict[tuple[int, float, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        for c in run["cells"]:
+            cells.setdefault((c["prompt_tokens"], c["rate"], c["mode"]), []).append(c)
+
+    def median(key: tuple[int, float, str], metric: str) -> tuple[float, float, float] | None:
+        values = [c[metric]["p50"] for c in cells.get(key, []) if c[metric]["p50"] is not None and not math.isnan(c[metric]["p50"])]
+        return (statistics.median(values), min(values), max(values)) if values else None
+
+    sweep = merge(runs)["sweep"]
+    lines = [f"| prompt | rate/s | mode | runs | TTFT p50, median of runs (min-max) | / {baseline} | TPOT p50, median (min-max) |",
+             "|---:|---:|---|---:|---:|---:|---:|"]
+    for prompt in sweep["prompts"]:
+        for rate in sweep["rates"]:
+            base = median((prompt, rate, baseline), "ttft")
+            for m in sweep["modes"]:
+                ttft, tpot = median((prompt, rate, m), "ttft"), median((prompt, rate, m), "tpot")
+                if ttft is None:
+                    continue
+                spread = lambda v: f"{_ms(v[0])} ({_ms(v[1])}-{_ms(v[2])})" if v else "-"  # noqa: E731
+                lines.append(f"| {prompt} | {rate:g} | {m} | {len(cells[prompt, rate, m])} | {spread(ttft)} | "
+                             f"{_ratio(ttft[0], base[0] if base else None)} | {spread(tpot)} |")
     return lines
 
 
