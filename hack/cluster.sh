@@ -3,11 +3,14 @@
 #
 #   hack/cluster.sh build    build the binaries from Go modules (cached by version)
 #   hack/cluster.sh up       build if needed, start etcd, kube-apiserver,
-#                            kube-controller-manager, kube-scheduler and kwok on
-#                            127.0.0.1, create the fake GPU/EFA nodes, wait until healthy
+#                            kube-controller-manager, kube-scheduler, kwok and the
+#                            LeaderWorkerSet controller (lws: its CRDs, and its admission
+#                            webhooks served on 127.0.0.1) on 127.0.0.1, create the fake
+#                            GPU/EFA nodes, wait until healthy
 #   hack/cluster.sh down     stop everything and remove the state directory
 #   hack/cluster.sh env      print `export KUBECONFIG=...` / PATH / DISAGG_AUDIT_LOG
-#   hack/cluster.sh status   show what is running (exit 0 only if all are up and /readyz is ok)
+#   hack/cluster.sh status   show what is running (exit 0 only if all are up, /readyz is ok
+#                            and LWS's webhooks answer)
 #   hack/cluster.sh path NAME   print where component NAME's binary is (built or not)
 #
 # Everything is built from Go modules through the Go module proxy with the
@@ -22,7 +25,8 @@
 #   DISAGG_BUILD_JOBS   go build -p (default 2)
 #   DISAGG_PORT_BASE    first of the fixed loopback ports (default 16443):
 #                  apiserver=BASE, etcd client=BASE+1, etcd peer=BASE+2,
-#                  controller-manager=BASE+3, scheduler=BASE+4, kwok=BASE+5
+#                  controller-manager=BASE+3, scheduler=BASE+4, kwok=BASE+5,
+#                  lws webhook=BASE+6, lws metrics=BASE+7, lws health=BASE+8
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -40,6 +44,9 @@ ETCD_PEER_PORT=$((PORT_BASE + 2))
 KCM_PORT=$((PORT_BASE + 3))
 SCHED_PORT=$((PORT_BASE + 4))
 KWOK_PORT=$((PORT_BASE + 5))
+LWS_WEBHOOK_PORT=$((PORT_BASE + 6))
+LWS_METRICS_PORT=$((PORT_BASE + 7))
+LWS_HEALTH_PORT=$((PORT_BASE + 8))
 
 SERVICE_CIDR=10.96.0.0/16   # virtual only: nothing ever routes to it (no kube-proxy)
 
@@ -62,6 +69,7 @@ COMPONENTS=(
   "kubectl $K8S_VERSION . k8s.io/kubernetes/cmd/kubectl"
   "helm v3.22.0 - helm.sh/helm/v3/cmd/helm"
   "kstatus v0.37.2 kstatus github.com/disagg-operator/hack/k8s-tools/kstatus sigs.k8s.io/cli-utils/pkg/kstatus/status"
+  "lws v0.9.0 lws sigs.k8s.io/lws/cmd"
 )
 
 log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -106,6 +114,10 @@ ldflags_for() {
         flags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
       done
       ;;
+    lws)
+      # like LWS's Makefile (GitCommit stays its placeholder: a module has no git checkout)
+      flags+=" -X sigs.k8s.io/lws/pkg/version.GitVersion=$ver -X sigs.k8s.io/lws/pkg/version.BuildDate=1970-01-01T00:00:00Z"
+      ;;
     helm)
       # Like helm's Makefile: its version, and the Kubernetes version `helm template`/`lint` assume
       # (unstamped it is v1.20, which charts with kubeVersion >=1.29 refuse).
@@ -119,6 +131,23 @@ ldflags_for() {
       ;;
   esac
   echo "$flags"
+}
+
+# files a component needs at run time besides its binary, copied from its module at
+# that exact version into the same cache directory (so they are cached by version too)
+postbuild() { # name version dir
+  local name=$1 ver=$2 dir=$3 moddir
+  case "$name" in
+    lws)
+      # LWS's CRDs (leaderworkersets, disaggregatedsets: its manager watches both),
+      # installed by `up`: from the module the build above used (already in the module cache).
+      moddir="$(cd "$dir" && go mod download -json "sigs.k8s.io/lws@$ver" \
+        | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",*$/\1/p')"
+      [ -d "$moddir/config/crd/bases" ] || { log "build: no config/crd/bases in sigs.k8s.io/lws@$ver ($moddir)"; return 1; }
+      mkdir -p "$dir/crd"
+      cp "$moddir"/config/crd/bases/*.yaml "$dir/crd/" && chmod 644 "$dir"/crd/*.yaml || return 1
+      ;;
+  esac
 }
 
 build_one() { # name version moddir pkg [pinned library package]
@@ -151,6 +180,9 @@ build_one() { # name version moddir pkg [pinned library package]
       go build -trimpath -ldflags="$ldflags" -o "$tmp/$name" "$pkg") || rc=$?
   fi
   kill "$ticker" 2>/dev/null || true; wait "$ticker" 2>/dev/null || true
+  if [ "$rc" -eq 0 ] && [ -x "$tmp/$name" ]; then
+    postbuild "$name" "$ver" "$tmp" || rc=$?
+  fi
   if [ "$rc" -ne 0 ] || [ ! -x "$tmp/$name" ]; then
     rm -rf "$tmp"
     die "build: $name $ver failed (rc=$rc) after $((SECONDS - start))s"
@@ -182,7 +214,7 @@ KUBECONFIG_PATH="$STATE/kubeconfig"
 AUDIT_LOG="$STATE/audit.log"
 MARKER="$STATE/.disagg-operator-cluster"
 # start order (`down` stops the clients first, then the apiserver, then etcd)
-RUN_ORDER=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+RUN_ORDER=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok lws)
 
 kubectl_bin() { bin_path kubectl; }
 kc() { "$(kubectl_bin)" --kubeconfig="$KUBECONFIG_PATH" "$@"; }
@@ -242,6 +274,37 @@ subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubern
   rm -rf "$PKI"; mv "$o" "$PKI"
 }
 
+# LWS's keys, signed by the cluster CA: a client certificate for its manager, and the
+# serving certificate of its webhook server (the webhook configurations carry the CA).
+# Separate from gen_pki so that a cluster made before LWS was added gets them too.
+gen_lws_pki() {
+  [ -f "$PKI/lws-controller.crt" ] && [ -f "$PKI/lws-webhook/tls.crt" ] && return 0
+  log "pki: generating the LWS manager's client key and its webhook serving key in $PKI"
+  local o="$PKI/lws.tmp"
+  rm -rf "$o"; mkdir -p "$o/lws-webhook"
+  lws_sign() { # key-and-cert-prefix subject extensions (EC keys: instant to generate)
+    openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -sha256 -subj "$2" \
+      -keyout "$1.key" -out "$1.csr" 2>/dev/null
+    printf '%s\n' "$3" > "$1.ext"
+    openssl x509 -req -in "$1.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
+      -days 3650 -sha256 -extfile "$1.ext" -out "$1.crt" 2>/dev/null
+    rm -f "$1.csr" "$1.ext"
+  }
+  # full access, like kwok, under its own user name (the audit log tells its writes apart)
+  lws_sign "$o/lws-controller" "/O=system:masters/CN=lws-controller" "basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
+  lws_sign "$o/lws-webhook/tls" "/CN=lws-webhook" "basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=serverAuth
+subjectAltName=IP:127.0.0.1,DNS:localhost"
+  chmod 600 "$o"/*.key "$o"/lws-webhook/*.key
+  rm -rf "$PKI/lws-webhook"
+  mv "$o/lws-webhook" "$PKI/lws-webhook"
+  mv "$o/lws-controller.key" "$o/lws-controller.crt" "$PKI/"
+  rm -rf "$o"
+}
+
 write_kubeconfig() { # file user
   local file=$1 user=$2
   cat > "$file" <<KCFG
@@ -282,6 +345,30 @@ rules:
   verbs: ["create", "update", "patch", "delete", "deletecollection"]
 - level: None
 POLICY
+}
+
+# LWS's own configuration file (sigs.k8s.io/lws api/config/v1alpha1 Configuration; its
+# manager has flags only for some of it). Internal cert management off: its cert
+# rotator would write the serving certificate into a Secret for a webhook Service;
+# here the webhook server reads the one gen_lws_pki made, and the webhook
+# configurations (hack/lws/webhooks.yaml) carry the CA and a 127.0.0.1 URL.
+write_lws_config() {
+  cat > "$STATE/lws-config.yaml" <<LWSCFG
+apiVersion: config.lws.x-k8s.io/v1alpha1
+kind: Configuration
+leaderElection:
+  leaderElect: false
+internalCertManagement:
+  enable: false
+webhook:
+  host: $HOST
+  port: $LWS_WEBHOOK_PORT
+  certDir: $PKI/lws-webhook
+metrics:
+  bindAddress: $HOST:$LWS_METRICS_PORT
+health:
+  healthProbeBindAddress: $HOST:$LWS_HEALTH_PORT
+LWSCFG
 }
 
 # Notes on flags:
@@ -341,6 +428,10 @@ component_args() { # component -> prints args one per line
       --node-lease-duration-seconds=40 \
       --node-ip=$HOST --cidr=127.0.250.0/24 \
       --server-address="$HOST:$KWOK_PORT" ;;
+    lws) printf '%s\n' \
+      --kubeconfig="$STATE/kubeconfigs/lws-controller.kubeconfig" \
+      --config="$STATE/lws-config.yaml" \
+      --zap-log-level=info ;;
   esac
 }
 
@@ -349,6 +440,7 @@ component_port() {
     etcd) echo "$ETCD_PORT" ;; kube-apiserver) echo "$APISERVER_PORT" ;;
     kube-controller-manager) echo "$KCM_PORT" ;; kube-scheduler) echo "$SCHED_PORT" ;;
     kwok) echo "$KWOK_PORT" ;;
+    lws) echo "$LWS_WEBHOOK_PORT $LWS_METRICS_PORT $LWS_HEALTH_PORT" ;;  # webhook, metrics, health
   esac
 }
 
@@ -358,9 +450,12 @@ start_component() {
     log "up: $name already running (pid $pid)"; return 0
   fi
   port="$(component_port "$name")"
-  if port_busy "$port"; then
-    die "port $HOST:$port (for $name) is taken by another process; set DISAGG_PORT_BASE to move all ports"
-  fi
+  local p
+  for p in $port; do
+    if port_busy "$p"; then
+      die "port $HOST:$p (for $name) is taken by another process; set DISAGG_PORT_BASE to move all ports"
+    fi
+  done
   bin="$(bin_path "$name")"
   local -a args
   mapfile -t args < <(component_args "$name")
@@ -368,7 +463,7 @@ start_component() {
   printf '\n=== %s start %s: %s %s\n' "$(date -u +%FT%TZ)" "$name" "$bin" "${args[*]}" >> "$LOGS/$name.log"
   setsid "$bin" "${args[@]}" >> "$LOGS/$name.log" 2>&1 < /dev/null 9>&- &
   echo $! > "$PIDS/$name.pid"
-  log "up: started $name (pid $!, port $port, log $LOGS/$name.log)"
+  log "up: started $name (pid $!, port ${port// /,}, log $LOGS/$name.log)"
 }
 
 # wait_until <what> <timeout-s> <component-or-""> cmd... : retry cmd until it succeeds
@@ -416,6 +511,7 @@ apiserver_ready() { [ "$(kc get --raw /readyz 2>/dev/null)" = ok ]; }
 kcm_healthy() { health_ok "https://$HOST:$KCM_PORT/healthz"; }
 sched_healthy() { health_ok "https://$HOST:$SCHED_PORT/healthz"; }
 kwok_healthy() { health_ok "http://$HOST:$KWOK_PORT/healthz"; }
+lws_healthy() { health_ok "http://$HOST:$LWS_HEALTH_PORT/healthz"; }
 default_sa_exists() { kc -n default get serviceaccount default; }
 
 node_names() { sed -n 's/^  name: \(.*\)$/\1/p' "$ROOT"/hack/nodes/*.yaml; }
@@ -439,10 +535,56 @@ create_nodes() {
   log "up: nodes from hack/nodes/ present ($(node_names | tr '\n' ' '))"
 }
 
+# LWS's CRDs (copied from its module next to its binary by `build`) and its webhook
+# configurations. Server-side apply: the CRDs are too big for the last-applied annotation.
+LWS_CRDS=(leaderworkersets.leaderworkerset.x-k8s.io disaggregatedsets.disaggregatedset.x-k8s.io)
+install_lws_crds() { # one kubectl per CRD, in parallel: each takes the apiserver a second or two
+  local dir f rc=0; dir="$(bin_dir lws)/crd"
+  local -a pids=()
+  [ -d "$dir" ] || die "no LWS CRDs in $dir (remove $(bin_dir lws) and run hack/cluster.sh build)"
+  for f in "$dir"/*.yaml; do
+    kc apply --server-side --force-conflicts --field-manager=disagg-hack-cluster -f "$f" >/dev/null &
+    pids+=($!)
+  done
+  for f in "${pids[@]}"; do wait "$f" || rc=1; done
+  [ "$rc" -eq 0 ] || die "installing the LWS CRDs from $dir failed"
+}
+# (the manager must not start before: it looks for a missing kind again only every 10s)
+lws_crds_established() {
+  [ "$(kc get crd "${LWS_CRDS[@]}" -o 'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Established")].status}{end}')" = TrueTrue ]
+}
+install_lws_webhooks() {
+  sed -e "s#@LWS_WEBHOOK_URL@#https://$HOST:$LWS_WEBHOOK_PORT#" \
+      -e "s#@LWS_CA_BUNDLE@#$(base64 -w0 < "$PKI/ca.crt")#" "$ROOT/hack/lws/webhooks.yaml" \
+    | kc apply --server-side --force-conflicts --field-manager=disagg-hack-cluster -f - >/dev/null \
+    || die "installing the LWS webhook configurations (hack/lws/webhooks.yaml) failed"
+}
+# the API server calls both LWS webhooks for a server-side dry-run create; only LWS's
+# defaulting webhook sets spec.networkConfig.subdomainPolicy (the CRD has no default)
+lws_webhook_ready() {
+  [ "$(kc create --dry-run=server -o 'jsonpath={.spec.networkConfig.subdomainPolicy}' -f - <<'PROBE' 2>/dev/null
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+metadata:
+  name: cluster-sh-webhook-probe
+  namespace: default
+spec:
+  replicas: 1
+  leaderWorkerTemplate:
+    size: 1
+    workerTemplate:
+      spec:
+        containers:
+        - name: probe
+          image: probe
+PROBE
+)" = Shared ]
+}
+
 all_healthy() {
   local c
   for c in "${RUN_ORDER[@]}"; do pid_of "$c" >/dev/null || return 1; done
-  apiserver_ready && nodes_ready
+  apiserver_ready && nodes_ready && lws_webhook_ready
 }
 
 cmd_up() {
@@ -459,10 +601,12 @@ cmd_up() {
   mkdir -p "$STATE" "$LOGS" "$PIDS" "$STATE/kubeconfigs"
   touch "$MARKER"
   gen_pki
+  gen_lws_pki
   write_audit_policy
+  write_lws_config
   write_kubeconfig "$KUBECONFIG_PATH" admin
   local u
-  for u in controller-manager scheduler kwok; do
+  for u in controller-manager scheduler kwok lws-controller; do
     write_kubeconfig "$STATE/kubeconfigs/$u.kubeconfig" "$u"
   done
 
@@ -470,6 +614,11 @@ cmd_up() {
   wait_until "etcd health" 60 etcd etcd_healthy
   start_component kube-apiserver
   wait_until "kube-apiserver /readyz" 180 kube-apiserver apiserver_ready
+  # LWS's CRDs take the apiserver a few seconds (2.8 MB of schema): in the background,
+  # while the other components start
+  local lws_objects
+  { install_lws_crds; install_lws_webhooks; } &
+  lws_objects=$!
   start_component kube-controller-manager
   start_component kube-scheduler
   start_component kwok
@@ -478,7 +627,12 @@ cmd_up() {
   wait_until "kwok /healthz" 120 kwok kwok_healthy
   create_nodes
   wait_until "nodes Ready" 120 kwok nodes_ready
+  wait "$lws_objects" || die "installing LWS's CRDs and webhook configurations failed"
+  wait_until "LWS CRDs Established" 60 kube-apiserver lws_crds_established
+  start_component lws
   wait_until "default ServiceAccount" 120 kube-controller-manager default_sa_exists
+  wait_until "lws /healthz" 120 lws lws_healthy
+  wait_until "lws admission webhooks (dry-run create of a LeaderWorkerSet)" 120 lws lws_webhook_ready
   log "up: cluster ready in $((SECONDS - start))s; kubeconfig $KUBECONFIG_PATH, audit log $AUDIT_LOG"
   cmd_env
 }
@@ -511,7 +665,7 @@ stop_components() { # names...: SIGTERM them together, wait up to 20s, then SIGK
 
 cmd_down() {
   # clients first (in parallel), then the apiserver, then etcd
-  stop_components kwok kube-scheduler kube-controller-manager
+  stop_components kwok kube-scheduler kube-controller-manager lws
   stop_components kube-apiserver
   stop_components etcd
   if [ -d "$STATE" ]; then
@@ -537,7 +691,8 @@ cmd_status() {
   echo "audit log:  $AUDIT_LOG"
   for c in "${RUN_ORDER[@]}"; do
     if pid="$(pid_of "$c")"; then
-      printf '%-24s running  pid %-8s port %s\n' "$c" "$pid" "$(component_port "$c")"
+      local ports; ports="$(component_port "$c")"
+      printf '%-24s running  pid %-8s port %s\n' "$c" "$pid" "${ports// /,}"
     else
       printf '%-24s stopped\n' "$c"; ok=1
     fi
@@ -546,6 +701,11 @@ cmd_status() {
     echo "apiserver:  /readyz ok at https://$HOST:$APISERVER_PORT"
     kc get nodes -L node.kubernetes.io/instance-type,topology.kubernetes.io/zone 2>/dev/null || ok=1
     nodes_ready || ok=1
+    if lws_webhook_ready; then
+      echo "lws:        webhooks answer at https://$HOST:$LWS_WEBHOOK_PORT"
+    else
+      echo "lws:        webhooks do not answer at https://$HOST:$LWS_WEBHOOK_PORT"; ok=1
+    fi
   else
     echo "apiserver:  not ready"; ok=1
   fi

@@ -2,7 +2,8 @@
 
 By default the session brings up the local control plane built from Go modules
 (``hack/cluster.sh up``: etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler and kwok with fake p5en/trn2/CPU nodes, all on 127.0.0.1). If it
+kube-scheduler, kwok with fake p5en/trn2/CPU nodes and the LeaderWorkerSet
+controller, all on 127.0.0.1). If it
 is already running it is reused.
 
 Environment:
