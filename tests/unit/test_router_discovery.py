@@ -98,6 +98,26 @@ def test_data_parallel_prefill_is_one_backend_per_rank_and_decode_one():
     assert d.dp_size == 2
 
 
+def test_a_pod_of_a_multi_pod_engine_serves_its_own_global_ranks():
+    """DP 16 over two pods of 8 ranks: the second pod's ranks are 8..15 in engine_id and side-channel port
+    (vLLM uses the global rank in both), and its API server is addressed by the index within its own."""
+    ann = {contract.ANNOTATION_DP_SIZE: "16", contract.ANNOTATION_DP_START_RANK: "8",
+           contract.ANNOTATION_DP_SIZE_LOCAL: "8", contract.ANNOTATION_SIDE_CHANNEL_PORT: "5600"}
+    ps = backends_from_pod(pod("p1", annotations=ann))
+    assert [b.identity.dp_rank for b in ps] == list(range(8, 16))
+    assert ps[0].identity.engine_id == "p1.uid-p1_dp8" and ps[-1].identity.side_channel_port == 5615
+    assert [b.identity.dp_local_index for b in ps] == list(range(8)) and {b.dp_size for b in ps} == {16}
+    assert len({b.key for b in ps}) == 8
+    one_pod = backends_from_pod(pod("p0", annotations={contract.ANNOTATION_DP_SIZE: "2"}))
+    assert [(b.identity.dp_rank, b.identity.dp_local_index) for b in one_pod] == [(0, 0), (1, 1)]  # the special case
+
+
+def test_a_rank_range_outside_the_engine_is_ignored_with_a_warning(caplog):
+    ann = {contract.ANNOTATION_DP_SIZE: "8", contract.ANNOTATION_DP_START_RANK: "6", contract.ANNOTATION_DP_SIZE_LOCAL: "4"}
+    assert backends_from_pod(pod("p0", annotations=ann)) == []
+    assert "not within the engine's 8" in caplog.text
+
+
 def test_table_events_and_revision_eligibility():
     t = EndpointTable()
     t.replace([pod("p1"), pod("d1", "decode"), pod("p2", revision="rev2", created="2026-02-01T00:00:00Z")])

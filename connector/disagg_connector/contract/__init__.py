@@ -43,7 +43,11 @@ APP_NAME = "disaggregated-model"
 # --- annotations on P and D pods: the NIXL identity a router needs before dispatch -----------------
 ANNOTATION_TP_SIZE = f"{API_GROUP}/tensor-parallel-size"
 ANNOTATION_PP_SIZE = f"{API_GROUP}/pipeline-parallel-size"
-ANNOTATION_DP_SIZE = f"{API_GROUP}/data-parallel-size"
+ANNOTATION_DP_SIZE = f"{API_GROUP}/data-parallel-size"  # the engine's, over all its pods
+# The data-parallel ranks one pod of a multi-pod engine serves: [start, start + local). Absent: the pod
+# serves every rank of its engine (start 0, local = size), the one-pod case.
+ANNOTATION_DP_START_RANK = f"{API_GROUP}/data-parallel-start-rank"
+ANNOTATION_DP_SIZE_LOCAL = f"{API_GROUP}/data-parallel-size-local"
 ANNOTATION_SIDE_CHANNEL_PORT = f"{API_GROUP}/nixl-side-channel-port"
 ANNOTATION_HTTP_PORT = f"{API_GROUP}/http-port"
 ANNOTATION_TRANSFER_MODE = f"{API_GROUP}/transfer-mode"
@@ -220,12 +224,13 @@ def engine_id_template() -> str:
 
 
 def dp_engine_id(base_engine_id: str, dp_rank: int, dp_size: int) -> str:
-    """vLLM suffixes `_dp<rank>` to the configured engine_id when data parallel size > 1."""
+    """vLLM suffixes `_dp<rank>` to the configured engine_id when data parallel size > 1: the global rank,
+    also on a pod whose ranks start above 0 (docs/vllm-protocol.md, "Data parallel across pods")."""
     return f"{base_engine_id}_dp{dp_rank}" if dp_size > 1 else base_engine_id
 
 
 def side_channel_port(base_port: int, dp_rank: int) -> int:
-    """One ZMQ handshake listener per engine core (DP rank), at base + rank (vLLM 0.33.0)."""
+    """One ZMQ handshake listener per engine core (DP rank), at base + its global rank (vLLM 0.26.0 and 0.33.0)."""
     return base_port + dp_rank
 
 
@@ -238,8 +243,16 @@ class EngineIdentity:
     side_channel_port: int
     tp_size: int
     pp_size: int
-    dp_rank: int = 0
+    dp_rank: int = 0  # global: what engine_id and the side-channel port carry
     http_port: int = HTTP_PORT
+    dp_size: int = 1  # the engine's
+    dp_start_rank: int = 0  # the first rank this pod serves
+
+    @property
+    def dp_local_index(self) -> int:
+        """What `X-data-parallel-rank` must say to this pod's API server to reach this rank: with a pod serving
+        ranks [start, start + local) (vLLM's hybrid load balancing) the header is an index into its own."""
+        return self.dp_rank - self.dp_start_rank
 
     def push_decode_params(self, remote_request_id: str, transfer_id: str) -> dict[str, object]:
         """kv_transfer_params of a push decode leg.
@@ -264,10 +277,15 @@ class EngineIdentity:
 def identities_from_pod(
     name: str, uid: str, pod_ip: str, annotations: Mapping[str, str]
 ) -> list[EngineIdentity]:
-    """The NIXL identities (one per data-parallel rank) of a P or D pod, read per the contract."""
+    """The NIXL identities (one per data-parallel rank it serves) of a P or D pod, read per the contract.
+    ValueError when the annotations do not make sense (a rank range outside the engine's size)."""
     tp = int(annotations.get(ANNOTATION_TP_SIZE, "1"))
     pp = int(annotations.get(ANNOTATION_PP_SIZE, "1"))
     dp = int(annotations.get(ANNOTATION_DP_SIZE, "1"))
+    start = int(annotations.get(ANNOTATION_DP_START_RANK, "0"))
+    local = int(annotations.get(ANNOTATION_DP_SIZE_LOCAL, str(dp - start)))
+    if start < 0 or local < 1 or start + local > dp:
+        raise ValueError(f"data-parallel ranks [{start}, {start + local}) are not within the engine's {dp}")
     base_port = int(annotations.get(ANNOTATION_SIDE_CHANNEL_PORT, str(NIXL_SIDE_CHANNEL_PORT)))
     http_port = int(annotations.get(ANNOTATION_HTTP_PORT, str(HTTP_PORT)))
     base = engine_id(name, uid)
@@ -280,6 +298,8 @@ def identities_from_pod(
             pp_size=pp,
             dp_rank=rank,
             http_port=http_port,
+            dp_size=dp,
+            dp_start_rank=start,
         )
-        for rank in range(dp)
+        for rank in range(start, start + local)
     ]

@@ -110,7 +110,7 @@ def backends_from_pod(pod: Mapping[str, Any], engine_id_override: str | None = N
         return []
     if not identities:
         return []
-    dp = len(identities)
+    dp = identities[0].dp_size
     if engine_id_override:
         identities = [
             dataclasses.replace(i, engine_id=contract.dp_engine_id(engine_id_override, i.dp_rank, dp))

@@ -220,7 +220,7 @@ class Dispatcher:
         if ctx.auth:
             h["Authorization"] = ctx.auth
         if pin_rank and b.dp_size > 1:
-            h[DP_RANK_HEADER] = str(b.identity.dp_rank)
+            h[DP_RANK_HEADER] = str(b.identity.dp_local_index)
         return h
 
     @contextlib.asynccontextmanager
