@@ -138,6 +138,8 @@ BREAKERS = [
     ("no-accelerator", [_set("decode.accelerator.count", 0)], "spec.decode.accelerator.count"),
     ("managed-flag", [_set("engine.extraArgs", ["--block-size", "16"])], "spec.engine.extraArgs"),
     ("managed-expert-flag", [_set("decode.extraArgs", ["--enable_expert_parallel"])], "spec.decode.extraArgs"),
+    ("managed-dp-flag", [_set("prefill.extraArgs", ["-dpr", "8"])], "spec.prefill.extraArgs"),
+    ("managed-dp-prefix", [_set("engine.extraArgs", ["--data-parallel-start=8"])], "spec.engine.extraArgs"),
     ("unknown-field", [_set("router.deadline", 5)], "spec.router.deadline"),
     ("vllm-version-without-its-image", [_set("engine.vllmVersion", "0.26.0"), _set("engine.image", None),
                                         _set("prefill.accelerator.type", "nvidia"), _set("decode.accelerator.type", "nvidia")],

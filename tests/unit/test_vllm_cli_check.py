@@ -87,6 +87,12 @@ def test_good_push_prefill_line_passes(results: dict[str, dict[str, Any]]) -> No
         "tensor_parallel_size": 8,
         "pipeline_parallel_size": 1,
         "data_parallel_size": 1,
+        "data_parallel_size_local": None,  # the data-parallel-over-pods flags, unset on a one-pod engine
+        "data_parallel_start_rank": None,
+        "data_parallel_address": None,
+        "data_parallel_rpc_port": None,
+        "data_parallel_hybrid_lb": False,
+        "enable_expert_parallel": False,
         "block_size": 128,
         "served_model_name": ["qwen3-32b"],
         "port": 8000,

@@ -48,6 +48,13 @@ ANNOTATION_DP_SIZE = f"{API_GROUP}/data-parallel-size"  # the engine's, over all
 # serves every rank of its engine (start 0, local = size), the one-pod case.
 ANNOTATION_DP_START_RANK = f"{API_GROUP}/data-parallel-start-rank"
 ANNOTATION_DP_SIZE_LOCAL = f"{API_GROUP}/data-parallel-size-local"
+# An engine that spans pods is one LeaderWorkerSet group: LWS gives each pod its index in the group (label
+# and env) and the leader's address (env). A pod's first rank is its index x the ranks each pod serves.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
+LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+# vLLM's data-parallel startup handshake, on the group's leader (its default, --data-parallel-rpc-port).
+DATA_PARALLEL_RPC_PORT = 29550
 ANNOTATION_SIDE_CHANNEL_PORT = f"{API_GROUP}/nixl-side-channel-port"
 ANNOTATION_HTTP_PORT = f"{API_GROUP}/http-port"
 ANNOTATION_TRANSFER_MODE = f"{API_GROUP}/transfer-mode"
@@ -275,15 +282,18 @@ class EngineIdentity:
 
 
 def identities_from_pod(
-    name: str, uid: str, pod_ip: str, annotations: Mapping[str, str]
+    name: str, uid: str, pod_ip: str, annotations: Mapping[str, str], labels: Mapping[str, str] | None = None
 ) -> list[EngineIdentity]:
     """The NIXL identities (one per data-parallel rank it serves) of a P or D pod, read per the contract.
+    A pod of an LWS group starts at its worker index x its local size, unless its annotations say the start.
     ValueError when the annotations do not make sense (a rank range outside the engine's size)."""
     tp = int(annotations.get(ANNOTATION_TP_SIZE, "1"))
     pp = int(annotations.get(ANNOTATION_PP_SIZE, "1"))
     dp = int(annotations.get(ANNOTATION_DP_SIZE, "1"))
-    start = int(annotations.get(ANNOTATION_DP_START_RANK, "0"))
-    local = int(annotations.get(ANNOTATION_DP_SIZE_LOCAL, str(dp - start)))
+    local = int(annotations.get(ANNOTATION_DP_SIZE_LOCAL, "0")) or None
+    index = (labels or {}).get(LWS_WORKER_INDEX_LABEL)
+    start = int(annotations.get(ANNOTATION_DP_START_RANK) or (int(index) * local if index is not None and local else 0))
+    local = local or dp - start
     if start < 0 or local < 1 or start + local > dp:
         raise ValueError(f"data-parallel ranks [{start}, {start + local}) are not within the engine's {dp}")
     base_port = int(annotations.get(ANNOTATION_SIDE_CHANNEL_PORT, str(NIXL_SIDE_CHANNEL_PORT)))

@@ -104,7 +104,7 @@ def backends_from_pod(pod: Mapping[str, Any], engine_id_override: str | None = N
     if not ip or not contract.pod_serving(pod):
         return []
     try:
-        identities = contract.identities_from_pod(name, uid, ip, meta.get("annotations") or {})
+        identities = contract.identities_from_pod(name, uid, ip, meta.get("annotations") or {}, labels)
     except ValueError as e:
         log.warning("pod %s: unreadable NIXL identity annotations (%s); ignored", name, e)
         return []

@@ -161,9 +161,12 @@ def _volumes(dm: DisaggregatedModel) -> tuple[list[dict[str, Any]], list[dict[st
 
 
 def identity_annotations(dm: DisaggregatedModel, role: RoleSpec, plan: TransferPlan) -> dict[str, str]:
-    """What the router reads from a pod to address its engine (engine_id comes from name and UID)."""
+    """What the router reads from a pod to address its engine (engine_id comes from name and UID; a pod of
+    an engine that spans pods also says how many ranks it serves, its first from its LWS worker index)."""
     par = role.parallelism
+    spans = {contract.ANNOTATION_DP_SIZE_LOCAL: str(role.shape.ranks_per_pod)} if role.shape.pods > 1 else {}
     return {
+        **spans,
         contract.ANNOTATION_TP_SIZE: str(par.tensor),
         contract.ANNOTATION_PP_SIZE: str(par.pipeline),
         contract.ANNOTATION_DP_SIZE: str(par.data),
@@ -184,12 +187,17 @@ def pod_template(
     res = resources(dm, role)
     volumes, mounts = _volumes(dm)
     command = vllm.serve_command(spec, role_name, plan)
+    if role.shape.pods > 1:  # the shell's script is the command, vLLM's command line its arguments
+        wrapped = vllm.with_start_rank(command, role.shape)
+        command_part, args_part = wrapped[:3], wrapped[3:]
+    else:
+        command_part, args_part = command[:2], command[2:]
     container: dict[str, Any] = {
         "name": "vllm",
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": command[:2],
-        "args": command[2:],
+        "command": command_part,
+        "args": args_part,
         "env": vllm.engine_env(spec, role_name, plan),
         "ports": _ports(dm, role),
         "resources": res,
@@ -257,6 +265,33 @@ def deployment(
         "kind": "Deployment",
         "metadata": metadata(dm, contract.engine_deployment_name(model, role_name, revision), labels),
         "spec": spec,
+    }
+
+
+def leader_worker_set(
+    dm: DisaggregatedModel, role_name: contract.Role, template: dict[str, Any], revision: str
+) -> dict[str, Any]:
+    """The engines of a role whose engine spans pods, for one revision: one LeaderWorkerSet group per engine
+    (its replicas count engines), every pod from the same template (the leader is worker 0), the whole group
+    recreated when one of its pods restarts (vLLM's data-parallel ranks cannot rejoin a running engine), the
+    workers created once the leader exists (they wait for its handshake port themselves)."""
+    model = dm.metadata.name
+    role: RoleSpec = getattr(dm.spec, role_name)
+    labels = contract.child_labels(model, role_name, revision)
+    template = {**template, "metadata": {**template["metadata"], "labels": labels}}
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": metadata(dm, contract.engine_deployment_name(model, role_name, revision), labels),
+        "spec": {
+            "replicas": role.replicas,
+            "startupPolicy": "LeaderCreated",
+            "leaderWorkerTemplate": {
+                "size": role.shape.pods,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": template,
+            },
+        },
     }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from disagg_connector import contract
 
-from ..api.models import DisaggregatedModelSpec, RoleSpec
+from ..api.models import DisaggregatedModelSpec, EngineShape, RoleSpec
 from ..resolve import TransferPlan
 
 MODEL_MOUNT_ROOT = "/models"
@@ -95,7 +95,34 @@ def serve_command(spec: DisaggregatedModelSpec, role: contract.Role, plan: Trans
         argv += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     config = kv_transfer_config(spec, role, plan)
     argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    if role_spec.shape.pods > 1:
+        argv += data_parallel_args(role_spec.shape)
     return argv + list(engine.extra_args) + list(role_spec.extra_args)
+
+
+# The one computed flag of a pod in an engine that spans pods: its first data-parallel rank, its LWS worker
+# index x the ranks each pod runs. Kubernetes' $(VAR) expansion cannot multiply, so a shell appends it and
+# execs vLLM: "$0" "$@" are the command line as rendered, untouched by the shell.
+START_RANK_SCRIPT = 'exec "$0" "$@" --data-parallel-start-rank "$(({index} * {local}))"'
+
+
+def data_parallel_args(shape: EngineShape) -> list[str]:
+    """The flags every pod of an engine that spans pods adds (docs/vllm-protocol.md, "Data parallel across
+    pods"): vLLM's hybrid load balancing, where each pod runs an API server for its own ranks (the router
+    addresses a rank through the pod that serves it), stated on every pod (vLLM 0.26.0 does not infer it on the
+    leader), with the group leader's address from LWS and the startup handshake's port."""
+    return [
+        "--data-parallel-size-local", str(shape.ranks_per_pod),
+        "--data-parallel-address", f"$({contract.LWS_LEADER_ADDRESS_ENV})",
+        "--data-parallel-rpc-port", str(contract.DATA_PARALLEL_RPC_PORT),
+        "--data-parallel-hybrid-lb",
+    ]  # fmt: skip
+
+
+def with_start_rank(argv: list[str], shape: EngineShape) -> list[str]:
+    """`/bin/sh -c <script> <argv>`: the pod's start rank appended from its LWS worker index."""
+    script = START_RANK_SCRIPT.format(index=contract.LWS_WORKER_INDEX_ENV, local=shape.ranks_per_pod)
+    return ["/bin/sh", "-c", script, *argv]
 
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:

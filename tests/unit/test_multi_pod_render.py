@@ -1,0 +1,91 @@
+"""An engine that spans pods, rendered onto a LeaderWorkerSet group: what each pod runs, judged by vLLM.
+
+Admission does not accept such shapes yet (the planner does not roll LWS groups out yet); the builders are
+exercised here directly on a model that skips the CEL rules. Each pod's command line is what the real shell
+makes of the rendered one for its LWS worker index, then what both vLLM releases' parsers read from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from disagg_bench.localrun.kube_env import expand
+from disagg_connector import contract
+from disagg_operator.api.models import DisaggregatedModel
+from disagg_operator.render import engine, render
+
+from ..conftest import dm
+from ..support.vllm_cli import CHECKED_VERSIONS, check_command_lines
+
+POD_UID = "0b0be50e-3e09-424e-8542-e38512e189ec"
+LEADER = "m-decode-abc-0.m-decode-abc.ns"  # what LWS puts in LWS_LEADER_ADDRESS
+# DeepSeek-V3-like wide EP decode: DP16 x TP1 over two 8-GPU pods
+SPEC = {"decode": {"parallelism": {"data": 16, "expert": True}, "accelerator": {"count": 8}},
+        "prefill": {"parallelism": {"data": 8, "expert": True}, "accelerator": {"count": 8}}}
+
+
+def model() -> DisaggregatedModel:
+    return DisaggregatedModel.model_validate(dm(SPEC))  # pydantic only: no CEL (admission wants one pod)
+
+
+def decode_template() -> dict[str, Any]:
+    (deployment,) = [o for o in render(model()).objects if o["kind"] == "Deployment"
+                     and o["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode"]  # fmt: skip
+    return deployment["spec"]["template"]
+
+
+def pod_argv(container: dict[str, Any], index: int, tmp: Path) -> list[str]:
+    """The command line the container's shell execs for LWS worker `index`, after the kubelet's $(VAR)."""
+    env = {contract.ENV_POD_NAME: f"m-decode-abc-0-{index}", contract.ENV_POD_UID: POD_UID, contract.ENV_POD_IP: "10.1.2.3",
+           contract.LWS_LEADER_ADDRESS_ENV: LEADER}  # fmt: skip
+    command = [expand(a, env) for a in container["command"] + container["args"]]
+    printer = tmp / "vllm"
+    printer.write_text("#!/bin/sh\nexec python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    printer.chmod(printer.stat().st_mode | stat.S_IEXEC)
+    assert command[:2] == ["/bin/sh", "-c"] and command[3] == "vllm", command[:4]
+    shell = [*command[:3], str(printer), *command[4:]]  # the same script, with a vllm that prints its argv
+    out = subprocess.run(shell, env={**os.environ, contract.LWS_WORKER_INDEX_ENV: str(index)}, capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    return ["vllm", *json.loads(out.stdout)]
+
+
+def test_one_group_per_engine_every_pod_from_one_template() -> None:
+    template = decode_template()
+    lws = engine.leader_worker_set(model(), "decode", template, "abc")
+    assert lws["kind"] == "LeaderWorkerSet" and lws["spec"]["replicas"] == 1
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert "leaderTemplate" not in group  # the leader is worker 0 of the same template
+    assert group["workerTemplate"]["metadata"]["labels"][contract.LABEL_REVISION] == "abc"
+    assert group["workerTemplate"]["metadata"]["annotations"][contract.ANNOTATION_DP_SIZE_LOCAL] == "8"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("version", CHECKED_VERSIONS)
+def test_each_pods_command_line_is_what_vllm_reads_as_its_ranks(version: str, tmp_path: Path) -> None:
+    (container,) = decode_template()["spec"]["containers"]
+    lines = [{"id": f"decode-{i}", "argv": pod_argv(container, i, tmp_path)} for i in (0, 1)]
+    results = check_command_lines(lines, version)
+    for index, (line, result) in enumerate(zip(lines, results)):
+        assert result["ok"], f"{line['id']}: vLLM {version} refused {line['argv']}: {result['error']}"
+        parsed = result["parsed"]
+        assert (parsed["data_parallel_size"], parsed["data_parallel_size_local"], parsed["data_parallel_start_rank"]) == (16, 8, 8 * index)
+        assert parsed["data_parallel_address"] == LEADER and parsed["data_parallel_rpc_port"] == contract.DATA_PARALLEL_RPC_PORT
+        assert parsed["data_parallel_hybrid_lb"] is True and parsed["enable_expert_parallel"] is True
+        assert parsed["engine_id"] == contract.engine_id(f"m-decode-abc-0-{index}", POD_UID)
+
+
+def test_the_router_reads_each_pods_ranks_from_its_worker_index() -> None:
+    annotations = decode_template()["metadata"]["annotations"]
+    for index in (0, 1):
+        ids = contract.identities_from_pod(f"p{index}", "u", "10.0.0.1", annotations, {contract.LWS_WORKER_INDEX_LABEL: str(index)})
+        assert [i.dp_rank for i in ids] == list(range(8 * index, 8 * index + 8))
+        assert [i.dp_local_index for i in ids] == list(range(8))
+        assert ids[0].side_channel_port == 5600 + 8 * index and ids[0].engine_id.endswith(f"_dp{8 * index}")
