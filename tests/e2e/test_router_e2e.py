@@ -66,13 +66,16 @@ def model_manifest(name: str, mode: str) -> dict[str, Any]:
 
 
 def wait_model_ready(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, Any]:
+    """Ready and rolled out: Ready alone says the model serves (a ready pair), which it does before every pod
+    of a role is ready; the test wants them all (Progressing=Complete)."""
     def ready() -> dict[str, Any] | None:
         obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
         status = obj.get("status") or {}
         current = status.get("observedGeneration") == obj["metadata"]["generation"]
-        return obj if current and condition(obj, "Ready").get("status") == "True" else None
+        done = condition(obj, "Ready").get("status") == "True" and condition(obj, "Progressing").get("reason") == "Complete"
+        return obj if current and done else None
 
-    return wait_for(f"{ns}/{name} Ready", ready)
+    return wait_for(f"{ns}/{name} Ready and rolled out", ready)
 
 
 def router_token_kubeconfig(cluster: Any, namespace: str, model: str, path: Path) -> Path:
