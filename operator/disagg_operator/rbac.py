@@ -1,7 +1,7 @@
 """The permissions the operator needs, in one place: the Helm chart and the e2e tests use this.
 
 Least privilege: the operator reads and writes only the kinds it renders, reads pods for status and
-annotates the pods it retires (draining mark, deletion cost), resizes older revisions' Deployments,
+annotates the pods it retires (draining mark, deletion cost), resizes older revisions' Deployments and LeaderWorkerSets,
 writes Events (kopf posts warnings) and its peering objects (HA). Creating the router's Role requires
 holding its permissions (pods get/list/watch), which the operator has for status anyway. kopf reads
 CRDs and namespaces at start-up. No Secrets.
@@ -13,7 +13,7 @@ from typing import Any
 
 from disagg_connector import contract
 
-from .render import MANAGED_KINDS
+from .render import LWS_API_VERSION, LWS_PLURAL, MANAGED_KINDS
 
 WRITE = ["get", "list", "watch", "create", "update", "patch", "delete"]
 READ = ["get", "list", "watch"]
@@ -36,6 +36,8 @@ def rules() -> list[dict[str, Any]]:
         # Retirement: a draining mark and the deletion cost on a leaving pod; older revisions resized.
         {"apiGroups": [""], "resources": ["pods"], "verbs": [*READ, "patch"]},
         {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch", "update"]},
+        {"apiGroups": [group_of(LWS_API_VERSION)], "resources": [f"{LWS_PLURAL}/scale"],
+         "verbs": ["get", "patch", "update"]},
         {"apiGroups": ["", "events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
         {"apiGroups": ["kopf.dev"], "resources": ["clusterkopfpeerings", "kopfpeerings"], "verbs": ["get", "list", "watch", "patch"]},
         # kopf's own discovery at start-up: without these it retries for ~55 s before falling back.

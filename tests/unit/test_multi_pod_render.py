@@ -1,7 +1,6 @@
 """An engine that spans pods, rendered onto a LeaderWorkerSet group: what each pod runs, judged by vLLM.
 
-Admission does not accept such shapes yet (the planner does not roll LWS groups out yet); the builders are
-exercised here directly on a model that skips the CEL rules. Each pod's command line is what the real shell
+Each pod's command line is what the real shell
 makes of the rendered one for its LWS worker index, then what both vLLM releases' parsers read from it.
 """
 
@@ -19,7 +18,8 @@ import pytest
 from disagg_bench.localrun.kube_env import expand
 from disagg_connector import contract
 from disagg_operator.api.models import DisaggregatedModel
-from disagg_operator.render import engine, render
+from disagg_operator.api.validation import parse
+from disagg_operator.render import render
 
 from ..conftest import dm
 from ..support.vllm_cli import CHECKED_VERSIONS, check_command_lines
@@ -32,13 +32,17 @@ SPEC = {"decode": {"parallelism": {"data": 16, "expert": True}, "accelerator": {
 
 
 def model() -> DisaggregatedModel:
-    return DisaggregatedModel.model_validate(dm(SPEC))  # pydantic only: no CEL (admission wants one pod)
+    return parse(dm(SPEC))
+
+
+def engines_of(role: str) -> dict[str, Any]:
+    (workload,) = [o for o in render(model()).objects if o["kind"] in ("Deployment", "LeaderWorkerSet")
+                   and o["metadata"]["labels"].get(contract.LABEL_ROLE) == role]  # fmt: skip
+    return workload
 
 
 def decode_template() -> dict[str, Any]:
-    (deployment,) = [o for o in render(model()).objects if o["kind"] == "Deployment"
-                     and o["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode"]  # fmt: skip
-    return deployment["spec"]["template"]
+    return engines_of("decode")["spec"]["leaderWorkerTemplate"]["workerTemplate"]
 
 
 def pod_argv(container: dict[str, Any], index: int, tmp: Path) -> list[str]:
@@ -57,13 +61,13 @@ def pod_argv(container: dict[str, Any], index: int, tmp: Path) -> list[str]:
 
 
 def test_one_group_per_engine_every_pod_from_one_template() -> None:
-    template = decode_template()
-    lws = engine.leader_worker_set(model(), "decode", template, "abc")
+    lws = engines_of("decode")
     assert lws["kind"] == "LeaderWorkerSet" and lws["spec"]["replicas"] == 1
     group = lws["spec"]["leaderWorkerTemplate"]
     assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
     assert "leaderTemplate" not in group  # the leader is worker 0 of the same template
-    assert group["workerTemplate"]["metadata"]["labels"][contract.LABEL_REVISION] == "abc"
+    assert group["workerTemplate"]["metadata"]["labels"][contract.LABEL_REVISION] == lws["metadata"]["labels"][contract.LABEL_REVISION]
+    assert engines_of("prefill")["kind"] == "Deployment"  # DP8 on 8 GPUs: one pod per engine
     assert group["workerTemplate"]["metadata"]["annotations"][contract.ANNOTATION_DP_SIZE_LOCAL] == "8"
 
 

@@ -443,8 +443,10 @@ class Parallelism(ApiModel):
     )
     data: Annotated[int, Field(ge=1, le=64)] = Field(
         default=1,
-        description="vLLM --data-parallel-size: engine cores in one pod, each with its own NIXL port "
-        "(kvTransfer.sideChannelPort + rank).",
+        description="vLLM --data-parallel-size: engine cores of one engine, each with its own NIXL port "
+        "(kvTransfer.sideChannelPort + rank). When they are more than one pod's accelerators hold "
+        "(accelerator.count / (tensor x pipeline) ranks per pod), the engine spans data / that many pods, one "
+        "LeaderWorkerSet group (the LWS controller must be installed).",
     )
     context: Annotated[int, Field(ge=1, le=64)] = Field(
         default=1, description="Decode context parallel size (decode only; pull only)."
@@ -494,7 +496,8 @@ class AcceleratorSpec(ApiModel):
     count: Annotated[int, Field(ge=1, le=64)] = Field(
         default=1,
         description="GPUs (nvidia.com/gpu) or Neuron devices (aws.amazon.com/neuron) per pod. "
-        "vLLM needs an accelerator on both roles; on nvidia it must equal tensor x pipeline x data.",
+        "vLLM needs an accelerator on both roles; on nvidia one per rank: tensor x pipeline x data for an engine in "
+        "one pod, a divisor of that (a multiple of tensor x pipeline) for an engine that spans pods.",
     )
 
 
@@ -575,12 +578,32 @@ class RoleSpec(ApiModel):
     cel_rules = (
         CelRule(
             rule=(
-                "self.accelerator.type != 'nvidia' || self.accelerator.count == "
+                "self.accelerator.type != 'nvidia' || "
+                "self.accelerator.count % (self.parallelism.tensor * self.parallelism.pipeline) == 0"
+            ),
+            message="accelerator.count must be a multiple of parallelism.tensor x pipeline: a pod runs whole "
+            "data-parallel ranks of tensor x pipeline GPUs each",
+            field_path=".accelerator.count",
+        ),
+        CelRule(
+            rule=(
+                "self.accelerator.type != 'nvidia' || self.accelerator.count <= "
                 "self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.data"
             ),
-            message="accelerator.count must equal parallelism.tensor x pipeline x data: one pod runs "
-            "every rank of one vLLM engine, one GPU each",
+            message="accelerator.count must be at most parallelism.tensor x pipeline x data: vLLM uses one GPU "
+            "per rank, and a pod runs ranks of one engine only",
             field_path=".accelerator.count",
+        ),
+        CelRule(
+            rule=(
+                "self.accelerator.type != 'nvidia' || "
+                "self.accelerator.count % (self.parallelism.tensor * self.parallelism.pipeline) != 0 || "
+                "self.parallelism.data % (self.accelerator.count / "
+                "(self.parallelism.tensor * self.parallelism.pipeline)) == 0"
+            ),
+            message="parallelism.data must be a multiple of the ranks one pod runs (accelerator.count / (tensor x "
+            "pipeline)): an engine that spans pods is data / ranks-per-pod pods, every pod alike",
+            field_path=".parallelism.data",
         ),
         _NO_MANAGED_FLAGS,
         _NO_MANAGED_ENV,
@@ -589,7 +612,8 @@ class RoleSpec(ApiModel):
 
     replicas: Annotated[int, Field(ge=0, le=1000)] = Field(
         default=1,
-        description="Pods of this role, each one vLLM engine. 0 stops the role (Ready=True ScaledToZero: nothing is "
+        description="Engines of this role: one pod each, or one LeaderWorkerSet group of pods each for an engine "
+        "that spans pods (see parallelism.data). 0 stops the role (Ready=True ScaledToZero: nothing is "
         "served until it scales up again). The size "
         "lives in the role's DisaggregatedRole `<model>-<role>` (its scale subresource): a change of this field is "
         "written there; `kubectl scale`, an HPA or KEDA scale that object, and the operator never undoes them "

@@ -16,6 +16,7 @@ from ..api.models import DisaggregatedModel
 from ..config import RenderDefaults
 from ..resolve import TransferPlan, plan
 from . import engine, network, router, scaling
+from .engine import LWS_API_VERSION, LWS_KIND, LWS_PLURAL
 from .meta import pod_disruption_budget
 
 REVISION_LENGTH = 10
@@ -24,6 +25,7 @@ REVISION_LENGTH = 10
 # cleans up exactly these (and its RBAC grants exactly these). A test ties the list to render()'s output.
 MANAGED_KINDS: tuple[tuple[str, str, str], ...] = (
     ("apps/v1", "Deployment", "deployments"),
+    (LWS_API_VERSION, LWS_KIND, LWS_PLURAL),
     ("v1", "Service", "services"),
     ("v1", "ServiceAccount", "serviceaccounts"),
     ("rbac.authorization.k8s.io/v1", "Role", "roles"),
@@ -59,7 +61,7 @@ def render(dm: DisaggregatedModel, defaults: RenderDefaults | None = None) -> Re
     for role in contract.ENGINE_ROLES:
         objects += [
             scaling.role_scaler(dm, role),
-            engine.deployment(dm, role, templates[role], revision),
+            engine.engines(dm, role, templates[role], revision),
             engine.headless_service(dm, role),
             pod_disruption_budget(dm, role),
         ]

@@ -25,6 +25,9 @@ PREFLIGHT_COMMAND = "disagg-preflight"
 # kills them), NIXL and the accelerator contexts are released, uvicorn closes its connections; plus the
 # preStop's last scrape (up to 2 s). Past the grace period the kubelet sends SIGKILL.
 SHUTDOWN_MARGIN_SECONDS = 15
+# The engines of a role whose engine spans pods: one LeaderWorkerSet group each (sigs.k8s.io/lws, v0.9.0 tested).
+LWS_API_VERSION, LWS_KIND, LWS_PLURAL = "leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"
+ENGINE_KINDS = ("Deployment", LWS_KIND)
 
 
 def engine_image(dm: DisaggregatedModel, role: RoleSpec, defaults: RenderDefaults) -> str:
@@ -280,8 +283,8 @@ def leader_worker_set(
     labels = contract.child_labels(model, role_name, revision)
     template = {**template, "metadata": {**template["metadata"], "labels": labels}}
     return {
-        "apiVersion": "leaderworkerset.x-k8s.io/v1",
-        "kind": "LeaderWorkerSet",
+        "apiVersion": LWS_API_VERSION,
+        "kind": LWS_KIND,
         "metadata": metadata(dm, contract.engine_deployment_name(model, role_name, revision), labels),
         "spec": {
             "replicas": role.replicas,
@@ -293,6 +296,14 @@ def leader_worker_set(
             },
         },
     }
+
+
+def engines(dm: DisaggregatedModel, role_name: contract.Role, template: dict[str, Any], revision: str) -> dict[str, Any]:
+    """A role's engines of one revision: a Deployment of one pod per engine, or a LeaderWorkerSet of one group
+    per engine when an engine spans pods."""
+    role: RoleSpec = getattr(dm.spec, role_name)
+    build = leader_worker_set if role.shape.pods > 1 else deployment
+    return build(dm, role_name, template, revision)
 
 
 def headless_service(dm: DisaggregatedModel, role_name: contract.Role) -> dict[str, Any]:
