@@ -14,7 +14,7 @@ from typing import Any, Literal, Mapping
 
 from . import planner
 from .api import vocabulary
-from .state import ChildProblem, Desired, Observed, Obj, revision_of, role_of
+from .state import ChildProblem, Desired, Observed, Obj, is_engine_workload, key_of, revision_of, role_of
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,11 @@ def _condition(status: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any
     return next((c for c in (status or {}).get("conditions") or [] if c.get("type") == type_), {})
 
 
+def _unit(workload: Obj) -> str:
+    """What an engine workload's replicas count."""
+    return "pods" if workload["kind"] == "Deployment" else "engines (LeaderWorkerSet groups)"
+
+
 def _name(obj: Obj) -> str:
     return obj["metadata"]["name"]
 
@@ -47,18 +52,18 @@ def _action_event(action: planner.Action, observed: Observed, rolling: bool) -> 
     if isinstance(action, planner.Scale):
         before = int((obj.get("spec") or {}).get("replicas") or 0)
         return Event("RolloutStep", "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> "
-                     f"{action.replicas} pods", obj)  # fmt: skip
+                     f"{action.replicas} {_unit(obj)}", obj)  # fmt: skip
     if isinstance(action, planner.Delete) and action.why == "retired":
-        return Event("RevisionRetired", "Delete", f"{role_of(obj)} Deployment {_name(obj)} of revision "
+        return Event("RevisionRetired", "Delete", f"{role_of(obj)} {obj['kind']} {_name(obj)} of revision "
                      f"{revision_of(obj)} deleted: its pods are gone", obj)  # fmt: skip
-    if isinstance(action, planner.Apply) and obj["kind"] == "Deployment" and role_of(obj) in ("prefill", "decode"):
-        live = next((c for c in observed.deployments if _name(c) == _name(obj)), None)
+    if isinstance(action, planner.Apply) and is_engine_workload(obj):
+        live = next((c for c in observed.workloads if key_of(c) == key_of(obj)), None)
         before = int((live.get("spec") or {}).get("replicas") or 0) if live else 0
         after = int(obj["spec"]["replicas"])
         if (live is not None and before == after) or (live is None and not rolling):
             return None  # a template change, not a size change; or the model's first pods
         verb = "RolloutStep" if rolling else "Scaled"
-        return Event(verb, "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> {after} pods", obj)
+        return Event(verb, "Scale", f"{role_of(obj)} of revision {revision_of(obj)}: {before} -> {after} {_unit(obj)}", obj)
     return None
 
 
@@ -71,11 +76,10 @@ def of_pass(desired: Desired, observed: Observed, plan: planner.Plan, done: int,
     # From the actions, not from Progressing: status may count an old revision's pods again for a pass after
     # their Deployments went (the garbage collector takes the pods later), and a rollout happens once.
     carried = plan.actions[:done]
-    old = {_name(d): revision_of(d) for d in observed.deployments
-           if role_of(d) in ("prefill", "decode") and revision_of(d) != desired.revision}  # fmt: skip
+    old = {_name(d): revision_of(d) for d in observed.workloads
+           if is_engine_workload(d) and revision_of(d) != desired.revision}  # fmt: skip
     rolling = bool(old)
-    created = [a for a in carried if isinstance(a, planner.Apply) and a.why == "create" and a.obj["kind"] == "Deployment"
-               and role_of(a.obj) in ("prefill", "decode")]  # fmt: skip
+    created = [a for a in carried if isinstance(a, planner.Apply) and a.why == "create" and is_engine_workload(a.obj)]
     if rolling and created:
         events.append(Event("RolloutStarted", "Rollout", f"revision {desired.revision} replaces "
                             f"{', '.join(sorted({v or '' for v in old.values()}))}"))  # fmt: skip

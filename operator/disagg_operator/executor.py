@@ -23,9 +23,11 @@ from disagg_connector import contract
 from disagg_connector.contract.health import HealthDocumentError, parse_health
 
 from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from .kube import Cluster, error_message
 from .planner import Action, Annotate, Apply, Delete, Plan, Scale, SetStatus
+from .render.engine import INSTALL_HINTS
 from .state import ChildProblem, Key, Obj, Observed, RouterView, controlled_by, role_of
 
 log = logging.getLogger(__name__)
@@ -46,8 +48,12 @@ def problem_from_error(kind: str, name: str, status: int | None, message: str) -
     return ChildProblem(reason, kind, name, message)
 
 
-def _problem(obj: Obj, error: ApiException) -> ChildProblem:
-    return problem_from_error(obj["kind"], obj["metadata"]["name"], error.status, error_message(error))
+def _problem(obj: Obj, error: ApiException | ResourceNotFoundError) -> ChildProblem:
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    if isinstance(error, ResourceNotFoundError):  # the API server's discovery does not list the kind
+        hint = INSTALL_HINTS.get(kind, "install its CustomResourceDefinition")
+        return ChildProblem("KindNotInstalled", kind, name, f"this cluster does not serve {kind} ({obj['apiVersion']}): {hint}")
+    return problem_from_error(kind, name, error.status, error_message(error))
 
 
 @dataclass(frozen=True)
@@ -61,17 +67,21 @@ class Probes:
 
 def probe(plan: Plan, cluster: Cluster, owner_uid: str) -> Probes:
     foreign: dict[Key, Obj] = {}
+    refused: dict[Key, ChildProblem] = {}
     for action in plan.creates:
-        live = cluster.get(action.obj)
+        try:
+            live = cluster.get(action.obj)
+        except ResourceNotFoundError as error:
+            refused[action.key] = _problem(action.obj, error)
+            continue
         if live is not None and not controlled_by(live, owner_uid):
             foreign[action.key] = live
-    refused: dict[Key, ChildProblem] = {}
     for action in plan.dry_runs:
-        if action.key in foreign:
+        if action.key in foreign or action.key in refused:
             continue
         try:
             cluster.apply(action.obj, dry_run=True)
-        except ApiException as error:
+        except (ApiException, ResourceNotFoundError) as error:
             refused[action.key] = _problem(action.obj, error)
     return Probes(foreign, refused)
 
@@ -129,7 +139,7 @@ def execute(plan: Plan, cluster: Cluster, on_done: Callable[[Action], None] = la
         meta = action.obj["metadata"]
         try:
             _carry_out(action, cluster)
-        except ApiException as error:
+        except (ApiException, ResourceNotFoundError) as error:
             return Outcome(done, len(plan.actions), _problem(action.obj, error))
         log.info("%s %s %s/%s (%s)", type(action).__name__.lower(), action.obj["kind"], meta["namespace"], meta["name"], action.why)
         on_done(action)

@@ -104,11 +104,13 @@ class Cluster:
             pass
 
     def scale(self, obj: dict[str, Any], replicas: int) -> None:
-        """Resize a Deployment through its scale subresource (an older revision, no longer rendered)."""
+        """Resize a Deployment or LeaderWorkerSet through its scale subresource (an older revision, no longer
+        rendered)."""
         meta = obj["metadata"]
-        client.AppsV1Api(self.api_client).patch_namespaced_deployment_scale(
-            meta["name"], meta["namespace"], {"spec": {"replicas": replicas}},
-            field_manager=self.field_manager, _request_timeout=REQUEST_TIMEOUT,
+        self._resource(obj["apiVersion"], obj["kind"]).subresources["scale"].patch(
+            body={"spec": {"replicas": replicas}}, name=meta["name"], namespace=meta["namespace"],
+            content_type="application/merge-patch+json", field_manager=self.field_manager,
+            _request_timeout=REQUEST_TIMEOUT,
         )  # fmt: skip
 
     def annotate(self, obj: dict[str, Any], annotations: dict[str, str | None]) -> None:

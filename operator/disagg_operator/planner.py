@@ -10,15 +10,16 @@ The executor (executor.py) only carries a Plan out. The rules, in order:
    Conflict). What runs keeps running. The executor learns both facts by probing the tentative plan's
    writes (a GET for each child to create, a server-side dry run for each write) and the planner is asked
    again with them (`Observed.with_probes`): the decision stays here.
-3. **Rollout and scaling** (rollout.py): the current revision's engine Deployments and those of older
-   revisions get the sizes of the next step: the new revision grows into the surge room, the old ones shrink
-   in P/D pairs as ready new pods stand in. A Deployment that shrinks loses exactly the pods retirement.py
-   picks, each drained first; an old revision whose pods are all gone is deleted.
+3. **Rollout and scaling** (rollout.py), in engines: the current revision's engine workloads (a Deployment
+   of one pod per engine, or a LeaderWorkerSet of one group per engine when an engine spans pods) and those
+   of older revisions get the sizes of the next step: the new revision grows into the surge room, the old
+   ones shrink in P/D pairs as ready new engines stand in. A workload that shrinks loses exactly the pods
+   (or groups) retirement.py picks, each drained first; an old revision whose pods are all gone is deleted.
 4. **Apply** each desired child that is missing or drifted (drift.needs_apply), in dependency order:
    identities and RBAC, Services, disruption budgets and policies, the role scale targets, then the
    engines, the router and the autoscalers. Pod marks go first (a deletion cost must be in place before
    the Deployment shrinks), old revisions' scale-downs and deletions after every write.
-5. **Delete** children of this model that are no longer desired (other than engine Deployments of older
+5. **Delete** children of this model that are no longer desired (other than engine workloads of older
    revisions, which step 3 retires).
 6. **Status** is what the world looks like once the plan's deletions are done (status.compute).
 """
@@ -34,13 +35,15 @@ from disagg_connector import contract
 from . import rollout, sizing
 from . import status as status_mod
 from .drift import needs_apply, stamped
-from .retirement import DELETION_COST, LEAVING_COST, Retirement, marked, retire
-from .state import ChildProblem, Desired, Key, Obj, Observed, is_engine_deployment, key_of, revision_of, role_of
+from .render.engine import LWS_KIND
+from .retirement import DELETION_COST, LEAVING_COST, Retirement, marked, retire, retire_groups
+from .state import (ChildProblem, Desired, Key, Obj, Observed, RouterView, is_engine_workload, key_of, revision_of,
+                    role_of)
 
 # Who may depend on whom: a RoleBinding needs its Role and ServiceAccount, the router discovers the
 # engines, an HPA targets a DisaggregatedRole.
 APPLY_ORDER = ("ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget", "NetworkPolicy",
-               contract.ROLE_KIND, "Deployment", "HorizontalPodAutoscaler")  # fmt: skip
+               contract.ROLE_KIND, "Deployment", LWS_KIND, "HorizontalPodAutoscaler")  # fmt: skip
 ROUTER_LAST = {"prefill": 0, "decode": 0, "router": 1}
 # While a pod drains, the pass comes back this often: in-flight counts change without Kubernetes events.
 DRAIN_POLL_SECONDS = 1.0
@@ -68,7 +71,8 @@ class Delete:
 
 @dataclass(frozen=True)
 class Scale:
-    """An older revision's Deployment, resized through its scale subresource (it is no longer rendered)."""
+    """An older revision's Deployment or LeaderWorkerSet, resized through its scale subresource (it is no
+    longer rendered)."""
 
     obj: Obj
     replicas: int
@@ -144,9 +148,24 @@ def _pods_of(observed: Observed, role: str, revision: str | None) -> list[Obj]:
     return [p.obj for p in observed.census.select(role, revision)]
 
 
+def _retire(workload: Obj | None, pods: list[Obj], want: int, routers: RouterView | None, now: str, bound_s: float) -> Retirement:
+    """Retirement of a role's engines of one revision: pod by pod (a Deployment), or group by group from the
+    top (a LeaderWorkerSet)."""
+    if workload is None:
+        return Retirement(replicas=want)
+    by = retire_groups if workload["kind"] == LWS_KIND else retire
+    return by(pods, _replicas(workload), want, routers, now, bound_s)
+
+
+def engines_key(desired: Desired, role: str) -> Key:
+    """The rendered engine workload of a role at the current revision."""
+    name = contract.engine_deployment_name(desired.ref.name, role, desired.revision)  # type: ignore[arg-type]
+    return next(key_of(o) for o in desired.rendered.objects if o["metadata"]["name"] == name and is_engine_workload(o))
+
+
 @dataclass
 class _Engines:
-    """The engine side of one pass: Deployment sizes per revision, and the pod work that retirement needs."""
+    """The engine side of one pass: engine workload sizes per revision, and the pod work that retirement needs."""
 
     current_replicas: dict[str, int] = field(default_factory=dict)  # role -> size of the current revision
     pod_actions: list[Action] = field(default_factory=list)
@@ -182,17 +201,16 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
     bounds = drain_bounds(desired)
     budgets = {r: rollout.budget(targets[r], getattr(spec.rollout, r).max_surge, getattr(spec.rollout, r).max_unavailable)
                for r in contract.ENGINE_ROLES}  # fmt: skip
-    current = {r: observed.children.get(("Deployment", contract.engine_deployment_name(model, r, revision)))  # type: ignore[arg-type]
-               for r in contract.ENGINE_ROLES}  # fmt: skip
+    current = {r: observed.children.get(engines_key(desired, r)) for r in contract.ENGINE_ROLES}
     old_deployments: dict[str, dict[str, Obj]] = {}
-    for obj in observed.deployments:
-        if is_engine_deployment(obj) and revision_of(obj) != revision:
+    for obj in observed.workloads:
+        if is_engine_workload(obj) and revision_of(obj) != revision:
             old_deployments.setdefault(revision_of(obj) or "", {})[role_of(obj) or ""] = obj
     newest_first = tuple(sorted(old_deployments, reverse=True, key=lambda v: max(
         (d.get("metadata", {}).get("creationTimestamp") or "") for d in old_deployments[v].values())))
 
     def count(obj: Obj | None, role: str, rev: str) -> rollout.Count:
-        return rollout.Count(_replicas(obj), observed.census.count(role, rev, ready=True))
+        return rollout.Count(_replicas(obj), observed.census.count_engines(role, rev, ready=True))
 
     step = rollout.next_step(
         budgets,
@@ -202,15 +220,13 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
     )
     out = _Engines()
     for role in contract.ENGINE_ROLES:
-        live = current[role]
-        result = retire(_pods_of(observed, role, revision), _replicas(live), step.new[role], observed.routers, now, bounds[role]) \
-            if live is not None else Retirement(replicas=step.new[role])  # fmt: skip
+        result = _retire(current[role], _pods_of(observed, role, revision), step.new[role], observed.routers, now, bounds[role])
         out.current_replicas[role] = result.replicas
         out.add(result, now)
     for old in newest_first:
         for role, deployment in old_deployments[old].items():
             want = step.old[old].get(role, 0)
-            result = retire(_pods_of(observed, role, old), _replicas(deployment), want, observed.routers, now, bounds[role])
+            result = _retire(deployment, _pods_of(observed, role, old), want, observed.routers, now, bounds[role])
             out.add(result, now)
             if result.replicas == 0 and not result.busy:
                 out.old_actions.append(Delete(deployment, "retired"))
@@ -227,7 +243,8 @@ def _role_scaler_statuses(desired: Desired, observed: Observed) -> list[Action]:
         if live is None:
             continue  # created by this pass: its status comes with the next one
         selector = ",".join(f"{k}={v}" for k, v in contract.selector_labels(desired.ref.name, role).items())  # type: ignore[arg-type]
-        want = {"replicas": observed.census.count(role, terminating=False), "readyReplicas": observed.census.count(role, ready=True),
+        want = {"replicas": observed.census.count_engines(role, terminating=False),
+                "readyReplicas": observed.census.count_engines(role, ready=True),
                 "selector": selector, "revision": desired.revision}  # fmt: skip
         if {k: (live.get("status") or {}).get(k) for k in want} != want:
             actions.append(SetStatus(live, want))
@@ -235,8 +252,8 @@ def _role_scaler_statuses(desired: Desired, observed: Observed) -> list[Action]:
 
 
 def _without(observed: Observed, deleted: set[Key]) -> Observed:
-    """The world once `deleted` are gone: their pods go too (by revision, for engine Deployments)."""
-    revisions = {revision_of(observed.children[k]) for k in deleted if is_engine_deployment(observed.children[k])}
+    """The world once `deleted` are gone: their pods go too (by revision, for engine workloads)."""
+    revisions = {revision_of(observed.children[k]) for k in deleted if is_engine_workload(observed.children[k])}
     return replace(observed, children={k: o for k, o in observed.children.items() if k not in deleted},
                    pods=tuple(p for p in observed.pods if revision_of(p) is None or revision_of(p) not in revisions))
 
@@ -281,7 +298,7 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
 
     engines = _plan_engines(desired, observed, targets, now)
     for role, replicas in engines.current_replicas.items():
-        key = ("Deployment", contract.engine_deployment_name(desired.ref.name, role, desired.revision))  # type: ignore[arg-type]
+        key = engines_key(desired, role)
         rendered[key] = copy.deepcopy(rendered[key])
         rendered[key]["spec"]["replicas"] = replicas
 
@@ -291,9 +308,9 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
         for k, obj in sorted(wanted.items(), key=lambda item: _apply_rank(item[1]))
         if needs_apply(obj, observed.children.get(k))
     ]
-    stale = [Delete(o, "stale") for k, o in observed.children.items() if k not in wanted and not is_engine_deployment(o)]
-    retired = {a.obj["metadata"]["name"] for a in engines.old_actions if isinstance(a, Delete)}
-    after = _without(observed, {d.key for d in stale} | {("Deployment", n) for n in retired})
+    stale = [Delete(o, "stale") for k, o in observed.children.items() if k not in wanted and not is_engine_workload(o)]
+    retired = {a.key for a in engines.old_actions if isinstance(a, Delete)}
+    after = _without(observed, {d.key for d in stale} | retired)
     return Plan(
         actions=(*engines.pod_actions, *applies, *engines.old_actions, *stale, *_role_scaler_statuses(desired, observed)),
         status=status_mod.compute(desired, after, targets, now,

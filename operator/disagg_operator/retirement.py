@@ -21,6 +21,11 @@ here, and a ready pod only once no request is left on it:
    before it picks.)
 
 A pod marked draining that no longer has to go (the target rose again) is unmarked.
+
+**Engines that span pods** (a LeaderWorkerSet, one group per engine) leave a group at a time, and the LWS
+controller always removes the groups of highest index (it cannot be told which): so the groups at and above
+the new size are the ones that drain (`retire_groups`): every serving pod of theirs is marked, and the LWS
+shrinks past a group once each of its pods is drained by the rule of step 3. No deletion cost is needed.
 """
 
 from __future__ import annotations
@@ -108,4 +113,42 @@ def retire(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterVi
         waiting=tuple(waiting),
         holding=held,
         overdue=tuple(p["metadata"]["name"] for p in to_cost if holding(p) is not None),
+    )
+
+
+def _group_index(pod: Obj) -> int:
+    return int((pod.get("metadata", {}).get("labels") or {}).get(contract.LWS_GROUP_INDEX_LABEL, "-1"))
+
+
+def retire_groups(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterView | None, now: str,
+                  bound_s: float) -> Retirement:  # fmt: skip
+    """How far a LeaderWorkerSet of `live_replicas` groups can shrink toward `want` now: the groups of index
+    `want` and above leave, from the top, each once all its serving pods are drained."""
+    active = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
+    if want >= live_replicas:
+        return Retirement(replicas=want, unmark=tuple(p for p in active if marked(p)))
+
+    def holding(pod: Obj) -> str | None:
+        return "the routers not asked yet" if routers is None else routers.holding(pod["metadata"]["name"])
+
+    def drained(pod: Obj) -> bool:
+        if not marked(pod):
+            return False
+        since = (parse_time(now) - parse_time(annotations(pod)[contract.ANNOTATION_DRAINING])).total_seconds()
+        return holding(pod) is None or since >= bound_s
+
+    serving_in = {g: [p for p in active if _group_index(p) == g and contract.pod_serving(p)]
+                  for g in range(want, live_replicas)}  # fmt: skip
+    removable = live_replicas
+    while removable > want and all(drained(p) for p in serving_in[removable - 1]):
+        removable -= 1
+    leaving = [p for g in range(want, live_replicas) for p in serving_in[g]]
+    return Retirement(
+        replicas=removable,
+        mark=tuple(p for p in leaving if not marked(p)),
+        unmark=tuple(p for p in active if marked(p) and _group_index(p) < want),
+        waiting=tuple(p["metadata"]["name"] for p in leaving if not drained(p)),
+        holding={p["metadata"]["name"]: why for p in leaving if marked(p) and not drained(p) and (why := holding(p))},
+        overdue=tuple(p["metadata"]["name"] for p in leaving if drained(p) and holding(p) is not None
+                      and _group_index(p) >= removable),
     )

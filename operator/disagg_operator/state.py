@@ -15,6 +15,7 @@ from .api.models import DisaggregatedModel
 from .api.validation import SpecError, parse
 from .config import RenderDefaults
 from .render import Rendered, render
+from .render.engine import ENGINE_KINDS
 
 Key = tuple[str, str]  # (kind, name): unique among one model's children
 Obj = dict[str, Any]
@@ -41,8 +42,9 @@ def controlled_by(obj: Obj, uid: str) -> bool:
     return any(o.get("uid") == uid and o.get("controller") for o in owners)
 
 
-def is_engine_deployment(obj: Obj) -> bool:
-    return obj["kind"] == "Deployment" and role_of(obj) in contract.ENGINE_ROLES
+def is_engine_workload(obj: Obj) -> bool:
+    """A role's engines of one revision: a Deployment, or a LeaderWorkerSet when an engine spans pods."""
+    return obj["kind"] in ENGINE_KINDS and role_of(obj) in contract.ENGINE_ROLES
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def desire(body: Mapping[str, Any], defaults: RenderDefaults, previous_status: M
 class ChildProblem:
     """Why a child cannot be written this pass. `reason` is a stable condition reason."""
 
-    reason: str  # ChildRejected | OwnershipConflict | Forbidden | QuotaExceeded | Conflict | ApplyFailed
+    reason: str  # ChildRejected | OwnershipConflict | Forbidden | QuotaExceeded | Conflict | ApplyFailed | KindNotInstalled
     kind: str
     name: str
     message: str
@@ -143,12 +145,38 @@ class PodView:
     ready: bool  # Ready=True and not terminating: it serves
     terminating: bool
     draining: bool  # marked to leave (contract.ANNOTATION_DRAINING)
+    engine: contract.EngineGroup  # the engine it is (part of): itself, or its LeaderWorkerSet group
 
     @classmethod
     def of(cls, pod: Obj) -> "PodView":
         meta = pod.get("metadata", {})
-        return cls(pod, meta.get("name", ""), role_of(pod), revision_of(pod), contract.pod_serving(pod), terminating(pod),
-                   contract.ANNOTATION_DRAINING in (meta.get("annotations") or {}))  # fmt: skip
+        name, annotations = meta.get("name", ""), meta.get("annotations") or {}
+        try:
+            engine = contract.engine_group(name, labels_of(pod), annotations)
+        except ValueError:  # annotations no engine pod of ours carries: count it as an engine of its own
+            engine = contract.EngineGroup(name, 1)
+        return cls(pod, name, role_of(pod), revision_of(pod), contract.pod_serving(pod), terminating(pod),
+                   contract.ANNOTATION_DRAINING in annotations, engine)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """One engine of a role: a pod, or the pods of one LeaderWorkerSet group. It serves only when every one of
+    its pods does (vLLM's data-parallel ranks of one engine step together)."""
+
+    key: str
+    role: str | None
+    revision: str | None
+    size: int  # pods it should have
+    pods: tuple[PodView, ...]
+
+    @property
+    def ready(self) -> bool:
+        return sum(p.ready for p in self.pods) == self.size
+
+    @property
+    def terminating(self) -> bool:
+        return all(p.terminating for p in self.pods)
 
 
 _ANY = object()
@@ -172,9 +200,24 @@ class Census:
               terminating: bool | None = None) -> int:  # fmt: skip
         return len(self.select(role, revision, ready, terminating))
 
+    def engines(self, role: str, revision: Any = _ANY, ready: bool | None = None,
+                terminating: bool | None = None) -> list[EngineView]:  # fmt: skip
+        """The engines of a role (each pod of a one-pod engine, each LeaderWorkerSet group of the others), by
+        revision, by readiness (every pod ready) and by whether they terminate (every pod does)."""
+        groups: dict[tuple[str | None, str], list[PodView]] = {}
+        for pod in self.select(role, revision):
+            groups.setdefault((pod.revision, pod.engine.key), []).append(pod)
+        found = [EngineView(key, role, rev, pods[0].engine.pods, tuple(pods)) for (rev, key), pods in groups.items()]
+        return [e for e in found
+                if (ready is None or e.ready == ready) and (terminating is None or e.terminating == terminating)]  # fmt: skip
+
+    def count_engines(self, role: str, revision: Any = _ANY, ready: bool | None = None,
+                      terminating: bool | None = None) -> int:  # fmt: skip
+        return len(self.engines(role, revision, ready, terminating))
+
     def paired_revisions(self) -> set[str | None]:
-        """Revisions with a ready prefill and a ready decode (the router pairs only within one)."""
-        return {p.revision for p in self.select("prefill", ready=True)} & {p.revision for p in self.select("decode", ready=True)}
+        """Revisions with a ready prefill and a ready decode engine (the router pairs only within one)."""
+        return {e.revision for e in self.engines("prefill", ready=True)} & {e.revision for e in self.engines("decode", ready=True)}
 
 
 @dataclass(frozen=True)
@@ -194,8 +237,9 @@ class Observed:
         return Census(tuple(PodView.of(p) for p in self.pods))
 
     @property
-    def deployments(self) -> list[Obj]:
-        return [o for k, o in self.children.items() if k[0] == "Deployment"]
+    def workloads(self) -> list[Obj]:
+        """The Deployments (engines and router) and LeaderWorkerSets (engines that span pods)."""
+        return [o for k, o in self.children.items() if k[0] in ENGINE_KINDS]
 
     def with_probes(self, foreign: Mapping[Key, Obj], refused: Mapping[Key, ChildProblem]) -> "Observed":
         return replace(self, foreign=foreign, refused=refused)

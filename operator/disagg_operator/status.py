@@ -60,18 +60,19 @@ pod_ready = contract.pod_serving
 
 
 def role_counts(observed: Observed, role: str, revision: str) -> dict[str, int]:
-    """replicas: pods of the role across revisions; updated: of the current revision; ready: current
-    revision pods that are Ready (the only ones that can serve paired with the current revision)."""
+    """In engines (a pod, or a LeaderWorkerSet group for an engine that spans pods). replicas: of the role
+    across revisions; updated: of the current revision; ready: current revision engines whose every pod is
+    Ready (the only ones that can serve paired with the current revision)."""
     census = observed.census
     return {
-        "replicas": census.count(role, terminating=False),
-        "readyReplicas": census.count(role, revision, ready=True),
-        "updatedReplicas": census.count(role, revision, terminating=False),
+        "replicas": census.count_engines(role, terminating=False),
+        "readyReplicas": census.count_engines(role, revision, ready=True),
+        "updatedReplicas": census.count_engines(role, revision, terminating=False),
     }
 
 
 def desired_replicas(observed: Observed, role: str, revision: str) -> int | None:
-    for deploy in observed.deployments:
+    for deploy in observed.workloads:
         if role_of(deploy) == role and revision_of(deploy) in (revision, None):
             return int(deploy.get("spec", {}).get("replicas", 1))
     return None
@@ -80,15 +81,15 @@ def desired_replicas(observed: Observed, role: str, revision: str) -> int | None
 @dataclass(frozen=True)
 class Readiness:
     """What serves now, and how far the current revision is: counts per role, the roles' targets and how many
-    ready pods each may lack during a rollout or a resize (spec.rollout.<role>.maxUnavailable)."""
+    ready engines each may lack during a rollout or a resize (spec.rollout.<role>.maxUnavailable)."""
 
     revision: str
     roles: Mapping[str, Mapping[str, int]]  # the current revision's counts
     wanted: Mapping[str, int]  # the role targets (sizing.targets)
     routers_ready: int
     routers_wanted: int
-    serving: Mapping[str, int] = field(default_factory=dict)  # ready pods per role in revisions with a ready pair
-    unavailable: Mapping[str, int] = field(default_factory=dict)  # per role: ready pods it may lack
+    serving: Mapping[str, int] = field(default_factory=dict)  # ready engines per role in revisions with a ready pair
+    unavailable: Mapping[str, int] = field(default_factory=dict)  # per role: ready engines it may lack
 
     @property
     def engines_ready(self) -> bool:
@@ -110,13 +111,13 @@ class Readiness:
 
     @property
     def short(self) -> tuple[str, ...]:
-        """Roles serving fewer ready pods than their target less what the rollout budget lets them lack."""
+        """Roles serving fewer ready engines than their target less what the rollout budget lets them lack."""
         return tuple(r for r in contract.ENGINE_ROLES
                      if self.serving.get(r, 0) < self.wanted[r] - self.unavailable.get(r, 0))  # fmt: skip
 
     @property
     def scaled_to_zero_as_asked(self) -> bool:
-        """A role's target is 0 and every role has the ready pods its target asks (no more can serve)."""
+        """A role's target is 0 and every role has the ready engines its target asks (no more can serve)."""
         return (any(self.wanted[r] == 0 for r in contract.ENGINE_ROLES)
                 and all(self.roles[r]["readyReplicas"] >= self.wanted[r] for r in contract.ENGINE_ROLES)
                 and self.routers_ready >= self.routers_wanted)  # fmt: skip
@@ -127,13 +128,13 @@ class Readiness:
 
     def serving_summary(self) -> str:
         return ", ".join(f"{r} {self.serving.get(r, 0)}/{self.wanted[r]}" for r in contract.ENGINE_ROLES) + \
-            f" ready pods serve, router {self.routers_ready}/{self.routers_wanted}"
+            f" ready engines serve, router {self.routers_ready}/{self.routers_wanted}"
 
 
 def _serving(observed: Observed) -> dict[str, int]:
-    """Ready pods per role across the revisions that have a ready pair (the router pairs within a revision)."""
+    """Ready engines per role across the revisions that have a ready pair (the router pairs within a revision)."""
     paired = observed.census.paired_revisions()
-    return {role: sum(1 for p in observed.census.select(role, ready=True) if p.revision in paired) for role in contract.ENGINE_ROLES}
+    return {role: sum(1 for e in observed.census.engines(role, ready=True) if e.revision in paired) for role in contract.ENGINE_ROLES}
 
 
 def readiness(desired: Desired, observed: Observed, targets: Mapping[str, int]) -> Readiness:
@@ -156,7 +157,7 @@ def something_serves(observed: Observed) -> bool:
 
 
 def old_revisions(observed: Observed, revision: str) -> set[str]:
-    return {r for d in observed.deployments if (r := revision_of(d)) and r != revision}
+    return {r for d in observed.workloads if (r := revision_of(d)) and r != revision}
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,7 @@ def invalid_status(
 def _old_serving(observed: Observed, revision: str, old: set[str]) -> str:
     parts = []
     for v in sorted(old):
-        ready = {r: observed.census.count(r, v, ready=True) for r in contract.ENGINE_ROLES}
+        ready = {r: observed.census.count_engines(r, v, ready=True) for r in contract.ENGINE_ROLES}
         parts.append(f"{v} (prefill {ready['prefill']}, decode {ready['decode']} ready)")
     return ", ".join(parts)
 
@@ -318,7 +319,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     # takes the pods after the Deployments: status counts them until they terminate).
     old = old_revisions(observed, revision) | {p.revision for p in engine_pods if p.revision and p.revision != revision}
     current_pods = [p.obj for p in engine_pods if p.revision == revision]
-    current_deployments = [d for d in observed.deployments if revision_of(d) in (revision, None)]
+    current_deployments = [d for d in observed.workloads if revision_of(d) in (revision, None)]
     fabric_failures, fabric_passes = _preflight_results(current_pods)
     capacity = next(filter(None, map(_unschedulable, current_pods)), None)
     crash = next(filter(None, map(_container_problem, observed.pods)), None)

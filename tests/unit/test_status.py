@@ -81,7 +81,7 @@ def test_unschedulable_pod_names_the_missing_resource() -> None:
     pending["status"]["conditions"].append(
         {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
     )
-    observed = world(FULL.deployments, [pod("prefill", "p1"), pending, pod("router", "r1")])
+    observed = world(FULL.workloads, [pod("prefill", "p1"), pending, pod("router", "r1")])
     ready = cond(status_of(observed), "Ready")
     assert ready["reason"] == "InsufficientEFADevices"
     assert "vpc.amazonaws.com/efa (EFA devices)" in ready["message"] and "d1" in ready["message"]
@@ -92,7 +92,7 @@ def test_crash_loop_has_its_own_reason() -> None:
         "name": "vllm", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
         "lastState": {"terminated": {"exitCode": 1, "message": "CUDA out of memory"}},
     }])  # fmt: skip
-    observed = world(FULL.deployments, [crashing, pod("decode", "d1"), pod("router", "r1")])
+    observed = world(FULL.workloads, [crashing, pod("decode", "d1"), pod("router", "r1")])
     status = status_of(observed)
     assert cond(status, "Ready")["reason"] == "CrashLoop" and "CUDA out of memory" in cond(status, "Ready")["message"]
     assert cond(status, "Degraded")["status"] == "True"
@@ -103,7 +103,7 @@ def test_preflight_failure_becomes_the_fabric_condition() -> None:
         "name": "preflight",
         "state": {"terminated": {"exitCode": 1, "message": "NixlBackendUnavailable: LIBFABRIC did not instantiate"}},
     }])  # fmt: skip
-    observed = world(FULL.deployments, [failed, pod("decode", "d1"), pod("router", "r1")])
+    observed = world(FULL.workloads, [failed, pod("decode", "d1"), pod("router", "r1")])
     fabric = cond(status_of(observed), "FabricReady")
     assert (fabric["status"], fabric["reason"]) == ("False", "NixlBackendUnavailable")
     assert "LIBFABRIC did not instantiate" in fabric["message"]
@@ -113,7 +113,7 @@ def test_transition_time_moves_only_when_status_flips() -> None:
     first = status_of(FULL, now="t1")
     again = status_of(FULL, previous=first, now="t2")
     assert again == first  # unchanged world: identical status, so no write
-    degraded = world(FULL.deployments, [pod("prefill", "p1", ready=False), pod("decode", "d1"), pod("router", "r1")])
+    degraded = world(FULL.workloads, [pod("prefill", "p1", ready=False), pod("decode", "d1"), pod("router", "r1")])
     flipped = status_of(degraded, previous=first, now="t3")
     assert cond(flipped, "Ready")["lastTransitionTime"] == "t3"
     assert cond(flipped, "FabricReady")["lastTransitionTime"] == "t1"

@@ -57,7 +57,7 @@ def test_the_data_planes_reasons_are_declared_with_their_condition() -> None:
 
 def test_kstatus_stalled_and_retried_sets_come_from_the_vocabulary() -> None:
     assert set(status_mod.STALLED_REASONS) == {"InvalidSpec", "ChildRejected", "OwnershipConflict", "Forbidden",
-                                               "QuotaExceeded", "PodCreationFailed"}  # fmt: skip
+                                               "QuotaExceeded", "PodCreationFailed", "KindNotInstalled"}  # fmt: skip
     assert set(status_mod.RETRIED_REASONS) == {"ApiUnavailable", "Conflict", "ApplyFailed"}
     assert status_mod.CONDITION_TYPES == tuple(vocabulary.CONDITION_TYPES)
 

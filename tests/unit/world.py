@@ -73,5 +73,5 @@ def steady(world: Desired) -> Observed:
 
 
 def deployment_of(observed: Observed, role: str, revision: str | None = None) -> dict[str, Any]:
-    return next(d for d in observed.deployments if d["metadata"]["labels"].get(contract.LABEL_ROLE) == role
+    return next(d for d in observed.workloads if d["metadata"]["labels"].get(contract.LABEL_ROLE) == role
                 and (revision is None or d["metadata"]["labels"].get(contract.LABEL_REVISION) == revision))

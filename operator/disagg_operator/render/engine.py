@@ -28,6 +28,12 @@ SHUTDOWN_MARGIN_SECONDS = 15
 # The engines of a role whose engine spans pods: one LeaderWorkerSet group each (sigs.k8s.io/lws, v0.9.0 tested).
 LWS_API_VERSION, LWS_KIND, LWS_PLURAL = "leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "leaderworkersets"
 ENGINE_KINDS = ("Deployment", LWS_KIND)
+# What to do when the cluster does not serve a kind the operator renders (a CRD that is not installed).
+INSTALL_HINTS = {
+    LWS_KIND: "a role whose engine spans pods runs as a LeaderWorkerSet: install LeaderWorkerSet (v0.9.0 is tested: "
+    "kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/download/v0.9.0/manifests.yaml), "
+    "or give each engine the accelerators of all its ranks (accelerator.count = tensor x pipeline x data)",
+}
 
 
 def engine_image(dm: DisaggregatedModel, role: RoleSpec, defaults: RenderDefaults) -> str:

@@ -1,0 +1,148 @@
+"""The planner with engines that span pods: a role of LeaderWorkerSet groups counts, rolls out, scales and
+retires in engines (groups), never in pods. Pure: the worlds are built as the API server and the LWS
+controller would show them (tests/unit/world.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg_connector import contract
+from disagg_operator import executor, planner
+from disagg_operator.state import Observed, RouterView
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
+
+from .test_planner import MARKED_AT, NOW, act, cond, router
+from .world import children, desired, pod, with_role_status
+
+# Decode DP2 over two one-GPU pods (one LWS group per engine); prefill one pod per engine.
+GROUPS = {"decode": {"replicas": 2, "parallelism": {"data": 2}, "accelerator": {"count": 1}}}
+TWO = desired(GROUPS)
+ONE = desired({**GROUPS, "decode": {**GROUPS["decode"], "replicas": 1}})
+NEW_IMAGE = desired({**GROUPS, "engine": {"image": "registry.example/vllm:new"}})
+
+
+def group_pod(revision: str, group: int, worker: int, ready: bool = True, marked: bool = False) -> dict[str, Any]:
+    """A decode pod as the LWS controller makes it: its labels, our template's annotations."""
+    lws = contract.engine_deployment_name("m", "decode", revision)
+    out = pod("decode", f"{lws}-{group}" + (f"-{worker}" if worker else ""), revision, ready)
+    out["metadata"]["labels"].update({contract.LWS_NAME_LABEL: lws, contract.LWS_GROUP_INDEX_LABEL: str(group),
+                                      contract.LWS_WORKER_INDEX_LABEL: str(worker)})  # fmt: skip
+    out["metadata"]["annotations"] = {contract.ANNOTATION_DP_SIZE: "2", contract.ANNOTATION_DP_SIZE_LOCAL: "1",
+                                      **({contract.ANNOTATION_DRAINING: MARKED_AT} if marked else {})}  # fmt: skip
+    return out
+
+
+def groups(revision: str, count: int, not_ready: tuple[tuple[int, int], ...] = (), marked: tuple[int, ...] = ()) -> tuple[dict[str, Any], ...]:
+    return tuple(group_pod(revision, g, w, (g, w) not in not_ready, g in marked) for g in range(count) for w in (0, 1))
+
+
+def world(want: Any, pods: tuple[dict[str, Any], ...], routers: RouterView | None = None, prefill: int = 1) -> Observed:
+    base = (*(pod("prefill", f"p-{want.revision}-{i}", want.revision) for i in range(prefill)),
+            *(pod("router", f"r-{i}", None) for i in range(2)))  # fmt: skip
+    observed = with_role_status(Observed(children(want), base + pods), want.revision)
+    return Observed(observed.children, observed.pods, routers=routers)
+
+
+def lws_of(plan: planner.Plan) -> dict[str, Any] | None:
+    return next((a.obj for a in plan.applies if a.obj["kind"] == "LeaderWorkerSet"), None)
+
+
+def test_a_group_with_a_pod_not_ready_is_no_ready_engine() -> None:
+    status = planner.plan(TWO, world(TWO, groups(TWO.revision, 2, not_ready=((1, 1),))), NOW).status
+    assert status["decode"]["readyReplicas"] == 1 and status["decode"]["replicas"] == 2
+    assert cond(status, "Ready")["status"] == "True" and "decode 1/2" in cond(status, "Ready")["message"]
+
+    none_whole = planner.plan(TWO, world(TWO, groups(TWO.revision, 2, not_ready=((0, 0), (1, 1)))), NOW).status
+    assert none_whole["decode"]["readyReplicas"] == 0 and cond(none_whole, "Ready")["status"] == "False"
+
+
+def test_the_role_scaler_counts_engines() -> None:
+    plan = planner.plan(TWO, world(TWO, groups(TWO.revision, 2, not_ready=((1, 0),))), NOW)
+    (decode,) = [a for a in plan.actions if isinstance(a, planner.SetStatus) and a.obj["metadata"]["name"] == "m-decode"]
+    assert (decode.status["replicas"], decode.status["readyReplicas"]) == (2, 1)
+
+
+def test_scale_in_drains_every_pod_of_the_highest_group_before_the_lws_shrinks() -> None:
+    lws_name = contract.engine_deployment_name("m", "decode", TWO.revision)
+    first = planner.plan(ONE, world(TWO, groups(TWO.revision, 2)), NOW)
+    marks = [(a.obj["metadata"]["name"], a.why) for a in first.actions if isinstance(a, planner.Annotate)]
+    assert marks == [(f"{lws_name}-1", "leaving"), (f"{lws_name}-1-1", "leaving")]  # group 1: the LWS removes it
+    assert lws_of(first) is None, "the LWS keeps its group until both pods are drained"
+    assert set(first.draining) == {f"{lws_name}-1", f"{lws_name}-1-1"} and first.requeue_after
+
+    # One router still has a request on the worker: the group stays, both pods keep draining.
+    busy = RouterView((router({f"{lws_name}-1": (0, True), f"{lws_name}-1-1": (1, True)}),), ("r0",))
+    held = planner.plan(ONE, world(TWO, groups(TWO.revision, 2, marked=(1,)), busy), NOW)
+    assert lws_of(held) is None and not [a for a in held.actions if isinstance(a, planner.Annotate)]
+    assert "1 request(s) in flight" in cond(held.status, "Progressing")["message"]
+
+    idle = RouterView((router({f"{lws_name}-1": (0, True), f"{lws_name}-1-1": (0, True)}),), ("r0",))
+    done = planner.plan(ONE, world(TWO, groups(TWO.revision, 2, marked=(1,)), idle), NOW)
+    shrunk = lws_of(done)
+    assert shrunk is not None and shrunk["spec"]["replicas"] == 1
+    assert not [a for a in done.actions if isinstance(a, planner.Annotate)], "no deletion cost: LWS picks by index"
+
+
+def test_a_group_not_ready_leaves_at_once() -> None:
+    plan = planner.plan(ONE, world(TWO, groups(TWO.revision, 2, not_ready=((1, 0), (1, 1)))), NOW)
+    shrunk = lws_of(plan)
+    assert shrunk is not None and shrunk["spec"]["replicas"] == 1 and not plan.draining
+
+
+def test_a_marked_group_that_stays_after_all_is_unmarked() -> None:
+    plan = planner.plan(TWO, world(TWO, groups(TWO.revision, 2, marked=(1,))), NOW)
+    assert sorted((a.obj["metadata"]["name"], a.why) for a in plan.actions if isinstance(a, planner.Annotate)) == [
+        (f"{contract.engine_deployment_name('m', 'decode', TWO.revision)}-1", "stays"),
+        (f"{contract.engine_deployment_name('m', 'decode', TWO.revision)}-1-1", "stays")]
+
+
+def test_a_rollout_surges_in_engines_and_keeps_a_ready_pair() -> None:
+    """Image change of a 2-engine multi-pod role: the new LWS gets one group (surge 1 engine, 2 pods), the old
+    keeps both groups until the new group is whole and ready."""
+    old = world(TWO, groups(TWO.revision, 2))
+    first = planner.plan(NEW_IMAGE, old, NOW)
+    new_lws = lws_of(first)
+    assert new_lws is not None and new_lws["metadata"]["labels"][contract.LABEL_REVISION] == NEW_IMAGE.revision
+    assert new_lws["spec"]["replicas"] == 1
+    assert not [a for a in first.actions if isinstance(a, (planner.Scale, planner.Annotate))
+                and a.obj["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode"]  # fmt: skip
+
+    # The new group is half ready: nothing of the old revision's decode may go yet.
+    new_children = {k: v for k, v in children(NEW_IMAGE).items() if k[0] in ("Deployment", "LeaderWorkerSet")}
+    half = Observed({**old.children, **new_children}, old.pods + groups(NEW_IMAGE.revision, 1, not_ready=((0, 1),))
+                    + (pod("prefill", f"p-{NEW_IMAGE.revision}-0", NEW_IMAGE.revision),))
+    waiting = planner.plan(NEW_IMAGE, half, NOW)
+    assert not [a for a in waiting.actions if isinstance(a, planner.Annotate)
+                and a.obj["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode"]  # fmt: skip
+    assert waiting.status["decode"]["readyReplicas"] == 0
+
+    # Whole and ready: one old group drains (the highest), pods of both its workers.
+    whole = Observed(half.children, old.pods + groups(NEW_IMAGE.revision, 1)
+                     + (pod("prefill", f"p-{NEW_IMAGE.revision}-0", NEW_IMAGE.revision),))
+    moving = planner.plan(NEW_IMAGE, whole, NOW)
+    old_lws = contract.engine_deployment_name("m", "decode", TWO.revision)
+    assert sorted(a.obj["metadata"]["name"] for a in moving.actions if isinstance(a, planner.Annotate)
+                  and a.obj["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode") == [f"{old_lws}-1", f"{old_lws}-1-1"]
+
+
+class NoLwsCluster:
+    """A cluster without the LeaderWorkerSet CRD: the dynamic client's discovery finds no such kind."""
+
+    def get(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        if obj["kind"] == "LeaderWorkerSet":
+            raise ResourceNotFoundError(f"No matches found for {{'api_version': '{obj['apiVersion']}', 'kind': 'LeaderWorkerSet'}}")
+        return None
+
+    def apply(self, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        return self.get(obj) or obj
+
+
+def test_without_the_lws_crd_nothing_is_written_and_status_says_what_to_install() -> None:
+    tentative = planner.plan(TWO, Observed(), NOW)
+    probes = executor.probe(tentative, NoLwsCluster(), "uid-1")  # type: ignore[arg-type]
+    final = planner.plan(TWO, Observed().with_probes(probes.foreign, probes.refused), NOW)
+    assert final.actions == ()
+    ready = cond(final.status, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "KindNotInstalled"
+    assert "install LeaderWorkerSet" in ready["message"] and "accelerator.count" in ready["message"]
+    assert act(tentative)  # the same model with the kind installed would write
