@@ -158,6 +158,9 @@ class Sim:
     pp: int = 1
     dp: int = 1
     engine_id_override: str | None = None
+    dp_start: int = 0  # the first global rank this "pod" serves
+    dp_local: int | None = None  # how many (None: all dp, the one-pod engine)
+    group: tuple[str, int, int] | None = None  # (LWS name, group index, worker index) of a pod of a multi-pod engine
 
     @property
     def engine_id(self) -> str:
@@ -180,6 +183,10 @@ class Sim:
             "pp_size": self.pp,
             "dp_size": self.dp,
         }
+        if self.dp_local is not None:
+            e["dp_size_local"] = self.dp_local
+        if self.group is not None:
+            e["lws"], e["group_index"], e["worker_index"] = self.group
         e.update(overrides)
         return e
 
@@ -233,13 +240,25 @@ def launch_sim(
     lease_seconds: float = 30.0,
     compat_hash: str | None = None,
     engine_id: str | None = None,
+    group: tuple[str, int, int] | None = None,
+    dp_local: int | None = None,
+    side_port: int | None = None,
     extra: Iterable[str] = (),
     **timing: float,
 ) -> Sim:
-    """Start a simulated engine (does not wait: see wait_ready)."""
+    """Start a simulated engine (does not wait: see wait_ready).
+
+    One pod of an engine that spans pods: ``group`` = (LWS name, group index, worker index) and ``dp_local``
+    ranks per pod; it serves ranks [worker index x dp_local, + dp_local) of ``dp``. Its pods share the
+    side-channel base (``side_port``: a free_port_block(dp) for all of them), each listening on base + its ranks.
+    """
     name = name or f"{revision}-{role}-{uuid.uuid4().hex[:6]}"
     uid = str(uuid.uuid4())
-    port, side = free_ports(2) if dp == 1 else (free_port(), free_port_block(dp))
+    if side_port is not None:
+        port, side = free_port(), side_port
+    else:
+        port, side = free_ports(2) if dp == 1 else (free_port(), free_port_block(dp))
+    dp_start = group[2] * dp_local if group is not None and dp_local else 0
     eid = engine_id or contract.engine_id(name, uid)
     argv = [
         sys.executable, "-m", "tests.vllm_sim", "--role", role, "--mode", mode, "--host", HOST, "--port", str(port),
@@ -247,11 +266,13 @@ def launch_sim(
         "--pp-size", str(pp), "--dp-size", str(dp), "--lease-seconds", str(lease_seconds),
         "--compat-hash", compat_hash or f"hash-{revision}", "--record-bodies",
     ]
+    if dp_local is not None:
+        argv += ["--dp-start-rank", str(dp_start), "--dp-size-local", str(dp_local)]
     for k, v in {**FAST, **timing}.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     argv += list(extra)
     proc = Proc(name, argv, log_dir)
-    return Sim(proc, role, mode, name, uid, revision, port, side, tp, pp, dp, engine_id)
+    return Sim(proc, role, mode, name, uid, revision, port, side, tp, pp, dp, engine_id, dp_start, dp_local, group)
 
 
 def wait_ready(*things: Any, timeout: float = 60.0) -> None:

@@ -3,7 +3,9 @@
 On the local control plane (kwok) pods are Running and Ready without containers, and their IPs are
 loopback addresses (hack/cluster.sh): a simulated vLLM engine can listen on each P/D pod's own IP, at the
 ports of its annotations, with ``--engine-id`` = ``contract.engine_id(pod name, pod UID)`` and tp/pp/dp from
-its annotations: exactly the identity a real vLLM pod gets from the Downward API. The router runs with the
+its annotations: exactly the identity a real vLLM pod gets from the Downward API. A pod of an engine that spans
+pods (a LeaderWorkerSet group) runs the data-parallel ranks that ``contract.identities_from_pod`` reads from its
+annotations and worker-index label, as its ``vllm serve`` under hybrid load balancing would. The router runs with the
 arguments the operator rendered into its Deployment and a token of its own ServiceAccount, so it discovers
 those pods through the API server as it would in the cluster.
 
@@ -251,6 +253,7 @@ class PodEngines:
         side_port = int(ann.get(contract.ANNOTATION_SIDE_CHANNEL_PORT, contract.NIXL_SIDE_CHANNEL_PORT))
         engine_id = contract.engine_id(name, uid)
         revision = labels[contract.LABEL_REVISION]
+        ranks = [i.dp_rank for i in contract.identities_from_pod(name, uid, ip, ann, labels)]
         argv = [
             sys.executable, "-m", "tests.vllm_sim", "--role", role, "--mode", ann[contract.ANNOTATION_TRANSFER_MODE].lower(),
             "--host", ip, "--port", str(http_port), "--side-channel-port", str(side_port), "--engine-id", engine_id,
@@ -259,6 +262,8 @@ class PodEngines:
             "--dp-size", ann.get(contract.ANNOTATION_DP_SIZE, "1"),
             "--compat-hash", f"hash-{revision}",  # one NIXL compatibility hash per revision, as in vLLM
         ]  # fmt: skip
+        if len(ranks) < int(ann.get(contract.ANNOTATION_DP_SIZE, "1")):  # a pod of an engine that spans pods
+            argv += ["--dp-start-rank", str(ranks[0]), "--dp-size-local", str(len(ranks))]
         for k, v in self.timing.items():
             argv += [f"--{k.replace('_', '-')}", str(v)]
         proc = Proc(f"engine-{name}", argv, self.log_dir)

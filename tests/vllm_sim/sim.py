@@ -7,11 +7,21 @@ Its behaviour follows vLLM 0.33.0's code (file names below are under ``vllm/``; 
 (SSE, ``data: [DONE]``) or not; ``GET /v1/models``; ``GET /health`` (503 once the engine is dead).
 ``X-Request-Id: <id>`` gives the engine request id ``cmpl-<id>-0`` (completions; the response id is
 ``cmpl-<id>``) or ``chatcmpl-<id>`` (chat), to which the engine appends ``-<8 hex>`` unless
-``--disable-request-id-randomization`` (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``). ``X-data-parallel-rank``
-pins a request to a DP rank. ``kv_transfer_params`` is a top-level request and response field. Errors use
+``--disable-request-id-randomization`` (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``). ``kv_transfer_params`` is a top-level request and response field. Errors use
 ``{"error": {"message", "type", "param", "code"}}``; a failed KV load under ``--kv-load-failure-policy fail``
 is HTTP 500 "Internal server error" (non-streaming) or an error event then ``data: [DONE]`` (streaming: vLLM
 has already sent 200 and its headers).
+
+**Data parallel** (``--dp-size`` N; docs/vllm-protocol.md, "Data parallel across pods"). One simulator is
+one pod's ``vllm serve``: it runs the ranks [``--dp-start-rank`` S, S + ``--dp-size-local`` L) (unset: all N,
+the one-pod engine), each an engine of its own with the global rank in its NIXL identity (engine_id
+``<engine-id>_dp<rank>`` when N > 1, side channel on ``--side-channel-port`` + rank) and in the ``engine`` label
+of its metrics. As under vLLM's hybrid load balancing, ``X-data-parallel-rank`` is an index into the pod's own
+ranks (``core_engines[value]``, ``v1/engine/core_client.py``): rank S + value; a value outside [0, L) is a 400
+"data_parallel_rank R is out of range [0, L)" (``v1/engine/input_processor.py``), a header that is no integer
+is ignored (``_get_data_parallel_rank``, ``entrypoints/generate/base/serving.py``). Without it the pod balances
+over its own ranks: the one with the fewest requests in flight, ties in turn (vLLM 0.33.0 scores in-flight,
+waiting and running requests per rank).
 
 **The P/D side channel** (vLLM: ZMQ + NIXL notifications; here: HTTP on ``--side-channel-port + rank``).
 The NIXL compatibility hash stands in as ``--compat-hash`` (one per revision) plus the transfer mode, a
@@ -242,7 +252,7 @@ class _SchedulerGauges:
         model = self.engine.a.served_model_name
         for (name, doc), per_rank in zip(self.HELP.items(), values):
             family = GaugeMetricFamily(name, doc, labels=["engine", "model_name"])
-            for rank, value in enumerate(per_rank):
+            for rank, value in sorted(per_rank.items()):
                 family.add_metric([str(rank), model], float(value))
             yield family
 
@@ -263,8 +273,9 @@ class Engine:
         self.wake = asyncio.Event()
         self.by_rid: dict[str, Seq] = {}
         self.pushing = 0  # KV writes under way (P)
-        self.held: list[dict[str, Held]] = [{} for _ in range(a.dp_size)]
-        self.regs: list[dict[str, dict[str, Any]]] = [{} for _ in range(a.dp_size)]
+        self.ranks = dp_ranks(a)  # the global DP ranks this pod serves
+        self.held: dict[int, dict[str, Held]] = {r: {} for r in self.ranks}
+        self.regs: dict[int, dict[str, dict[str, Any]]] = {r: {} for r in self.ranks}
         self.counters: Counter[str] = Counter()
         self.events: deque[dict[str, Any]] = deque(maxlen=20000)
         self.bodies: dict[str, bytes] = {}
@@ -742,10 +753,10 @@ class Engine:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.dead else 200)
 
-    def scheduler_gauges(self) -> tuple[list[int], list[int], list[float]]:
-        """Per DP rank: requests running, requests waiting, fraction of KV blocks in use (module docstring)."""
-        dp = self.a.dp_size
-        running, waiting, blocks = [0] * dp, [0] * dp, [0] * dp
+    def scheduler_gauges(self) -> tuple[dict[int, int], dict[int, int], dict[int, float]]:
+        """Per DP rank of this pod (global): requests running, requests waiting, fraction of KV blocks in use
+        (module docstring)."""
+        running, waiting, blocks = dict.fromkeys(self.ranks, 0), dict.fromkeys(self.ranks, 0), dict.fromkeys(self.ranks, 0)
         in_batch = {id(s) for s in self.running}
         queued = {id(s) for s in self.arrivals}  # not scheduled yet: no blocks
         for key, seq in self.inflight.items():
@@ -757,11 +768,11 @@ class Engine:
                 waiting[seq.rank] += 1
             if seq.computing or (seq.path != "prefill" and key not in queued):
                 blocks[seq.rank] += self.t.blocks(seq.prompt_tokens + seq.emitted)
-        for rank, held in enumerate(self.held):
+        for rank, held in self.held.items():
             blocks[rank] += sum(self.t.blocks(h.seq.prompt_tokens) for h in held.values())
         for seq in self.writing.values():
             blocks[seq.rank] += self.t.blocks(seq.prompt_tokens)
-        return running, waiting, [min(1.0, b / self.a.num_gpu_blocks) for b in blocks]
+        return running, waiting, {rank: min(1.0, b / self.a.num_gpu_blocks) for rank, b in blocks.items()}
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -771,11 +782,12 @@ class Engine:
             {
                 "role": self.a.role,
                 "mode": self.a.mode,
-                "engine_ids": [self.engine_id(r) for r in range(self.a.dp_size)],
+                "ranks": list(self.ranks),
+                "engine_ids": [self.engine_id(r) for r in self.ranks],
                 "dead": self.dead,
                 "counters": dict(self.counters),
-                "held": sum(len(h) for h in self.held),
-                "pending_registrations": sum(len(r) for r in self.regs),
+                "held": sum(len(h) for h in self.held.values()),
+                "pending_registrations": sum(len(r) for r in self.regs.values()),
                 "waiting_for_kv": len(self.by_rid),
                 "pushing": self.pushing,
                 "active": sum(1 for q in (self.arrivals, self.ready, self.running) for seq in q if not seq.done),
@@ -835,9 +847,10 @@ class Engine:
         rid = base if self.a.disable_request_id_randomization else f"{base}-{secrets.token_hex(4)}"
         resp_id = f"cmpl-{xid}" if kind == "completions" else base
         rank_header = request.headers.get("X-data-parallel-rank")
-        rank = int(rank_header) if rank_header is not None else next(self._rr) % self.a.dp_size
-        if not 0 <= rank < self.a.dp_size:
-            return error_response(400, f"data parallel rank {rank} out of range", "BadRequestError")
+        index = dp_rank_header(rank_header)
+        if index is not None and not 0 <= index < len(self.ranks):
+            return error_response(400, f"data_parallel_rank {index} is out of range [0, {len(self.ranks)})", "BadRequestError")
+        rank = self.ranks[index] if index is not None else self.balance()
         params = body.get("kv_transfer_params")
         params = params if isinstance(params, dict) else None
         stream = bool(body.get("stream", False))
@@ -881,6 +894,12 @@ class Engine:
             raise
         finally:
             self.inflight.pop(id(seq), None)
+
+    def balance(self) -> int:
+        """The rank of a request without X-data-parallel-rank: this pod's least busy, ties in turn."""
+        load = Counter(seq.rank for seq in self.inflight.values() if not seq.done)
+        first, n = next(self._rr), len(self.ranks)
+        return min((self.ranks[(first + i) % n] for i in range(n)), key=lambda r: load[r])
 
     def returned_params(self, seq: Seq) -> dict[str, Any]:
         """What P returns in kv_transfer_params (pull_scheduler.py:278-293, push_scheduler.py:281-294)."""
@@ -981,6 +1000,23 @@ class Engine:
         return resp
 
 
+def dp_rank_header(value: str | None) -> int | None:
+    """X-data-parallel-rank as vLLM reads it: an integer, or nothing (any other value is ignored)."""
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def dp_ranks(a: argparse.Namespace) -> range:
+    """The global ranks one pod serves: [start, start + local), or all of the engine's without a local size
+    (vLLM then ignores the start rank)."""
+    if a.dp_size_local is None:
+        return range(a.dp_size)
+    start = a.dp_start_rank or 0
+    return range(start, start + a.dp_size_local)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm_sim", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
@@ -992,7 +1028,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default="sim-model")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--pp-size", type=int, default=1)
-    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--dp-size", type=int, default=1, help="the engine's data-parallel size, over all its pods")
+    p.add_argument("--dp-start-rank", type=int, default=None, help="this pod's first global rank (with --dp-size-local)")
+    p.add_argument("--dp-size-local", type=int, default=None, help="ranks this pod serves (unset: all of --dp-size)")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="kv_lease_duration")
     p.add_argument("--num-gpu-blocks", type=int, default=65536, help="KV cache blocks per DP rank (vllm:kv_cache_usage_perc)")
     p.add_argument("--push-registration-timeout", type=float, default=480.0)
@@ -1030,7 +1068,7 @@ async def serve(a: argparse.Namespace) -> int:
     main = web.AppRunner(engine.http_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1)
     await main.setup()
     await web.TCPSite(main, a.host, a.port, reuse_address=True, backlog=1024).start()
-    for rank in range(a.dp_size):
+    for rank in engine.ranks:
         r = web.AppRunner(engine.side_app(rank), access_log=None, shutdown_timeout=1)
         await r.setup()
         await web.TCPSite(r, a.host, a.side_channel_port + rank, reuse_address=True).start()
@@ -1038,7 +1076,8 @@ async def serve(a: argparse.Namespace) -> int:
     loop_task = asyncio.create_task(engine.loop())
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, engine.stop.set)
-    log.info("vllm_sim %s/%s %s listening on %s:%d (side channel %d)", a.role, a.mode, a.engine_id, a.host, a.port, a.side_channel_port)
+    log.info("vllm_sim %s/%s %s listening on %s:%d (DP ranks %s of %d, side channel %d + rank)", a.role, a.mode, a.engine_id,
+             a.host, a.port, list(engine.ranks), a.dp_size, a.side_channel_port)
     await engine.stop.wait()
     loop_task.cancel()
     for r in (main, *engine.side_runners):
@@ -1050,7 +1089,11 @@ async def serve(a: argparse.Namespace) -> int:
 
 
 def main() -> None:
-    a = build_parser().parse_args()
+    parser = build_parser()
+    a = parser.parse_args()
+    ranks = dp_ranks(a)
+    if a.dp_size < 1 or not ranks or ranks.start < 0 or ranks.stop > a.dp_size:
+        parser.error(f"data-parallel ranks [{ranks.start}, {ranks.stop}) are not within the engine's {a.dp_size}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s vllm_sim: %(message)s")
     try:
         import uvloop

@@ -50,7 +50,9 @@ ANNOTATION_DP_START_RANK = f"{API_GROUP}/data-parallel-start-rank"
 ANNOTATION_DP_SIZE_LOCAL = f"{API_GROUP}/data-parallel-size-local"
 # An engine that spans pods is one LeaderWorkerSet group: LWS gives each pod its index in the group (label
 # and env) and the leader's address (env). A pod's first rank is its index x the ranks each pod serves.
-LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # 0: the group's leader
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # the LeaderWorkerSet's name, on every pod of its groups
+LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # the group (one engine) within the LWS
 LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
 LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
 # vLLM's data-parallel startup handshake, on the group's leader (its default, --data-parallel-rpc-port).
@@ -313,3 +315,47 @@ def identities_from_pod(
         )
         for rank in range(start, start + local)
     ]
+
+
+# --- engines that span pods --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineGroup:
+    """The engine a pod belongs to: ``key`` names it (equal for every pod of one engine, within a namespace),
+    ``pods`` is how many pods it has, ``index`` is this pod's place among them (its LWS worker index)."""
+
+    key: str
+    pods: int
+    index: int = 0
+
+
+def engine_group(pod_name: str, labels: Mapping[str, str] | None, annotations: Mapping[str, str] | None) -> EngineGroup:
+    """Which engine a P or D pod belongs to, and how many pods that engine has. Pure and cheap (a few
+    lookups): the operator counts engines with it, the router offers an engine only while all its pods serve.
+
+    A pod that serves only some of its engine's data-parallel ranks (``ANNOTATION_DP_SIZE_LOCAL`` below
+    ``ANNOTATION_DP_SIZE``) is one of ``size // local`` pods of one LeaderWorkerSet group: key
+    ``<LWS name>/<group index>`` (``LWS_NAME_LABEL``, ``LWS_GROUP_INDEX_LABEL``; the same across LWS's
+    recreations of the group), index its ``LWS_WORKER_INDEX_LABEL``. Any other pod is an engine of its
+    own: key ``pod_name``, one pod, index 0 (LWS labels alone do not make a group of one pod).
+
+    ValueError when the pod cannot say: ranks per pod that do not divide the engine's size, or a pod of a
+    multi-pod engine without its LWS name, group index or a worker index within the group.
+    """
+    annotations = annotations or {}
+    labels = labels or {}
+    size = int(annotations.get(ANNOTATION_DP_SIZE) or "1")
+    local = int(annotations.get(ANNOTATION_DP_SIZE_LOCAL) or "0") or size
+    if size < 1 or local < 1 or size % local:
+        raise ValueError(f"{local} data-parallel ranks per pod do not divide the engine's {size}")
+    pods = size // local
+    if pods == 1:
+        return EngineGroup(pod_name, 1, 0)
+    lws, group, index = labels.get(LWS_NAME_LABEL), labels.get(LWS_GROUP_INDEX_LABEL), labels.get(LWS_WORKER_INDEX_LABEL)
+    if not lws or group is None or index is None:
+        raise ValueError(
+            f"pod {pod_name} serves {local} of its engine's {size} data-parallel ranks but lacks the labels "
+            f"{LWS_NAME_LABEL}, {LWS_GROUP_INDEX_LABEL} and {LWS_WORKER_INDEX_LABEL} that say its engine"
+        )
+    if not 0 <= int(index) < pods:
+        raise ValueError(f"pod {pod_name}: worker index {index} is not within its engine's {pods} pods")
+    return EngineGroup(f"{lws}/{int(group)}", pods, int(index))

@@ -10,8 +10,10 @@ with :func:`parse_health` on its resync to decide a ``KVTransferHealthy`` condit
      "revisions": {"abc": {"mode": "Push", "modeConflict": null, "prefill": 1, "decode": 1, "readyPairs": 1,
                            "weight": 1.0, "requests": 10, "succeeded": 9, "failures": {"kv_wait_timeout": 1},
                            "local": 0, "recent": {"requests": 3, "succeeded": 3, "failures": {}},
-                           "lastSuccessAgeSeconds": 0.4}}}
+                           "lastSuccessAgeSeconds": 0.4, "heldOut": {"prefill": 0, "decode": 0}}}}
 
+``heldOut`` (optional when parsing: routers before it omit it, read as zeros) counts per role the backends
+of serving pods whose multi-pod engine is incomplete (not every pod of its group serves), so not usable.
 Counts are cumulative since the router started, except ``recent`` (the last ``windowSeconds``). A
 *request* here is one dispatch of both legs to a pair of this revision (a retry on another pair counts
 again, there); ``local`` counts prompts below the disaggregation threshold served by a decode engine alone.
@@ -112,12 +114,16 @@ class RevisionHealth:
     local: int
     recent: Outcomes
     last_success_age_seconds: float | None
+    # backends of serving pods held out because their multi-pod engine is incomplete, per role
+    held_out_prefill: int = 0
+    held_out_decode: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "mode": self.mode, "modeConflict": self.mode_conflict, "prefill": self.prefill, "decode": self.decode,
             "readyPairs": self.ready_pairs, "weight": self.weight, **self.totals.to_json(), "local": self.local,
             "recent": self.recent.to_json(), "lastSuccessAgeSeconds": self.last_success_age_seconds,
+            "heldOut": {"prefill": self.held_out_prefill, "decode": self.held_out_decode},
         }  # fmt: skip
 
     def verdict(self, revision: str, window_seconds: float) -> Verdict:
@@ -239,6 +245,7 @@ def parse_health(doc: Any) -> RouterHealth:
         if not isinstance(r, Mapping):
             raise HealthDocumentError(f"{where}: expected an object")
         age = _get(r, "lastSuccessAgeSeconds", (int, float), where, optional=True)
+        held = _get(r, "heldOut", dict, where, optional=True) or {}
         revisions[str(name)] = RevisionHealth(
             mode=_mode(r.get("mode"), f"{where}.mode"),
             mode_conflict=_get(r, "modeConflict", str, where, optional=True),
@@ -250,6 +257,8 @@ def parse_health(doc: Any) -> RouterHealth:
             local=_get(r, "local", int, where),
             recent=_outcomes(_get(r, "recent", dict, where), f"{where}.recent"),
             last_success_age_seconds=float(age) if age is not None else None,
+            held_out_prefill=_get(held, "prefill", int, f"{where}.heldOut", optional=True) or 0,
+            held_out_decode=_get(held, "decode", int, f"{where}.heldOut", optional=True) or 0,
         )
     return RouterHealth(
         status=status,

@@ -7,15 +7,23 @@ pure code serves the watch, the relist, the static file and the unit tests:
   condition ``Ready=True`` and no ``deletionTimestamp``; its NIXL identity comes from
   :func:`contract.identities_from_pod` (engine_id from name and UID, port = side-channel base + DP rank,
   tp/pp/dp sizes from the annotations);
-- a prefill pod with data-parallel size N yields N backends (one per DP rank: the router pins the prefill
-  leg to the rank with ``X-data-parallel-rank`` and addresses ``<engine_id>_dp<rank>`` at base+rank);
+- a prefill pod yields one backend per DP rank it serves (all N of its engine's, or its share of an engine
+  that spans pods): the router pins the prefill leg to the rank with ``X-data-parallel-rank`` = the rank's
+  index within the pod and addresses ``<engine_id>_dp<global rank>`` at base + global rank;
   a decode pod is one backend (its API server balances its own DP ranks; D sends its own identity);
 - pods that are not (yet) ready are still remembered for the revision's age (see below);
 - the pod's transfer-mode annotation (``Push``/``Pull``) decides the protocol of its revision; a revision
   whose pods carry none uses the router's ``--mode``, one whose pods disagree (or carry an unknown value)
   takes no traffic and says why (``mode_conflict``);
 - a pod with the draining annotation stays a backend (its in-flight requests finish and are reported) but
-  gets no new request.
+  gets no new request;
+- an engine that spans pods (one LeaderWorkerSet group, :func:`contract.engine_group`) is usable only when all
+  its ranks are: its pods' backends are offered only while every pod of the group is there and serving
+  (exactly one per worker index, one revision). When one goes (deleted, terminating, not ready: LWS recreates
+  the whole group when one of its pods restarts) all the group's backends leave the snapshot at once, and
+  come back when the group is whole again; until then they are ``held_out`` (counted on /health). A pod that
+  serves part of an engine's ranks without the labels that name its group is held out for good (warned).
+  A one-pod engine (no ``data-parallel-size-local`` below the engine's size) is its own group: as before.
 
 **Order** (of /health and logs; traffic follows ready pairs, see ``pairing``): newest revision first. A
 revision's age is the earliest ``creationTimestamp`` of any pod of that revision currently known (ready or
@@ -146,6 +154,7 @@ class RevisionView:
     decode: tuple[Backend, ...]
     mode: TransferMode | None = "Push"
     mode_conflict: str | None = None
+    held_out: tuple[Backend, ...] = ()  # backends of serving pods whose multi-pod engine is incomplete
 
     @property
     def eligible(self) -> bool:
@@ -172,6 +181,32 @@ class _PodEntry:
     revision: str | None
     created: float
     backends: list[Backend] = field(default_factory=list)
+    group: contract.EngineGroup | None = None  # None: its group is unreadable (then never offered)
+
+
+def _group(pod: Mapping[str, Any]) -> contract.EngineGroup | None:
+    meta = pod.get("metadata") or {}
+    name = str(meta.get("name") or "")
+    try:
+        return contract.engine_group(name, meta.get("labels") or {}, meta.get("annotations") or {})
+    except ValueError as e:
+        log.warning("pod %s: %s; its engine is never offered", name, e)
+        return None
+
+
+def incomplete_groups(entries: Iterable[_PodEntry]) -> set[str]:
+    """Keys of the multi-pod engines that are not whole: some worker index without exactly one serving pod
+    (one that yields backends), or serving pods that disagree on the group's size, its ranks or revision."""
+    serving: dict[str, list[tuple[contract.EngineGroup, _PodEntry]]] = {}
+    for e in entries:
+        if e.group is not None and e.group.pods > 1 and e.backends:
+            serving.setdefault(e.group.key, []).append((e.group, e))
+    return {
+        key
+        for key, members in serving.items()
+        if len({(g.pods, e.backends[0].dp_size, e.revision) for g, e in members}) != 1
+        or sorted(g.index for g, _ in members) != list(range(members[0][0].pods))
+    }
 
 
 class EndpointTable:
@@ -180,6 +215,7 @@ class EndpointTable:
     def __init__(self, default_mode: TransferMode = "Push") -> None:
         self.default_mode = default_mode
         self._pods: dict[str, _PodEntry] = {}
+        self._incomplete: set[str] = set()  # multi-pod engines held out, for logging their comings and goings
         self._generation = 0
         self._snapshot = Snapshot(0)
         self.synced = False
@@ -188,7 +224,8 @@ class EndpointTable:
     def _entry(pod: Mapping[str, Any], override: str | None = None) -> _PodEntry:
         meta = pod.get("metadata") or {}
         revision = (meta.get("labels") or {}).get(contract.LABEL_REVISION)
-        return _PodEntry(revision, _parse_time(meta.get("creationTimestamp")), backends_from_pod(pod, override))
+        backends = backends_from_pod(pod, override)
+        return _PodEntry(revision, _parse_time(meta.get("creationTimestamp")), backends, _group(pod) if backends else None)
 
     def replace(self, pods: Iterable[Mapping[str, Any]]) -> None:
         """A full list (relist or static file): the new truth."""
@@ -210,14 +247,22 @@ class EndpointTable:
 
     def _changed(self) -> None:
         self._generation += 1
+        incomplete = incomplete_groups(self._pods.values())
+        for key in sorted(incomplete - self._incomplete):
+            log.info("engine %s is incomplete: its ranks are held out until all its pods serve", key)
+        for key in sorted(self._incomplete - incomplete):
+            whole = any(e.group is not None and e.group.key == key and e.backends for e in self._pods.values())
+            log.info("engine %s is %s", key, "whole again: its ranks are offered" if whole else "without a serving pod")
+        self._incomplete = incomplete
         by_rev: dict[str, dict[str, Any]] = {}
         for entry in self._pods.values():
             if not entry.revision:
                 continue
-            rev = by_rev.setdefault(entry.revision, {"created": entry.created, "prefill": [], "decode": []})
+            rev = by_rev.setdefault(entry.revision, {"created": entry.created, "prefill": [], "decode": [], "held_out": []})
             rev["created"] = min(rev["created"], entry.created)
+            offered = entry.group is not None and (entry.group.pods == 1 or entry.group.key not in incomplete)
             for b in entry.backends:
-                rev[b.role].append(b)
+                rev[b.role if offered else "held_out"].append(b)
         views = [
             RevisionView(
                 name,
@@ -225,6 +270,7 @@ class EndpointTable:
                 tuple(sorted(r["prefill"], key=lambda b: b.key)),
                 tuple(sorted(r["decode"], key=lambda b: b.key)),
                 *revision_mode((*r["prefill"], *r["decode"]), self.default_mode),
+                tuple(sorted(r["held_out"], key=lambda b: b.key)),
             )
             for name, r in by_rev.items()
         ]
@@ -244,11 +290,14 @@ def pods_from_static(doc: Any) -> list[dict[str, Any]]:
         endpoints:
           - {role: prefill, revision: r1, name: p0, uid: u0, host: 127.0.0.1, http_port: 8000,
              side_channel_port: 5600, tp_size: 1, pp_size: 1, dp_size: 1, ready: true,
-             created: "2024-01-01T00:00:00Z", engine_id: optional-override, mode: Push, draining: false}
+             created: "2024-01-01T00:00:00Z", engine_id: optional-override, mode: Push, draining: false,
+             dp_size_local: 2, lws: m-decode-r1, group_index: 0, worker_index: 1}
 
     ``uid`` defaults to the name; ``engine_id`` (optional) replaces ``contract.engine_id(name, uid)`` for
     engines launched outside Kubernetes with an id of their own; ``mode`` and ``draining`` stand for the
-    pod annotations of the same meaning.
+    pod annotations of the same meaning. An engine that spans entries (pods) names its ranks per entry,
+    ``dp_size_local``, and its group as LWS labels its pods: ``lws`` (the set's name), ``group_index``
+    (default 0) and ``worker_index`` (the entry's first rank is worker_index x dp_size_local).
     """
     entries = doc.get("endpoints", []) if isinstance(doc, Mapping) else (doc or [])
     pods = []
@@ -265,11 +314,19 @@ def pods_from_static(doc: Any) -> list[dict[str, Any]]:
             annotations[contract.ANNOTATION_TRANSFER_MODE] = str(e["mode"])
         if e.get("draining"):
             annotations[contract.ANNOTATION_DRAINING] = "static"
+        if e.get("dp_size_local"):
+            annotations[contract.ANNOTATION_DP_SIZE_LOCAL] = str(e["dp_size_local"])
+        labels = {contract.LABEL_ROLE: e["role"], contract.LABEL_REVISION: str(e.get("revision", "static"))}
+        if e.get("lws"):
+            labels[contract.LWS_NAME_LABEL] = str(e["lws"])
+            labels[contract.LWS_GROUP_INDEX_LABEL] = str(e.get("group_index", 0))
+        if e.get("worker_index") is not None:
+            labels[contract.LWS_WORKER_INDEX_LABEL] = str(e["worker_index"])
         pod = {
             "metadata": {
                 "name": name,
                 "uid": str(e.get("uid", name)),
-                "labels": {contract.LABEL_ROLE: e["role"], contract.LABEL_REVISION: str(e.get("revision", "static"))},
+                "labels": labels,
                 "annotations": annotations,
                 "creationTimestamp": e.get("created", i),
             },

@@ -78,6 +78,8 @@ class Router:
                 local=counters.local if counters else 0,
                 recent=stats.recent(name),
                 last_success_age_seconds=stats.last_success_age(name),
+                held_out_prefill=sum(1 for b in c.revision.held_out if b.role == "prefill"),
+                held_out_decode=sum(1 for b in c.revision.held_out if b.role == "decode"),
             )
         return RouterHealth(
             "draining" if self.draining else "ok", self.table.synced, self.cfg.default_mode, stats.window_seconds, backends, revisions
