@@ -15,7 +15,7 @@ from .test_planner import MARKED_AT, NOW, act, cond, router
 from .world import children, desired, pod, with_role_status
 
 # Decode DP2 over two one-GPU pods (one LWS group per engine); prefill one pod per engine.
-GROUPS = {"decode": {"replicas": 2, "parallelism": {"data": 2}, "accelerator": {"count": 1}}}
+GROUPS = {"decode": {"replicas": 2, "parallelism": {"data": 2, "expert": True}, "accelerator": {"count": 1}}}
 TWO = desired(GROUPS)
 ONE = desired({**GROUPS, "decode": {**GROUPS["decode"], "replicas": 1}})
 NEW_IMAGE = desired({**GROUPS, "engine": {"image": "registry.example/vllm:new"}})

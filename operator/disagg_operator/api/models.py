@@ -605,6 +605,16 @@ class RoleSpec(ApiModel):
             "pipeline)): an engine that spans pods is data / ranks-per-pod pods, every pod alike",
             field_path=".parallelism.data",
         ),
+        CelRule(
+            rule=(
+                "self.accelerator.type != 'nvidia' || self.parallelism.expert || "
+                "self.accelerator.count >= self.parallelism.tensor * self.parallelism.pipeline * self.parallelism.data"
+            ),
+            message="an engine spans pods (parallelism.data above the ranks one pod runs) only with parallelism.expert: "
+            "true: a dense model's data-parallel ranks are independent engines, and vLLM fails to serve them split "
+            "over pods (vllm-project/vllm#32252): raise replicas instead",
+            field_path=".parallelism.expert",
+        ),
         _NO_MANAGED_FLAGS,
         _NO_MANAGED_ENV,
         _keys_rule("nodeSelector", "nodeSelector"),
