@@ -3,7 +3,8 @@
 #
 #   hack/cluster.sh build    build the binaries from Go modules (cached by version)
 #   hack/cluster.sh up       build if needed, start etcd, kube-apiserver,
-#                            kube-controller-manager, kube-scheduler, kwok and the
+#                            kube-controller-manager, kube-scheduler (with the Workload
+#                            API and gang scheduling: GenericWorkload), kwok and the
 #                            LeaderWorkerSet controller (lws: its CRDs, and its admission
 #                            webhooks served on 127.0.0.1) on 127.0.0.1, create the fake
 #                            GPU/EFA nodes, wait until healthy
@@ -49,6 +50,14 @@ LWS_METRICS_PORT=$((PORT_BASE + 7))
 LWS_HEALTH_PORT=$((PORT_BASE + 8))
 
 SERVICE_CIDR=10.96.0.0/16   # virtual only: nothing ever routes to it (no kube-proxy)
+
+# Gang scheduling (docs/gang-scheduling.md): Kubernetes 1.37's Workload API. GenericWorkload (beta,
+# off by default) on all three: the apiserver serves Workload/PodGroup and keeps pod.spec.schedulingGroup
+# (it drops the field with the gate off), kube-controller-manager runs the PodGroup protection
+# controller, kube-scheduler adds its GangScheduling plugin to the default profile. The beta group
+# version scheduling.k8s.io/v1beta1 is also off by default and has to be asked for by runtime-config.
+FEATURE_GATES=GenericWorkload=true
+RUNTIME_CONFIG=scheduling.k8s.io/v1beta1=true
 
 # ---------------------------------------------------------------------------
 # Components: name, version, tools module dir (relative to hack/k8s-tools, or
@@ -404,7 +413,8 @@ component_args() { # component -> prints args one per line
       --requestheader-extra-headers-prefix=X-Remote-Extra- \
       --proxy-client-cert-file="$PKI/front-proxy-client.crt" --proxy-client-key-file="$PKI/front-proxy-client.key" \
       --audit-policy-file="$STATE/audit-policy.yaml" --audit-log-path="$AUDIT_LOG" \
-      --audit-log-format=json --audit-log-maxsize=500 --audit-log-maxbackup=1 ;;
+      --audit-log-format=json --audit-log-maxsize=500 --audit-log-maxbackup=1 \
+      --feature-gates="$FEATURE_GATES" --runtime-config="$RUNTIME_CONFIG" ;;
     kube-controller-manager) printf '%s\n' \
       --kubeconfig="$STATE/kubeconfigs/controller-manager.kubeconfig" \
       --authentication-kubeconfig="$STATE/kubeconfigs/controller-manager.kubeconfig" \
@@ -414,13 +424,14 @@ component_args() { # component -> prints args one per line
       --use-service-account-credentials=true \
       --root-ca-file="$PKI/ca.crt" --service-account-private-key-file="$PKI/sa.key" \
       --cluster-signing-cert-file="$PKI/ca.crt" --cluster-signing-key-file="$PKI/ca.key" \
-      --service-cluster-ip-range="$SERVICE_CIDR" --allocate-node-cidrs=false ;;
+      --service-cluster-ip-range="$SERVICE_CIDR" --allocate-node-cidrs=false \
+      --feature-gates="$FEATURE_GATES" ;;
     kube-scheduler) printf '%s\n' \
       --kubeconfig="$STATE/kubeconfigs/scheduler.kubeconfig" \
       --authentication-kubeconfig="$STATE/kubeconfigs/scheduler.kubeconfig" \
       --authorization-kubeconfig="$STATE/kubeconfigs/scheduler.kubeconfig" \
       --bind-address=$HOST --secure-port="$SCHED_PORT" --cert-dir="$PKI/scheduler-serving" \
-      --leader-elect=false ;;
+      --leader-elect=false --feature-gates="$FEATURE_GATES" ;;
     kwok) printf '%s\n' \
       --kubeconfig="$STATE/kubeconfigs/kwok.kubeconfig" \
       --config="$ROOT/hack/kwok/stages.yaml" \
@@ -701,6 +712,11 @@ cmd_status() {
     echo "apiserver:  /readyz ok at https://$HOST:$APISERVER_PORT"
     kc get nodes -L node.kubernetes.io/instance-type,topology.kubernetes.io/zone 2>/dev/null || ok=1
     nodes_ready || ok=1
+    if kc get --raw /apis/scheduling.k8s.io/v1beta1 2>/dev/null | grep -q '"podgroups"'; then
+      echo "gangs:      scheduling.k8s.io/v1beta1 PodGroups served (GenericWorkload)"
+    else  # a cluster started before hack/cluster.sh enabled it: down and up again
+      echo "gangs:      no scheduling.k8s.io/v1beta1 PodGroups (started without GenericWorkload?)"
+    fi
     if lws_webhook_ready; then
       echo "lws:        webhooks answer at https://$HOST:$LWS_WEBHOOK_PORT"
     else
