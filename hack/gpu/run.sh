@@ -15,12 +15,19 @@
 #                                    #   pull bandwidth on the same GPUs, in the same call
 #   hack/gpu/run.sh issue12-pull     # then (same machine): pull through the router and direct, same cells;
 #   disagg-localrun report --baseline router-pull OUT/issue12-*-results.json   # one table, ratios to pull
+#   hack/gpu/run.sh issue18-dp2      # one GPU (after unpack-a1): prefill and decode each data parallel over two
+#                                    #   "pods" (one process each, as LWS would start them, hack/gpu/qwen3-0.6b-dp2.yaml),
+#                                    #   push through the router; per-rank requests and NIXL handshakes (dp.json/.md);
+#                                    #   the spec needs parallelism.expert to be admitted, and vLLM 0.26.0 refuses
+#                                    #   --enable-expert-parallel on this dense model at startup (with or without
+#                                    #   hack/gpu/vllm_dense_xlb.py, VLLM_PATCH=0 for plain vLLM): it serves only in
+#                                    #   REHEARSAL=1 (bench/results/h200-issue18-dp.md)
 #
 # Results go to $OUT (results.json, results.md, logs.tar.xz; kvbench.json for issue12), also when the sweep
 # runs out of time (each cell is saved as it completes). REHEARSAL=1 runs the same command lines on a CPU
 # machine with the simulator in place of vLLM (tests/vllm_sim/as_vllm.py) and a short sweep.
 set -u
-stage=${1:?usage: hack/gpu/run.sh unpack-a1|push|pull-1gpu|issue20-1gpu|issue12-push|issue12-pull}
+stage=${1:?usage: hack/gpu/run.sh unpack-a1|push|pull-1gpu|issue20-1gpu|issue12-push|issue12-pull|issue18-dp2}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$REPO"
 SITE=${SITE:-/tmp/site}
@@ -81,7 +88,7 @@ prepare() {  # everything but the compiled kernels, the byte code, the model fol
 bench() {
   local name=$1; shift
   log "bench $name: $*"
-  timeout -s INT -k 40 "$BUDGET" $PY -m disagg_bench.localrun bench -f hack/gpu/qwen3-0.6b-h200.yaml \
+  timeout -s INT -k 40 "$BUDGET" $PY -m disagg_bench.localrun bench -f "${MODEL_YAML:-hack/gpu/qwen3-0.6b-h200.yaml}" \
     --vllm "$VLLM" --model-path "$WORK/model" --load-format dummy --enforce-eager \
     --env VLLM_USE_FLASHINFER_SAMPLER=0 --env HF_HUB_OFFLINE=1 --env TRANSFORMERS_OFFLINE=1 \
     --out "$WORK/$name" --startup-timeout 300 "$@" $QUICK
@@ -130,6 +137,23 @@ case "$stage" in
     bench issue12-pull --gpus 0,1 --kv-cache-memory-bytes 60129542144 \
       --modes router-pull,direct-pull --prompts 1024,4096,16384 --rates 1,2,4,8 \
       --cell-seconds 6 --min-requests 8 --drain-timeout 20
+    ;;
+  issue18-dp2)
+    # Issue 18: engines that span pods. Both roles data parallel 2 over two one-GPU "pods" each (4 vLLM
+    # processes on one GPU: 8 GiB of KV each), every pod started from the rendered LWS template through its
+    # /bin/sh wrapper with LWS_WORKER_INDEX 0/1; push through the router, which pins each prefill rank on its pod.
+    prepare
+    rm -rf "${WORK:?}/issue18-dp2"
+    # the simulator has no DP across pods; vLLM 0.26.0 needed one fault worked around for a dense model at one
+    # rank per pod (VLLM_PATCH=0: plain vLLM, whose API servers then die; hack/gpu/vllm_dense_xlb.py says why).
+    # Since admission asks for parallelism.expert, the dense 0.6B model is refused by vLLM before that point.
+    if [ "${REHEARSAL:-0}" = 1 ]; then VLLM="$PY hack/gpu/sim_dp_pod.py"
+    elif [ "${VLLM_PATCH:-1}" = 1 ]; then VLLM="python3 hack/gpu/vllm_dense_xlb.py"; fi
+    QUICK="" MODEL_YAML=hack/gpu/qwen3-0.6b-dp2.yaml BUDGET=${BUDGET18:-420} \
+      bench issue18-dp2 --gpus 0 --colocate --kv-cache-memory-bytes 8589934592 --gpu-memory-utilization 0.2 \
+      --modes router-push --prompts 1024 --rates 4 --cell-seconds 10 --min-requests 40 --drain-timeout 30
+    $PY hack/gpu/dp_report.py "$WORK/issue18-dp2" "$OUT/issue18-dp2-dp.json" "$OUT/issue18-dp2-dp.md"
+    log "dp_report exited with $?"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -105,6 +105,33 @@ async def _engine_version(plan: LocalPlan) -> str | None:
             return None
 
 
+# Per engine (per pod, so per data-parallel rank range): what each one served, by vLLM's own counters (label
+# `engine`: the DP rank), and the simulator's counters where vLLM has none.
+ENGINE_COUNTERS = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
+async def _engine_counters(plan: LocalPlan) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        for e in plan.engines:
+            entry: dict[str, Any] = {"role": e.role, "url": e.url,
+                                     "dp_ranks": [i.dp_rank for i in e.identities()], "metrics": {}}
+            try:
+                async with s.get(e.url + "/metrics") as r:
+                    text = await r.text() if r.status == 200 else ""
+                for line in text.splitlines():
+                    if line.startswith(ENGINE_COUNTERS):
+                        key, _, value = line.rpartition(" ")
+                        entry["metrics"][key] = float(value)
+                async with s.get(e.url + "/sim/stats") as r:
+                    if r.status == 200:
+                        entry["sim_counters"] = (await r.json(content_type=None)).get("counters")
+            except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError) as err:
+                entry["error"] = f"{type(err).__name__}: {err}"
+            out[e.label] = entry
+    return out
+
+
 WARMUP_RETRY_SECONDS = 60.0
 
 
@@ -196,6 +223,7 @@ def run_bench(
             try:
                 asyncio.run(_measure_group(running, modes, sweep, results, save))
             finally:
+                group["engine_counters"] = asyncio.run(_engine_counters(plan))
                 group["key_log_lines"] = running.key_log_lines()
                 save()
     return results

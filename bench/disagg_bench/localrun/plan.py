@@ -9,6 +9,14 @@ IP -> the local host), with these local values in place of the pod's:
   processes share one), `--host` the local host;
 - `CUDA_VISIBLE_DEVICES`: the engine's slice of the GPUs given (accelerator.count each).
 
+An engine that spans pods (parallelism.data more than one pod's accelerators hold: one LeaderWorkerSet
+group) runs one process per pod, from the same rendered template through its real `/bin/sh -c` wrapper, with
+what LWS gives each pod: `LWS_WORKER_INDEX` 0..pods-1, `LWS_LEADER_ADDRESS` the local host, `LWS_GROUP_SIZE`,
+and the labels (set name, group and worker index) from which the router reads the pod's engine and first rank
+(in the static endpoints file: `lws`, `group_index`, `worker_index`, `dp_size_local`). Each pod has its own HTTP port and
+side-channel base; the leader's `--data-parallel-rpc-port` stays as rendered for the first such group and
+is a local port for any further one (leaders in a cluster each have their own IP; here they share one).
+
 Everything else a local run changes is an explicit option, and each one is listed in `LocalPlan.overrides`:
 spec fields (transfer mode, backend, which also drops EFA: a workstation has none) are changed *before*
 validation and rendering, so the same admission rules apply; engine flags (`--load-format dummy`, a local
@@ -93,6 +101,14 @@ class EngineLaunch:
     annotations: dict[str, str]  # the rendered pod's identity annotations, with this process's ports
     gpus: tuple[str, ...]
     secret_names: tuple[str, ...] = ()
+    pod: int = 0  # the pod's index in its engine's LWS group (0: the leader, or an engine of one pod)
+    pods: int = 1  # pods of this engine
+    labels: dict[str, str] = field(default_factory=dict)  # what LWS labels the pod with (its set, group, worker index)
+
+    @property
+    def label(self) -> str:
+        """role-index, and -pod<k> for a pod of an engine that spans pods."""
+        return f"{self.role}-{self.index}" + (f"-pod{self.pod}" if self.pods > 1 else "")
 
     @property
     def engine_id(self) -> str:
@@ -116,12 +132,19 @@ class EngineLaunch:
 
     def identities(self) -> list[EngineIdentity]:
         """The NIXL identities a router reads from this engine's pod (one per DP rank), by the contract."""
-        return contract.identities_from_pod(self.name, self.uid, self.host, self.annotations)
+        return contract.identities_from_pod(self.name, self.uid, self.host, self.annotations, self.labels)
 
     def static_entry(self, revision: str) -> dict[str, Any]:
         """This engine in the router's --static-endpoints format (router/discovery.py)."""
         ident = self.identities()[0]
+        spans = {  # a pod of an engine that spans pods: its ranks and its group, as LWS labels the pod
+            "dp_size_local": int(self.annotations[contract.ANNOTATION_DP_SIZE_LOCAL]),
+            "lws": self.labels[contract.LWS_NAME_LABEL],
+            "group_index": int(self.labels[contract.LWS_GROUP_INDEX_LABEL]),
+            "worker_index": int(self.labels[contract.LWS_WORKER_INDEX_LABEL]),
+        } if self.pods > 1 else {}
         return {
+            **spans,
             "role": self.role,
             "revision": revision,
             "name": self.name,
@@ -248,18 +271,25 @@ def _engine_overrides(options: LocalOptions) -> tuple[list[tuple[str, str | None
 
 # --- the plan ------------------------------------------------------------------------------------------
 def _container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
-    for c in deployment["spec"]["template"]["spec"]["containers"]:
+    for c in _pod_template(deployment)["spec"]["containers"]:
         if c["name"] == name:
             return c
-    raise LocalRunError(f"rendered Deployment {deployment['metadata']['name']} has no container {name!r}")
+    raise LocalRunError(f"rendered {deployment['kind']} {deployment['metadata']['name']} has no container {name!r}")
 
 
 def _deployments(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each role's workload: a Deployment, or a LeaderWorkerSet for an engine that spans pods."""
     out = {}
     for obj in objects:
-        if obj["kind"] == "Deployment":
+        if obj["kind"] in ("Deployment", "LeaderWorkerSet"):
             out[obj["metadata"]["labels"][contract.LABEL_ROLE]] = obj
     return out
+
+
+def _pod_template(workload: dict[str, Any]) -> dict[str, Any]:
+    if workload["kind"] == "LeaderWorkerSet":
+        return workload["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    return workload["spec"]["template"]
 
 
 class _Ports:
@@ -283,19 +313,20 @@ SHARED_GPU_UCX_ENV = {
 }
 
 
-def _shared_gpu_ucx_env(backend: str, gpus: Mapping[tuple[str, int], tuple[str, ...]],
+def _shared_gpu_ucx_env(backend: str, gpus: Mapping[tuple[str, int, int], tuple[str, ...]],
                         given: Mapping[str, str]) -> dict[str, tuple[str, str]]:  # fmt: skip
     """The UCX settings that make pull fair when a prefill and a decode engine share a GPU (and the user did
     not set them): one GPU must not measure a transport artefact instead of pull."""
-    prefill = {g for (role, _), ids in gpus.items() if role == "prefill" for g in ids}
-    decode = {g for (role, _), ids in gpus.items() if role == "decode" for g in ids}
+    prefill = {g for key, ids in gpus.items() if key[0] == "prefill" for g in ids}
+    decode = {g for key, ids in gpus.items() if key[0] == "decode" for g in ids}
     if backend != "UCX" or not prefill & decode:
         return {}
     return {k: v for k, v in SHARED_GPU_UCX_ENV.items() if k not in given}
 
 
-def _assign_gpus(dm: DisaggregatedModel, options: LocalOptions) -> dict[tuple[str, int], tuple[str, ...]]:
-    """Each engine's GPUs, in order prefill 0..n, decode 0..n; wrapping onto used GPUs only if colocate."""
+def _assign_gpus(dm: DisaggregatedModel, options: LocalOptions) -> dict[tuple[str, int, int], tuple[str, ...]]:
+    """Each pod's GPUs, keyed (role, engine, pod), in order prefill 0..n, decode 0..n (an engine that spans pods:
+    its pods in order); wrapping onto used GPUs only if colocate."""
     wanted = []
     for role in contract.ENGINE_ROLES:
         spec = getattr(dm.spec, role)
@@ -303,19 +334,19 @@ def _assign_gpus(dm: DisaggregatedModel, options: LocalOptions) -> dict[tuple[st
             raise LocalRunError(
                 f"spec.{role}.accelerator.type is {spec.accelerator.type}: local runs start vLLM on NVIDIA GPUs only"
             )
-        wanted += [((role, i), spec.accelerator.count) for i in range(spec.replicas)]
+        wanted += [((role, i, k), spec.accelerator.count) for i in range(spec.replicas) for k in range(spec.shape.pods)]
     need = sum(n for _, n in wanted)
     gpus = list(options.gpus)
     if not gpus:
         raise LocalRunError("no GPUs given: pass --gpus, e.g. --gpus 0,1")
     if need > len(gpus) and not options.colocate:
         raise LocalRunError(
-            f"the engines need {need} GPUs ({', '.join(f'{r}-{i}: {n}' for (r, i), n in wanted)}) and {len(gpus)} "
+            f"the engines need {need} GPUs ({', '.join(f'{r}-{i}' + (f'-pod{k}' if k else '') + f': {n}' for (r, i, k), n in wanted)}) and {len(gpus)} "
             "are given: pass more with --gpus, lower the replicas or parallelism, or --colocate to share GPUs"
         )
     if any(n > len(gpus) for _, n in wanted):
         raise LocalRunError(f"one engine needs more GPUs than the {len(gpus)} given (--gpus)")
-    out: dict[tuple[str, int], tuple[str, ...]] = {}
+    out: dict[tuple[str, int, int], tuple[str, ...]] = {}
     cursor = 0
     for key, n in wanted:
         if cursor + n > len(gpus):
@@ -367,37 +398,57 @@ def local_plan(
     secrets = dict(secrets or {})
 
     engines = []
+    rpc_port_rendered_taken = False
     for role in contract.ENGINE_ROLES:
         role_spec = getattr(dm.spec, role)
         deployment = deployments[role]
         container = _container(deployment, ENGINE_CONTAINER)
-        template_annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        template = _pod_template(deployment)
+        template_annotations = template["metadata"]["annotations"]
+        pods = role_spec.shape.pods
         for index in range(role_spec.replicas):
-            name = f"{deployment['metadata']['name']}-local-{index}"
-            uid = new_uid()
-            http_port = ports.take()
-            side_port = ports.take(role_spec.parallelism.data)
-            annotations = {**template_annotations, contract.ANNOTATION_HTTP_PORT: str(http_port),
-                           contract.ANNOTATION_SIDE_CHANNEL_PORT: str(side_port)}
-            entries = container.get("env", [])
-            env = resolve_env(entries, DownwardValues(name, uid, options.host, dm.metadata.namespace), secrets)
-            secret_names = tuple(e["name"] for e in entries if "secretKeyRef" in (e.get("valueFrom") or {}))
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[role, index])
-            env.update({k: v for k, (v, _) in shared_gpu_env.items()})
-            env.update(dict(options.env))
-            argv = [*container["command"], *container["args"]]
-            argv = [expand(a, env) for a in argv]
-            if options.model_path:
-                argv[2] = options.model_path
-            argv = set_flag(argv, "--port", str(http_port))
-            argv = set_flag(argv, "--host", options.host)
-            for flag, value in flags:
-                argv = set_flag(argv, flag, value)
-            argv = [*options.launcher, *argv[1:], *options.extra_args]
-            engines.append(
-                EngineLaunch(role, index, name, uid, tuple(argv), env, annotations, gpus[role, index], secret_names)
-            )
+            rpc_port: int | None = None
+            if pods > 1 and rpc_port_rendered_taken:  # another group's leader already has the rendered port
+                rpc_port = ports.take()
+                overrides.append(Override(f"{role}-{index} --data-parallel-rpc-port", str(rpc_port),
+                                          "leaders of two LWS groups share one host here; in a cluster each has its own IP"))
+            rpc_port_rendered_taken = rpc_port_rendered_taken or pods > 1
+            for pod in range(pods):
+                name = f"{deployment['metadata']['name']}-local-{index}" + (f"-{pod}" if pod else "")
+                uid = new_uid()
+                http_port = ports.take()
+                side_port = ports.take(role_spec.parallelism.data)
+                annotations = {**template_annotations, contract.ANNOTATION_HTTP_PORT: str(http_port),
+                               contract.ANNOTATION_SIDE_CHANNEL_PORT: str(side_port)}
+                entries = container.get("env", [])
+                # LWS adds its env to every container of the group's pods (before the template's own entries)
+                lws_env = {contract.LWS_LEADER_ADDRESS_ENV: options.host, contract.LWS_WORKER_INDEX_ENV: str(pod),
+                           "LWS_GROUP_SIZE": str(pods)} if pods > 1 else {}
+                labels = {contract.LWS_NAME_LABEL: deployment["metadata"]["name"], contract.LWS_GROUP_INDEX_LABEL: str(index),
+                          contract.LWS_WORKER_INDEX_LABEL: str(pod)} if pods > 1 else {}
+                env = {**lws_env, **resolve_env(entries, DownwardValues(name, uid, options.host, dm.metadata.namespace), secrets)}
+                secret_names = tuple(e["name"] for e in entries if "secretKeyRef" in (e.get("valueFrom") or {}))
+                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[role, index, pod])
+                env.update({k: v for k, (v, _) in shared_gpu_env.items()})
+                env.update(dict(options.env))
+                command = [expand(a, env) for a in container["command"]]
+                args = [expand(a, env) for a in container["args"]]
+                # `/bin/sh -c SCRIPT vllm serve ...` (an engine that spans pods) or `vllm serve ...`: the shell
+                # and its script stay as rendered; the local edits go to vLLM's own command line
+                shell = command[:3] if command[:2] == ["/bin/sh", "-c"] else []
+                argv = [*command[len(shell):], *args]
+                if options.model_path:
+                    argv[2] = options.model_path
+                argv = set_flag(argv, "--port", str(http_port))
+                argv = set_flag(argv, "--host", options.host)
+                if rpc_port is not None:
+                    argv = set_flag(argv, "--data-parallel-rpc-port", str(rpc_port))
+                for flag, value in flags:
+                    argv = set_flag(argv, flag, value)
+                argv = [*shell, *options.launcher, *argv[1:], *options.extra_args]
+                engines.append(EngineLaunch(role, index, name, uid, tuple(argv), env, annotations, gpus[role, index, pod],
+                                            secret_names, pod=pod, pods=pods, labels=labels))
 
     static_path = f"{options.workdir}/endpoints.json"
     router_container = _container(deployments["router"], ROUTER_CONTAINER)
@@ -431,8 +482,11 @@ def describe(plan: LocalPlan) -> str:
     """The plan as a person reads it: every process with its command line, then the overrides."""
     lines = [f"# {plan.model}: revision {plan.revision}, {plan.transfer_mode} via {plan.backend}"]
     for e in plan.engines:
-        lines.append(f"# {e.role}-{e.index}: engine_id {e.engine_id}, GPUs {','.join(e.gpus)}, "
-                     f"http {e.http_port}, side channel {e.side_channel_port}")
+        ranks = e.identities()
+        dp = (f", DP ranks {ranks[0].dp_rank}-{ranks[-1].dp_rank} of {ranks[0].dp_size}"
+              + (f" (LWS worker {e.pod} of {e.pods})" if e.pods > 1 else "")) if ranks[0].dp_size > 1 else ""
+        lines.append(f"# {e.label}: engine_id {e.engine_id}, GPUs {','.join(e.gpus)}, "
+                     f"http {e.http_port}, side channel {e.side_channel_port}{dp}")
         lines.append(e.command_line())
     for r in plan.routers:
         lines.append(f"# router ({r.mode}) on {r.url}")

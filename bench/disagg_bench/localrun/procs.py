@@ -31,6 +31,8 @@ KEY_LOG_PATTERNS = (
     r"Model Runner|model runner",
     r"GPU KV cache size|Maximum concurrency|for KV Cache",
     r"NIXL|Nixl|nixl",
+    r"[Hh]andshake",
+    r"data.parallel|DP Coordinator|data_parallel",
     r"UCX|ucx",
     r"KV Transfer metrics",
     r"Releasing expired|Potentially invalid|registration .* timed out",
@@ -169,7 +171,7 @@ def started(plan: LocalPlan, log_dir: Path, startup_timeout: float, base_env: Ma
     routers: list[Process] = []
     try:
         for e in plan.engines:
-            engines.append(Process.start(f"{e.role}-{e.index}-{plan.transfer_mode.lower()}", e.argv, {**env, **e.env}, log_dir))
+            engines.append(Process.start(f"{e.label}-{plan.transfer_mode.lower()}", e.argv, {**env, **e.env}, log_dir))
         write_static_endpoints(plan)
         for r in plan.routers:
             routers.append(Process.start(f"router-{r.mode}", r.argv, env, log_dir))
