@@ -45,19 +45,23 @@ def decode_template() -> dict[str, Any]:
     return engines_of("decode")["spec"]["leaderWorkerTemplate"]["workerTemplate"]
 
 
-def pod_argv(container: dict[str, Any], index: int, tmp: Path) -> list[str]:
-    """The command line the container's shell execs for LWS worker `index`, after the kubelet's $(VAR)."""
-    env = {contract.ENV_POD_NAME: f"m-decode-abc-0-{index}", contract.ENV_POD_UID: POD_UID, contract.ENV_POD_IP: "10.1.2.3",
-           contract.LWS_LEADER_ADDRESS_ENV: LEADER}  # fmt: skip
-    command = [expand(a, env) for a in container["command"] + container["args"]]
+def shell_argv(argv: list[str], env: dict[str, str], tmp: Path) -> list[str]:
+    """What a `/bin/sh -c SCRIPT vllm ARGS...` line execs (a real shell, with a vllm that prints its argv)."""
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[3] == "vllm", argv[:4]
     printer = tmp / "vllm"
     printer.write_text("#!/bin/sh\nexec python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
     printer.chmod(printer.stat().st_mode | stat.S_IEXEC)
-    assert command[:2] == ["/bin/sh", "-c"] and command[3] == "vllm", command[:4]
-    shell = [*command[:3], str(printer), *command[4:]]  # the same script, with a vllm that prints its argv
-    out = subprocess.run(shell, env={**os.environ, contract.LWS_WORKER_INDEX_ENV: str(index)}, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run([*argv[:3], str(printer), *argv[4:]], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True)  # fmt: skip
     return ["vllm", *json.loads(out.stdout)]
+
+
+def pod_argv(container: dict[str, Any], index: int, tmp: Path, pod_name: str | None = None, uid: str = POD_UID) -> list[str]:
+    """The command line the container's shell execs for LWS worker `index`, after the kubelet's $(VAR)."""
+    env = {contract.ENV_POD_NAME: pod_name or f"m-decode-abc-0-{index}", contract.ENV_POD_UID: uid,
+           contract.ENV_POD_IP: "10.1.2.3", contract.LWS_LEADER_ADDRESS_ENV: LEADER}  # fmt: skip
+    command = [expand(a, env) for a in container["command"] + container["args"]]
+    return shell_argv(command, {contract.LWS_WORKER_INDEX_ENV: str(index)}, tmp)
 
 
 def test_one_group_per_engine_every_pod_from_one_template() -> None:

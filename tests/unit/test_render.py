@@ -25,9 +25,17 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] == kind]
 
 
+def pod_template(workload: dict[str, Any]) -> dict[str, Any]:
+    """The pod template of an engine workload: a Deployment's, or a LeaderWorkerSet's (every pod of a group)."""
+    if workload["kind"] == "LeaderWorkerSet":
+        return workload["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    return workload["spec"]["template"]
+
+
 def engine_container(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    (deploy,) = [d for d in by_kind(objects, "Deployment") if d["metadata"]["labels"][contract.LABEL_ROLE] == role]
-    return deploy["spec"]["template"]["spec"]["containers"][0]
+    (deploy,) = [d for d in objects if d["kind"] in ("Deployment", "LeaderWorkerSet")
+                 and d["metadata"]["labels"][contract.LABEL_ROLE] == role]  # fmt: skip
+    return pod_template(deploy)["spec"]["containers"][0]
 
 
 def kv_config(container: dict[str, Any]) -> dict[str, Any]:
@@ -45,6 +53,12 @@ def test_golden(path) -> None:
     assert golden.read_text() == rendered
 
 
+def served(container: dict[str, Any]) -> str:
+    """The model vLLM serves (the argument after `serve`, whether or not a shell runs vllm)."""
+    argv = container["command"] + container["args"]
+    return argv[argv.index("serve") + 1]
+
+
 def check_invariants(obj: dict[str, Any]) -> None:
     """What must hold for every rendering of every valid spec (also driven by hypothesis)."""
     model = parse(obj)
@@ -53,6 +67,10 @@ def check_invariants(obj: dict[str, Any]) -> None:
     for child in result.objects:
         if child["kind"] == contract.ROLE_KIND:  # ours: its schema is the generated CRD's, from this model
             DisaggregatedRoleSpec.model_validate(child["spec"])
+        elif child["kind"] == "LeaderWorkerSet":  # no schema here (the e2e applies it to LWS's CRD): its pods'
+            template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": child["metadata"]["name"]},
+                        "template": pod_template(child)}  # fmt: skip
+            kubernetes_validate.validate(template, K8S_VERSION, strict=True)
         else:
             kubernetes_validate.validate(child, K8S_VERSION, strict=True)
         meta = child["metadata"]
@@ -73,7 +91,7 @@ def check_invariants(obj: dict[str, Any]) -> None:
     assert p_cfg["kv_connector_extra_config"]["backends"] == d_cfg["kv_connector_extra_config"]["backends"]
     for flag in ("--block-size", "--dtype", "--served-model-name"):
         assert prefill["args"][prefill["args"].index(flag) + 1] == decode["args"][decode["args"].index(flag) + 1]
-    assert prefill["image"] == decode["image"] and prefill["args"][0] == decode["args"][0]
+    assert prefill["image"] == decode["image"] and served(prefill) == served(decode)
     assert p_cfg["engine_id"] == contract.engine_id_template()
     for container in (prefill, decode):
         names = [e["name"] for e in container["env"]]
@@ -81,8 +99,8 @@ def check_invariants(obj: dict[str, Any]) -> None:
         assert names.index(contract.ENV_POD_IP) < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
         assert len(names) == len(set(names))
     revisions = {
-        d["spec"]["template"]["metadata"]["labels"][contract.LABEL_REVISION]
-        for d in by_kind(result.objects, "Deployment")
+        pod_template(d)["metadata"]["labels"][contract.LABEL_REVISION]
+        for d in [*by_kind(result.objects, "Deployment"), *by_kind(result.objects, "LeaderWorkerSet")]
         if contract.LABEL_REVISION in d["metadata"]["labels"]
     }
     assert revisions == {result.revision}

@@ -8,6 +8,8 @@ container really receives them.
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +25,8 @@ from disagg_operator.render import render
 from ..conftest import EXAMPLES, REPO, load_example
 from ..strategies import models
 from ..support.vllm_cli import CHECKED_VERSIONS, check_command_lines
+from .test_multi_pod_render import pod_argv, shell_argv
+from .test_render import pod_template
 
 pytestmark = pytest.mark.vllm
 
@@ -34,12 +38,17 @@ def command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
     items = []
     for child in render(parse(obj)).objects:
         role = child["metadata"]["labels"].get(contract.LABEL_ROLE)
-        if child["kind"] != "Deployment" or role not in contract.ENGINE_ROLES:
+        if child["kind"] not in ("Deployment", "LeaderWorkerSet") or role not in contract.ENGINE_ROLES:
             continue
-        container = child["spec"]["template"]["spec"]["containers"][0]
-        pod_name = f"{child['metadata']['name']}-6d4cf56db6-x2x7k"
-        env = {contract.ENV_POD_NAME: pod_name, contract.ENV_POD_UID: POD_UID, contract.ENV_POD_IP: "10.1.2.3"}
-        argv = [expand(a, env) for a in container["command"] + container["args"]]
+        container = pod_template(child)["spec"]["containers"][0]
+        if child["kind"] == "LeaderWorkerSet":  # the leader's line, as its shell makes it (test_multi_pod_render: every pod's)
+            pod_name = f"{child['metadata']['name']}-0"
+            with tempfile.TemporaryDirectory() as tmp:
+                argv = pod_argv(container, 0, Path(tmp), pod_name, POD_UID)
+        else:
+            pod_name = f"{child['metadata']['name']}-6d4cf56db6-x2x7k"
+            env = {contract.ENV_POD_NAME: pod_name, contract.ENV_POD_UID: POD_UID, contract.ENV_POD_IP: "10.1.2.3"}
+            argv = [expand(a, env) for a in container["command"] + container["args"]]
         items.append({
             "id": f"{obj['metadata']['name']}/{role}",
             "argv": argv,
@@ -66,9 +75,11 @@ def local_command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
     options = LocalOptions(gpus=tuple(str(i) for i in range(64)), colocate=True, backend="UCX", model_path="/tmp/model", load_format="dummy",
                            enforce_eager=True, kv_cache_memory_bytes=30 << 30, gpu_memory_utilization=0.35)
     plan = local_plan(obj, options, secrets={"HF_TOKEN": "t"})
-    return [{"id": f"local {obj['metadata']['name']}/{e.role}-{e.index}", "argv": list(e.argv),
-             "expect": {"engine_id": e.engine_id, "kv_role": "kv_producer" if e.role == "prefill" else "kv_consumer"}}
-            for e in plan.engines]
+    with tempfile.TemporaryDirectory() as tmp:  # a pod of an engine that spans pods runs vLLM through its shell
+        return [{"id": f"local {obj['metadata']['name']}/{e.role}-{e.index}",
+                 "argv": shell_argv(list(e.argv), dict(e.env), Path(tmp)) if e.argv[0] == "/bin/sh" else list(e.argv),
+                 "expect": {"engine_id": e.engine_id, "kv_role": "kv_producer" if e.role == "prefill" else "kv_consumer"}}
+                for e in plan.engines]  # fmt: skip
 
 
 @pytest.mark.parametrize("version", CHECKED_VERSIONS)
