@@ -20,7 +20,7 @@ EVIDENCE = {
     "nixl_handshake": r"NIXL compatibility check passed|Push handshake to D|Failed handshake|handshake_failed|"
                       r"Remote NIXL agent engine ID mismatch|Initializing NIXL (worker|Scheduler)",
     "data_parallel": r"autoswitch to data_parallel_external_lb|DP Coordinator|data_parallel_rank|"
-                     r"EngineCore_DP\d+ pid=\d+\).*(Initializing a V1 LLM engine|Started)|sim_dp_pod|"
+                     r"EngineCore_DP\d+ pid=\d+\).*(Initializing a V1 LLM engine|Started)|"
                      r"unexpected data parallel rank|expected it to be local|Did not receive response from front-end",
     "errors": r"\bERROR\b|Traceback|EngineCore failed|AssertionError|RuntimeError|ValueError",
     "workaround": r"vllm_dense_xlb",

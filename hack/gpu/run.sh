@@ -144,11 +144,10 @@ case "$stage" in
     # /bin/sh wrapper with LWS_WORKER_INDEX 0/1; push through the router, which pins each prefill rank on its pod.
     prepare
     rm -rf "${WORK:?}/issue18-dp2"
-    # the simulator has no DP across pods; vLLM 0.26.0 needed one fault worked around for a dense model at one
+    # vLLM 0.26.0 needed one fault worked around for a dense model at one
     # rank per pod (VLLM_PATCH=0: plain vLLM, whose API servers then die; hack/gpu/vllm_dense_xlb.py says why).
     # Since admission asks for parallelism.expert, the dense 0.6B model is refused by vLLM before that point.
-    if [ "${REHEARSAL:-0}" = 1 ]; then VLLM="$PY hack/gpu/sim_dp_pod.py"
-    elif [ "${VLLM_PATCH:-1}" = 1 ]; then VLLM="python3 hack/gpu/vllm_dense_xlb.py"; fi
+    if [ "${REHEARSAL:-0}" != 1 ] && [ "${VLLM_PATCH:-1}" = 1 ]; then VLLM="python3 hack/gpu/vllm_dense_xlb.py"; fi
     QUICK="" MODEL_YAML=hack/gpu/qwen3-0.6b-dp2.yaml BUDGET=${BUDGET18:-420} \
       bench issue18-dp2 --gpus 0 --colocate --kv-cache-memory-bytes 8589934592 --gpu-memory-utilization 0.2 \
       --modes router-push --prompts 1024 --rates 4 --cell-seconds 10 --min-requests 40 --drain-timeout 30

@@ -197,17 +197,17 @@ def _retirement_actions(result: Retirement) -> list[Action]:
 
 
 def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, int], now: str) -> _Engines:
-    spec, model, revision = desired.model.spec, desired.ref.name, desired.revision
+    spec, revision = desired.model.spec, desired.revision
     bounds = drain_bounds(desired)
     budgets = {r: rollout.budget(targets[r], getattr(spec.rollout, r).max_surge, getattr(spec.rollout, r).max_unavailable)
                for r in contract.ENGINE_ROLES}  # fmt: skip
     current = {r: observed.children.get(engines_key(desired, r)) for r in contract.ENGINE_ROLES}
-    old_deployments: dict[str, dict[str, Obj]] = {}
+    old_workloads: dict[str, dict[str, Obj]] = {}
     for obj in observed.workloads:
         if is_engine_workload(obj) and revision_of(obj) != revision:
-            old_deployments.setdefault(revision_of(obj) or "", {})[role_of(obj) or ""] = obj
-    newest_first = tuple(sorted(old_deployments, reverse=True, key=lambda v: max(
-        (d.get("metadata", {}).get("creationTimestamp") or "") for d in old_deployments[v].values())))
+            old_workloads.setdefault(revision_of(obj) or "", {})[role_of(obj) or ""] = obj
+    newest_first = tuple(sorted(old_workloads, reverse=True, key=lambda v: max(
+        (d.get("metadata", {}).get("creationTimestamp") or "") for d in old_workloads[v].values())))
 
     def count(obj: Obj | None, role: str, rev: str) -> rollout.Count:
         return rollout.Count(_replicas(obj), observed.census.count_engines(role, rev, ready=True))
@@ -215,7 +215,7 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
     step = rollout.next_step(
         budgets,
         {r: count(current[r], r, revision) for r in contract.ENGINE_ROLES},
-        {v: {r: count(old_deployments[v].get(r), r, v) for r in contract.ENGINE_ROLES} for v in old_deployments},
+        {v: {r: count(old_workloads[v].get(r), r, v) for r in contract.ENGINE_ROLES} for v in old_workloads},
         newest_first,
     )
     out = _Engines()
@@ -224,14 +224,14 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
         out.current_replicas[role] = result.replicas
         out.add(result, now)
     for old in newest_first:
-        for role, deployment in old_deployments[old].items():
+        for role, workload in old_workloads[old].items():
             want = step.old[old].get(role, 0)
-            result = _retire(deployment, _pods_of(observed, role, old), want, observed.routers, now, bounds[role])
+            result = _retire(workload, _pods_of(observed, role, old), want, observed.routers, now, bounds[role])
             out.add(result, now)
             if result.replicas == 0 and not result.busy:
-                out.old_actions.append(Delete(deployment, "retired"))
-            elif result.replicas < _replicas(deployment):
-                out.old_actions.append(Scale(deployment, result.replicas))
+                out.old_actions.append(Delete(workload, "retired"))
+            elif result.replicas < _replicas(workload):
+                out.old_actions.append(Scale(workload, result.replicas))
     return out
 
 

@@ -47,6 +47,9 @@ def _vllm_flags() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    # a pod of an engine that spans pods serves ranks [start, start + local) (hybrid load balancing)
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int)
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0)
     p.add_argument("--block-size", type=int)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -79,6 +82,8 @@ def sim_argv(argv: Sequence[str], env: dict[str, str], timing: dict[str, float])
         "--kv-load-failure-policy", str(kv.get("kv_load_failure_policy", "fail")),
         "--compat-hash", compat,
     ]  # fmt: skip
+    if a.data_parallel_size_local is not None and a.data_parallel_size_local != a.data_parallel_size:
+        out += ["--dp-start-rank", str(a.data_parallel_start_rank), "--dp-size-local", str(a.data_parallel_size_local)]
     if "push_registration_timeout" in extra:
         out += ["--push-registration-timeout", str(extra["push_registration_timeout"])]
     if a.block_size:
