@@ -14,6 +14,7 @@ import pytest
 
 from disagg_connector import contract
 from disagg_connector.router.config import parse_args as router_args
+from disagg_operator.api.validation import parse
 from disagg_connector.router.discovery import backends_from_pod, pods_from_static
 from disagg_bench.localrun import loadgen, report
 from disagg_bench.localrun.bench import Sweep, mode
@@ -84,17 +85,20 @@ def plan_of(path: Path, **over: Any) -> LocalPlan:
 
 
 RUNNABLE = [p for p in EXAMPLES if not p.stem.startswith("trn2")]  # Trainium: no local NVIDIA run
+MINIMAL = next(p for p in EXAMPLES if p.stem == "minimal")
 
 
 @pytest.mark.parametrize("path", RUNNABLE, ids=[p.stem for p in RUNNABLE])
 def test_engines_get_the_rendered_arguments_with_local_values(path: Path) -> None:
     plan = plan_of(path)
     spec = load_example(path)["spec"]
-    assert len(plan.role("prefill")) == spec.get("prefill", {}).get("replicas", 1)
-    assert len(plan.role("decode")) == spec.get("decode", {}).get("replicas", 1)
+    model = parse(load_example(path))
+    for role in ("prefill", "decode"):  # a process per pod: engines x pods per engine
+        assert len(plan.role(role)) == spec.get(role, {}).get("replicas", 1) * getattr(model.spec, role).shape.pods
     for e in plan.engines:
-        assert e.argv[0] == "vllm" and e.argv[1] == "serve"
-        assert not any("$(" in a for a in e.argv) and not any("$(" in v for v in e.env.values())
+        vllm_argv = e.argv[3:] if e.argv[:2] == ("/bin/sh", "-c") else e.argv  # a pod of an engine over pods
+        assert vllm_argv[0] == "vllm" and vllm_argv[1] == "serve"
+        assert not any("$(" in a for a in vllm_argv) and not any("$(" in v for v in e.env.values())
         kv = json.loads(flag_value(e.argv, "--kv-transfer-config") or "{}")
         assert kv["engine_id"] == e.engine_id == contract.engine_id(e.name, e.uid)
         assert kv["kv_role"] == ("kv_producer" if e.role == "prefill" else "kv_consumer")
@@ -151,7 +155,7 @@ def test_router_runs_static_with_the_rendered_flags(path: Path) -> None:
 
 
 def test_overrides_are_applied_and_listed() -> None:
-    doc = load_example(EXAMPLES[0])
+    doc = load_example(MINIMAL)
     options = local_options(doc, gpus=("0",), colocate=True, kv_cache_memory_bytes=1 << 30, load_format="dummy",
                             enforce_eager=True, model_path="/m", extra_args=("--max-num-seqs", "8"),
                             env=(("VLLM_USE_FLASHINFER_SAMPLER", "0"),), transfer_mode="Pull",
@@ -315,7 +319,7 @@ def test_runs_merge_into_one_report() -> None:
 
 
 def test_ucx_on_one_gpu_gets_zero_copy_reads_and_says_so() -> None:
-    doc = load_example(EXAMPLES[0])
+    doc = load_example(MINIMAL)
     shared = local_plan(doc, local_options(doc, gpus=("0",), colocate=True, kv_cache_memory_bytes=1 << 30,
                                            transfer_mode="Pull"), new_uid=_uids())  # fmt: skip
     assert shared.backend == "UCX"
