@@ -96,7 +96,7 @@ def of_pass(desired: Desired, observed: Observed, plan: planner.Plan, done: int,
 
 
 def of_status(previous: Mapping[str, Any] | None, status: Mapping[str, Any]) -> list[Event]:
-    """Ready lost or back, KV transfers failing: once per change, not once per pass."""
+    """Ready lost or back, KV transfers failing, gangs not to be had: once per change, not once per pass."""
     out = []
     was, now = _condition(previous, "Ready"), _condition(status, "Ready")
     reason = now.get("reason", "")
@@ -112,5 +112,8 @@ def of_status(previous: Mapping[str, Any] | None, status: Mapping[str, Any]) -> 
         out.append(Event(now.get("reason", ""), "Status", now.get("message", "")))
     elif now.get("reason") == "RouterUnreachable" and was.get("reason") != "RouterUnreachable":
         out.append(Event("RouterUnreachable", "Status", now.get("message", "")))
+    was, now = _condition(previous, "GangScheduled"), _condition(status, "GangScheduled")
+    if now.get("status") == "False" and was.get("status") != "False":
+        out.append(Event(now.get("reason", ""), "Status", now.get("message", "")))
     return out
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError
+from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
 from disagg_connector import contract
 
@@ -63,6 +63,14 @@ class Cluster:
 
     def _resource(self, api_version: str, kind: str) -> Any:
         return self.dynamic.resources.get(api_version=api_version, kind=kind)
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        """Whether the API server's discovery lists the kind (the client looks again on a miss)."""
+        try:
+            self._resource(api_version, kind)
+        except ResourceNotFoundError:
+            return False
+        return True
 
     def apply(self, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
         """Server-side apply with our field manager; with dry_run the API server validates and admits

@@ -15,9 +15,10 @@ The executor (executor.py) only carries a Plan out. The rules, in order:
    of older revisions get the sizes of the next step: the new revision grows into the surge room, the old
    ones shrink in P/D pairs as ready new engines stand in. A workload that shrinks loses exactly the pods
    (or groups) retirement.py picks, each drained first; an old revision whose pods are all gone is deleted.
+   Each LeaderWorkerSet group has its PodGroup (render/gang.py), where the cluster serves them.
 4. **Apply** each desired child that is missing or drifted (drift.needs_apply), in dependency order:
-   identities and RBAC, Services, disruption budgets and policies, the role scale targets, then the
-   engines, the router and the autoscalers. Pod marks go first (a deletion cost must be in place before
+   identities and RBAC, Services, disruption budgets and policies, the role scale targets, the PodGroups,
+   then the engines, the router and the autoscalers. Pod marks go first (a deletion cost must be in place before
    the Deployment shrinks), old revisions' scale-downs and deletions after every write.
 5. **Delete** children of this model that are no longer desired (other than engine workloads of older
    revisions, which step 3 retires).
@@ -35,6 +36,7 @@ from disagg_connector import contract
 from . import rollout, sizing
 from . import status as status_mod
 from .drift import needs_apply, stamped
+from .render import gang
 from .render.engine import LWS_KIND
 from .retirement import DELETION_COST, LEAVING_COST, Retirement, marked, retire, retire_groups
 from .state import (ChildProblem, Desired, Key, Obj, Observed, RouterView, is_engine_workload, key_of, revision_of,
@@ -43,7 +45,7 @@ from .state import (ChildProblem, Desired, Key, Obj, Observed, RouterView, is_en
 # Who may depend on whom: a RoleBinding needs its Role and ServiceAccount, the router discovers the
 # engines, an HPA targets a DisaggregatedRole.
 APPLY_ORDER = ("ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget", "NetworkPolicy",
-               contract.ROLE_KIND, "Deployment", LWS_KIND, "HorizontalPodAutoscaler")  # fmt: skip
+               contract.ROLE_KIND, gang.POD_GROUP_KIND, "Deployment", LWS_KIND, "HorizontalPodAutoscaler")  # fmt: skip
 ROUTER_LAST = {"prefill": 0, "decode": 0, "router": 1}
 # While a pod drains, the pass comes back this often: in-flight counts change without Kubernetes events.
 DRAIN_POLL_SECONDS = 1.0
@@ -235,6 +237,18 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
     return out
 
 
+def _pod_groups(rendered: Mapping[Key, Obj], observed: Observed, gone: set[Key]) -> dict[Key, Obj]:
+    """The PodGroups of every LeaderWorkerSet this pass keeps, as many as the larger of its live and planned
+    size: a group that comes has its PodGroup before its pods, one that leaves keeps it until its LWS has
+    shrunk (and kube-controller-manager's protection finalizer keeps a deleted one while its pods run)."""
+    sizes = {k: _replicas(o) for k, o in observed.children.items() if o["kind"] == LWS_KIND and k not in gone}
+    sources = {k: observed.children[k] for k in sizes}
+    for k, o in rendered.items():
+        if o["kind"] == LWS_KIND:
+            sizes[k], sources[k] = max(sizes.get(k, 0), _replicas(o)), o
+    return {key_of(pg): pg for k, lws in sources.items() for pg in gang.pod_groups(lws, sizes[k])}
+
+
 def _role_scaler_statuses(desired: Desired, observed: Observed) -> list[Action]:
     actions: list[Action] = []
     for role in contract.ENGINE_ROLES:
@@ -302,6 +316,11 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
         rendered[key] = copy.deepcopy(rendered[key])
         rendered[key]["spec"]["replicas"] = replicas
 
+    # PodGroups are sized here, with their LeaderWorkerSets, and only where the cluster serves them.
+    rendered = {k: o for k, o in rendered.items() if o["kind"] != gang.POD_GROUP_KIND}
+    retired = {a.key for a in engines.old_actions if isinstance(a, Delete)}
+    if observed.pod_groups_served:
+        rendered |= _pod_groups(rendered, observed, retired)
     wanted = {**{k: stamped(o) for k, o in rendered.items()}, **scalers}
     applies = [
         Apply(obj, "update" if k in observed.children else "create")
@@ -309,7 +328,6 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
         if needs_apply(obj, observed.children.get(k))
     ]
     stale = [Delete(o, "stale") for k, o in observed.children.items() if k not in wanted and not is_engine_workload(o)]
-    retired = {a.key for a in engines.old_actions if isinstance(a, Delete)}
     after = _without(observed, {d.key for d in stale} | retired)
     return Plan(
         actions=(*engines.pod_actions, *applies, *engines.old_actions, *stale, *_role_scaler_statuses(desired, observed)),

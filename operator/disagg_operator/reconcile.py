@@ -33,7 +33,8 @@ from . import status as status_mod
 from .cache import Cache
 from .config import RenderDefaults
 from .kube import Cluster, EventRecorder, error_message
-from .metrics import CONTROLLER, OperatorMetrics
+from .metrics import CONTROLLER, ModelCondition, OperatorMetrics, model_conditions
+from .render import gang
 from .state import ChildProblem, Observed, SpecProblems, desire
 from .workqueue import WorkQueue
 
@@ -112,6 +113,9 @@ class Reconciler:
         observed = Observed(children=self.cache.children(namespace, name, meta["uid"]), pods=self.cache.pods(namespace, name))
         now = self.now()
         try:
+            if any(o["kind"] == gang.POD_GROUP_KIND for o in desired.rendered.objects):  # an engine spans pods
+                served = self.cluster.serves(gang.POD_GROUP_API_VERSION, gang.POD_GROUP_KIND)  # discovery: cached when found
+                observed = replace(observed, pod_groups_served=served)
             if self._routers_due(key, observed):  # HTTP to the router pods, not the API server
                 observed = replace(observed, routers=executor.read_routers(observed, status_mod.pod_ready))
             plan = planner.plan(desired, observed, now)
@@ -210,7 +214,7 @@ class Controller:
         self.queue.add((namespace, name))
 
     def start(self) -> None:
-        self.metrics.watch(lambda: (len(self.queue), self.queue.adds, self.queue.retries), self.phases)
+        self.metrics.watch(lambda: (len(self.queue), self.queue.adds, self.queue.retries), self.phases, self.conditions)
         for n in range(self.workers):
             self._threads.append(threading.Thread(target=self._work, name=f"reconcile-{n}", daemon=True))
         self._threads.append(threading.Thread(target=self._resync, name="resync", daemon=True))
@@ -228,6 +232,10 @@ class Controller:
             phase = (body.get("status") or {}).get("phase") or "Unknown"
             counts[phase] = counts.get(phase, 0) + 1
         return counts
+
+    def conditions(self) -> list[ModelCondition]:
+        cache = self.reconciler.cache
+        return [c for ns, name in cache.model_keys() for c in model_conditions(ns, name, cache.model(ns, name) or {})]
 
     def _resync(self) -> None:
         while not self._stop.wait(self.resync_seconds):

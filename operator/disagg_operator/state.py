@@ -231,6 +231,8 @@ class Observed:
     foreign: Mapping[Key, Obj] = field(default_factory=dict)
     refused: Mapping[Key, ChildProblem] = field(default_factory=dict)
     routers: RouterView | None = None  # None: not asked this pass
+    # Whether the API server serves PodGroups (gang scheduling); None: not asked (no engine spans pods).
+    pod_groups_served: bool | None = None
 
     @cached_property
     def census(self) -> Census:

@@ -32,7 +32,8 @@ from disagg_connector.contract.preflight import parse_termination_message
 from . import rollout, sizing
 from .api import vocabulary
 from .api.models import DisaggregatedModelStatus
-from .state import ChildProblem, Desired, Obj, Observed, RouterView, revision_of, role_of
+from .render import gang
+from .state import ChildProblem, Desired, Obj, Observed, PodView, RouterView, revision_of, role_of
 
 # Scheduler messages count nodes per cause: "0/8 nodes are available: 6 Insufficient vpc.amazonaws.com/efa, ...".
 _INSUFFICIENT = re.compile(r"(\d+) Insufficient ([\w./-]*\w)")
@@ -182,6 +183,22 @@ def _unschedulable(pod: Obj) -> Problem | None:
     return None
 
 
+def _scheduling_problem(pods: list[PodView]) -> Problem | None:
+    """The first pod that cannot be scheduled, or the first engine of several pods that cannot be, named as one:
+    with a gang none of its pods is bound, and what it lacks is in one member's message (the others wait for
+    their group), so the reason is that member's, or GroupUnschedulable."""
+    problems = {p.name: problem for p in pods if (problem := _unschedulable(p.obj))}
+    first = next((p for p in pods if p.name in problems), None)
+    if first is None or first.engine.pods == 1:
+        return problems[first.name] if first else None
+    members = [p for p in pods if p.engine.key == first.engine.key and p.revision == first.revision and p.name in problems]
+    lacking = next((problems[p.name] for p in members if problems[p.name].reason != "Unschedulable"), None)
+    words = "; ".join(problems[p.name].message for p in members)
+    return Problem(lacking.reason if lacking else "GroupUnschedulable",
+                   f"{first.role} engine {first.engine.key} ({first.engine.pods} pods, bound together or not at all): "
+                   f"{len(members)} of its pods cannot be scheduled: {words}")
+
+
 def _container_problem(pod: Obj) -> Problem | None:
     name = pod["metadata"]["name"]
     status = pod.get("status", {})
@@ -321,7 +338,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     current_pods = [p.obj for p in engine_pods if p.revision == revision]
     current_deployments = [d for d in observed.workloads if revision_of(d) in (revision, None)]
     fabric_failures, fabric_passes = _preflight_results(current_pods)
-    capacity = next(filter(None, map(_unschedulable, current_pods)), None)
+    capacity = _scheduling_problem([p for p in engine_pods if p.revision == revision])
     crash = next(filter(None, map(_container_problem, observed.pods)), None)
     creation = next(filter(None, map(_pod_creation_problem, current_deployments)), None)
     summary = facts.summary()
@@ -374,8 +391,9 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
         fabric = ("FabricReady", None, "NoPreflightYet", "no prefill or decode pod has run its preflight yet")
 
     kv = ("KVTransferHealthy", *kv_transfer(observed.routers, previous))
+    gangs = [g] if (g := gang_scheduled(desired, observed)) else []
     conditions = [condition(t, ok, reason, msg, ref.generation, previous, now)
-                  for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv)]  # fmt: skip
+                  for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv, *gangs)]  # fmt: skip
     return _with_generic_conditions({
         "observedGeneration": ref.generation,
         "phase": _phase(facts, ready_cond[1], degraded[1]),
@@ -388,6 +406,19 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
         "router": {"readyReplicas": facts.routers_ready, "url": contract.router_url(ref.name, ref.namespace, desired.model.spec.router.service.port)},
         "conditions": conditions,
     }, ref.generation, previous, now)  # fmt: skip
+
+
+def gang_scheduled(desired: Desired, observed: Observed) -> tuple[str, bool, str, str] | None:
+    """GangScheduled, for a model with an engine that spans pods whose cluster was asked about PodGroups."""
+    spanning = [f"{r} ({getattr(desired.model.spec, r).shape.pods} pods)" for r in contract.ENGINE_ROLES
+                if getattr(desired.model.spec, r).shape.spans_pods]  # fmt: skip
+    if not spanning or observed.pod_groups_served is None:
+        return None
+    if observed.pod_groups_served:
+        return ("GangScheduled", True, "PodGroups", f"each engine of {' and '.join(spanning)} is one PodGroup: its pods "
+                "are bound all together or not at all")  # fmt: skip
+    return ("GangScheduled", False, "PodGroupsNotServed", f"the engines of {' and '.join(spanning)} are bound pod by "
+            f"pod, and a group that fits only in part holds the accelerators of the pods bound: {gang.INSTALL_HINT}")
 
 
 def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tuple[bool | None, str, str]:

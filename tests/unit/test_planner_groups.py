@@ -4,6 +4,7 @@ controller would show them (tests/unit/world.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from disagg_connector import contract
@@ -146,3 +147,110 @@ def test_without_the_lws_crd_nothing_is_written_and_status_says_what_to_install(
     assert ready["status"] == "False" and ready["reason"] == "KindNotInstalled"
     assert "install LeaderWorkerSet" in ready["message"] and "accelerator.count" in ready["message"]
     assert act(tentative)  # the same model with the kind installed would write
+
+
+# --- gangs: a PodGroup per LeaderWorkerSet group (render/gang.py) -------------------------------------------
+
+
+def pod_groups_of(plan: planner.Plan, action: type = planner.Apply) -> list[dict[str, Any]]:
+    return [a.obj for a in plan.actions if isinstance(a, action) and a.obj["kind"] == "PodGroup"]
+
+
+def served(observed: Observed, answer: bool | None = True) -> Observed:
+    return replace(observed, pod_groups_served=answer)
+
+
+def test_each_group_gets_its_pod_group_before_its_pods_where_the_cluster_serves_them() -> None:
+    plan = planner.plan(TWO, served(Observed()), NOW)
+    lws = lws_of(plan)
+    assert lws is not None
+    pgs = pod_groups_of(plan)
+    # named as the admission policy names every pod's group: its leader pod, <lws>-<index>
+    assert [pg["metadata"]["name"] for pg in pgs] == [f"{lws['metadata']['name']}-0", f"{lws['metadata']['name']}-1"]
+    assert all(pg["spec"] == {"schedulingPolicy": {"gang": {"minCount": 2}}} for pg in pgs)  # both pods or none
+    assert all(pg["metadata"]["ownerReferences"] == lws["metadata"]["ownerReferences"] for pg in pgs)
+    assert [pg["metadata"]["labels"][contract.LWS_GROUP_INDEX_LABEL] for pg in pgs] == ["0", "1"]
+    kinds = [a.obj["kind"] for a in plan.applies]
+    assert kinds.index("PodGroup") < kinds.index("LeaderWorkerSet")  # a pod may not wait for its PodGroup
+    pod_labels = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
+    assert pod_labels[contract.LABEL_GANG] == contract.GANG_LWS_GROUP  # what the chart's policy selects
+    assert cond(plan.status, "GangScheduled")["status"] == "True"
+    # the prefill role, one pod per engine, has none
+    assert all(pg["metadata"]["labels"][contract.LABEL_ROLE] == "decode" for pg in pgs)
+
+
+def test_a_pod_group_has_its_pods_priority() -> None:
+    want = desired({"decode": {**GROUPS["decode"], "priorityClassName": "engines"}})
+    pgs = pod_groups_of(planner.plan(want, served(Observed()), NOW))
+    assert pgs and all(pg["spec"]["priorityClassName"] == "engines" for pg in pgs)
+
+
+def test_without_pod_groups_served_none_is_written_and_status_says_so() -> None:
+    plan = planner.plan(TWO, served(Observed(), False), NOW)
+    assert lws_of(plan) is not None and not pod_groups_of(plan)
+    gang = cond(plan.status, "GangScheduled")
+    assert (gang["status"], gang["reason"]) == ("False", "PodGroupsNotServed")
+    assert "decode (2 pods)" in gang["message"] and "GenericWorkload" in gang["message"]
+
+    def types(status: dict[str, Any]) -> set[str]:
+        return {c["type"] for c in status["conditions"]}
+
+    assert "GangScheduled" not in types(planner.plan(TWO, Observed(), NOW).status)  # not asked: not said
+    one_pod = desired()  # no engine spans pods: no condition, asked or not
+    assert "GangScheduled" not in types(planner.plan(one_pod, served(Observed(), False), NOW).status)
+
+
+def test_a_group_that_leaves_keeps_its_pod_group_until_its_lws_has_shrunk() -> None:
+    lws_name = contract.engine_deployment_name("m", "decode", TWO.revision)
+    idle = RouterView((router({f"{lws_name}-1": (0, True), f"{lws_name}-1-1": (0, True)}),), ("r0",))
+    shrinking = planner.plan(ONE, served(world(TWO, groups(TWO.revision, 2, marked=(1,)), idle)), NOW)
+    assert lws_of(shrinking)["spec"]["replicas"] == 1  # type: ignore[index]
+    assert not pod_groups_of(shrinking, planner.Delete)
+
+    shrunk = served(world(ONE, groups(TWO.revision, 1)))  # the LWS at 1; group 1's pods are gone
+    leftover = next(o for o in children(TWO).values() if o["metadata"]["name"] == f"{lws_name}-1")
+    plan = planner.plan(ONE, replace(shrunk, children={**shrunk.children, ("PodGroup", f"{lws_name}-1"): leftover}), NOW)
+    assert [pg["metadata"]["name"] for pg in pod_groups_of(plan, planner.Delete)] == [f"{lws_name}-1"]
+    assert not pod_groups_of(plan)  # group 0's stays as it is
+
+
+def test_an_old_revisions_pod_groups_go_with_its_lws() -> None:
+    old_lws = contract.engine_deployment_name("m", "decode", TWO.revision)
+    old = {k: o for k, o in children(TWO).items() if k[0] in ("Deployment", "LeaderWorkerSet", "PodGroup")}
+    new = world(NEW_IMAGE, groups(NEW_IMAGE.revision, 2))
+    # the old revision's pods are all gone: its workloads are retired, its PodGroups with them
+    plan = planner.plan(NEW_IMAGE, served(replace(new, children={**old, **new.children})), NOW)
+    retired = [a.obj["metadata"]["name"] for a in plan.actions if isinstance(a, planner.Delete) and a.why == "retired"]
+    assert old_lws in retired
+    assert sorted(pg["metadata"]["name"] for pg in pod_groups_of(plan, planner.Delete)) == [f"{old_lws}-0", f"{old_lws}-1"]
+
+
+def unschedulable(pod_obj: dict[str, Any], message: str) -> dict[str, Any]:
+    pod_obj["status"] = {"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]}
+    return pod_obj
+
+
+def test_status_names_the_engine_that_cannot_be_bound_and_what_it_lacks() -> None:
+    """Kube-scheduler's words for a gang that does not fit: the member that would fit waits for its group, the
+    other lacks GPUs (tests/e2e/test_gang_scheduling.py sees them on the real scheduler)."""
+    lws_name = contract.engine_deployment_name("m", "decode", TWO.revision)
+    waits = "pod group is unschedulable, minCount (2) cannot be satisfied: 1 scheduled, 0 remaining"
+    lacks = "0/6 nodes are available: 4 Insufficient nvidia.com/gpu, 2 node(s) didn't match Pod's node affinity/selector."
+    pending = (unschedulable(group_pod(TWO.revision, 0, 0), waits), unschedulable(group_pod(TWO.revision, 0, 1), lacks))
+    ready = cond(planner.plan(ONE, served(world(ONE, pending)), NOW).status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InsufficientGPUs")
+    assert ready["message"].startswith(f"decode engine {lws_name}/0 (2 pods, bound together or not at all): 2 of its pods")
+    assert waits in ready["message"] and "no node has enough nvidia.com/gpu" in ready["message"]
+
+    both_wait = (unschedulable(group_pod(TWO.revision, 0, 0), waits), unschedulable(group_pod(TWO.revision, 0, 1), waits))
+    ready = cond(planner.plan(ONE, served(world(ONE, both_wait)), NOW).status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "GroupUnschedulable")
+
+
+def test_gangs_not_to_be_had_is_one_warning_event() -> None:
+    from disagg_operator import events
+
+    status = planner.plan(TWO, served(Observed(), False), NOW).status
+    told = [(e.type, e.reason) for e in events.of_status(None, status)]
+    assert ("Warning", "PodGroupsNotServed") in told
+    assert ("Warning", "PodGroupsNotServed") not in [(e.type, e.reason) for e in events.of_status(status, status)]

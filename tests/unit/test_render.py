@@ -19,6 +19,7 @@ from ..conftest import EXAMPLES, REPO, dm, load_example
 
 GOLDEN = REPO / "tests" / "golden"
 K8S_VERSION = "1.34"
+GANG_K8S_VERSION = "1.37"
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -71,6 +72,8 @@ def check_invariants(obj: dict[str, Any]) -> None:
             template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": child["metadata"]["name"]},
                         "template": pod_template(child)}  # fmt: skip
             kubernetes_validate.validate(template, K8S_VERSION, strict=True)
+        elif child["kind"] == "PodGroup":  # scheduling.k8s.io/v1beta1 is new in 1.37
+            kubernetes_validate.validate(child, GANG_K8S_VERSION, strict=True)
         else:
             kubernetes_validate.validate(child, K8S_VERSION, strict=True)
         meta = child["metadata"]

@@ -55,6 +55,10 @@ LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # the LeaderWorkerSet's nam
 LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # the group (one engine) within the LWS
 LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
 LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+LWS_LEADER_NAME_ANNOTATION = "leaderworkerset.sigs.k8s.io/leader-name"  # on a worker: its group's leader pod
+# Gangs (docs/gang-scheduling.md): the pods of an LWS group carry this label, the chart's admission policy puts
+# each in the PodGroup named after its group's leader pod, `<LWS name>-<group index>`, which the operator makes.
+LABEL_GANG, GANG_LWS_GROUP = f"{API_GROUP}/gang", "lws-group"
 # vLLM's data-parallel startup handshake, on the group's leader (its default, --data-parallel-rpc-port).
 DATA_PARALLEL_RPC_PORT = 29550
 ANNOTATION_SIDE_CHANNEL_PORT = f"{API_GROUP}/nixl-side-channel-port"

@@ -473,6 +473,11 @@ class EngineShape:
     def accelerators(self) -> int:
         return self.pods * self.accelerators_per_pod
 
+    @property
+    def spans_pods(self) -> bool:
+        """One LeaderWorkerSet group per engine (a DP flag per pod, a shell for its start rank, a PodGroup)."""
+        return self.pods > 1
+
 
 def engine_shape(parallelism: Parallelism, accelerator: AcceleratorSpec) -> EngineShape:
     """The layout of one engine. On nvidia one GPU per rank: a pod runs accelerator.count / (tensor x
@@ -1053,8 +1058,8 @@ class DisaggregatedModelStatus(ApiModel):
     router: RouterStatus = Field(default_factory=RouterStatus, description="Router pods and URL.")
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready (the model serves at the size asked, or is on its way there "
-        "within the rollout budget), Progressing, Degraded, FabricReady, KVTransferHealthy, and for kstatus readers "
-        "Reconciling and Stalled, each with a reason that says what to do."
+        "within the rollout budget), Progressing, Degraded, FabricReady, KVTransferHealthy, GangScheduled (when an engine "
+        "spans pods), and for kstatus readers Reconciling and Stalled, each with a reason that says what to do."
     )
 
 

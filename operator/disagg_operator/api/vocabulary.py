@@ -24,7 +24,7 @@ from typing import Literal
 ReasonClass = Literal["ok", "transient", "capacity", "failing", "needs-change"]
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
-FABRIC_READY, KV_TRANSFER_HEALTHY = "FabricReady", "KVTransferHealthy"
+FABRIC_READY, KV_TRANSFER_HEALTHY, GANG_SCHEDULED = "FabricReady", "KVTransferHealthy", "GangScheduled"
 RECONCILING, STALLED = "Reconciling", "Stalled"
 
 CONDITION_TYPES: dict[str, str] = {
@@ -34,6 +34,8 @@ CONDITION_TYPES: dict[str, str] = {
     DEGRADED: "Something is wrong while the model serves (a failing pod, short of its size for a reason).",
     FABRIC_READY: "The preflight of prefill and decode pods found the NIXL backend and the EFA devices.",
     KV_TRANSFER_HEALTHY: "The routers see KV transfers succeed in every revision (their own numbers).",
+    GANG_SCHEDULED: "Only with an engine that spans pods: each engine's pods are bound all together or not at all "
+                    "(a PodGroup per LeaderWorkerSet group).",
     RECONCILING: "For kstatus readers (Flux): True while Progressing is.",
     STALLED: "For kstatus readers (Flux): True while Ready is False for a reason no retry clears.",
 }
@@ -93,6 +95,10 @@ REASONS: tuple[Reason, ...] = (
     _r("AcceleratorsMissing", "Ready Degraded FabricReady", "failing", "The pod sees fewer accelerators than it asks for."),
     _r("HugepagesMissing", "Ready Degraded FabricReady", "failing", "The pod has fewer 2Mi hugepages than EFA needs."),
     _r("SharedMemoryTooSmall", "Ready Degraded FabricReady", "failing", "/dev/shm is smaller than spec.network.efa.sharedMemory."),
+    # --- gangs, for engines that span pods (render/gang.py) ------------------------------------------------------
+    _r("PodGroups", "GangScheduled", "ok", "Each LeaderWorkerSet group has its PodGroup: the scheduler binds an engine's pods together or not at all."),
+    _r("PodGroupsNotServed", "GangScheduled", "capacity", "The cluster does not serve scheduling.k8s.io/v1beta1 PodGroups: an engine's pods are bound one by one, and a group that fits in part holds the GPUs of the pods bound. Turn on GenericWorkload (docs/gang-scheduling.md)."),
+    _r("GroupUnschedulable", "Ready Degraded", "capacity", "An engine that spans pods cannot be bound as a whole: none of its pods holds a node; the message names the engine and what it lacks."),
     # --- KV transfer, from the routers (disagg_connector.contract.health verdicts) ---------------------------
     _r("TransfersSucceeding", "KVTransferHealthy", "ok", "Requests of every revision got their KV recently."),
     _r("TransfersFailing", "KVTransferHealthy", "failing", "Decode engines fail to receive the KV cache: see the revision in the message."),

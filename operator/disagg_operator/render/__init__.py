@@ -15,8 +15,9 @@ from disagg_connector import contract
 from ..api.models import DisaggregatedModel
 from ..config import RenderDefaults
 from ..resolve import TransferPlan, plan
-from . import engine, network, router, scaling
+from . import engine, gang, network, router, scaling
 from .engine import LWS_API_VERSION, LWS_KIND, LWS_PLURAL
+from .gang import POD_GROUP_API_VERSION, POD_GROUP_KIND, POD_GROUP_PLURAL
 from .meta import pod_disruption_budget
 
 REVISION_LENGTH = 10
@@ -26,6 +27,7 @@ REVISION_LENGTH = 10
 MANAGED_KINDS: tuple[tuple[str, str, str], ...] = (
     ("apps/v1", "Deployment", "deployments"),
     (LWS_API_VERSION, LWS_KIND, LWS_PLURAL),
+    (POD_GROUP_API_VERSION, POD_GROUP_KIND, POD_GROUP_PLURAL),
     ("v1", "Service", "services"),
     ("v1", "ServiceAccount", "serviceaccounts"),
     ("rbac.authorization.k8s.io/v1", "Role", "roles"),
@@ -59,12 +61,15 @@ def render(dm: DisaggregatedModel, defaults: RenderDefaults | None = None) -> Re
     revision = revision_of(templates, transfer)
     objects: list[dict[str, Any]] = []
     for role in contract.ENGINE_ROLES:
+        engines = engine.engines(dm, role, templates[role], revision)
         objects += [
             scaling.role_scaler(dm, role),
-            engine.engines(dm, role, templates[role], revision),
+            engines,
             engine.headless_service(dm, role),
             pod_disruption_budget(dm, role),
         ]
+        if engines["kind"] == LWS_KIND:  # the planner sizes them with the LWS, where the cluster serves them
+            objects += gang.pod_groups(engines, engines["spec"]["replicas"])
         hpa = scaling.horizontal_pod_autoscaler(dm, role)
         if hpa is not None:
             objects.append(hpa)

@@ -173,7 +173,7 @@ def identity_annotations(dm: DisaggregatedModel, role: RoleSpec, plan: TransferP
     """What the router reads from a pod to address its engine (engine_id comes from name and UID; a pod of
     an engine that spans pods also says how many ranks it serves, its first from its LWS worker index)."""
     par = role.parallelism
-    spans = {contract.ANNOTATION_DP_SIZE_LOCAL: str(role.shape.ranks_per_pod)} if role.shape.pods > 1 else {}
+    spans = {contract.ANNOTATION_DP_SIZE_LOCAL: str(role.shape.ranks_per_pod)} if role.shape.spans_pods else {}
     return {
         **spans,
         contract.ANNOTATION_TP_SIZE: str(par.tensor),
@@ -196,7 +196,7 @@ def pod_template(
     res = resources(dm, role)
     volumes, mounts = _volumes(dm)
     command = vllm.serve_command(spec, role_name, plan)
-    if role.shape.pods > 1:  # the shell's script is the command, vLLM's command line its arguments
+    if role.shape.spans_pods:  # the shell's script is the command, vLLM's command line its arguments
         wrapped = vllm.with_start_rank(command, role.shape)
         command_part, args_part = wrapped[:3], wrapped[3:]
     else:
@@ -283,11 +283,13 @@ def leader_worker_set(
     """The engines of a role whose engine spans pods, for one revision: one LeaderWorkerSet group per engine
     (its replicas count engines), every pod from the same template (the leader is worker 0), the whole group
     recreated when one of its pods restarts (vLLM's data-parallel ranks cannot rejoin a running engine), the
-    workers created once the leader exists (they wait for its handshake port themselves)."""
+    workers created once the leader exists (they wait for its handshake port themselves), every pod labelled
+    for its group's gang (gang.py; the label is outside the revision hash: it says how, not what, to run)."""
     model = dm.metadata.name
     role: RoleSpec = getattr(dm.spec, role_name)
     labels = contract.child_labels(model, role_name, revision)
-    template = {**template, "metadata": {**template["metadata"], "labels": labels}}
+    pod_labels = {**labels, contract.LABEL_GANG: contract.GANG_LWS_GROUP}
+    template = {**template, "metadata": {**template["metadata"], "labels": pod_labels}}
     return {
         "apiVersion": LWS_API_VERSION,
         "kind": LWS_KIND,
@@ -308,7 +310,7 @@ def engines(dm: DisaggregatedModel, role_name: contract.Role, template: dict[str
     """A role's engines of one revision: a Deployment of one pod per engine, or a LeaderWorkerSet of one group
     per engine when an engine spans pods."""
     role: RoleSpec = getattr(dm.spec, role_name)
-    build = leader_worker_set if role.shape.pods > 1 else deployment
+    build = leader_worker_set if role.shape.spans_pods else deployment
     return build(dm, role_name, template, revision)
 
 

@@ -95,7 +95,7 @@ def serve_command(spec: DisaggregatedModelSpec, role: contract.Role, plan: Trans
         argv += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     config = kv_transfer_config(spec, role, plan)
     argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
-    if role_spec.shape.pods > 1:
+    if role_spec.shape.spans_pods:
         argv += data_parallel_args(role_spec.shape)
     return argv + list(engine.extra_args) + list(role_spec.extra_args)
 
