@@ -204,12 +204,17 @@ class Census:
                 terminating: bool | None = None) -> list[EngineView]:  # fmt: skip
         """The engines of a role (each pod of a one-pod engine, each LeaderWorkerSet group of the others), by
         revision, by readiness (every pod ready) and by whether they terminate (every pod does)."""
-        groups: dict[tuple[str | None, str], list[PodView]] = {}
-        for pod in self.select(role, revision):
-            groups.setdefault((pod.revision, pod.engine.key), []).append(pod)
-        found = [EngineView(key, role, rev, pods[0].engine.pods, tuple(pods)) for (rev, key), pods in groups.items()]
-        return [e for e in found
-                if (ready is None or e.ready == ready) and (terminating is None or e.terminating == terminating)]  # fmt: skip
+        return [e for e in self._engines
+                if e.role == role and (revision is _ANY or e.revision == revision)
+                and (ready is None or e.ready == ready) and (terminating is None or e.terminating == terminating)]  # fmt: skip
+
+    @cached_property
+    def _engines(self) -> tuple[EngineView, ...]:
+        """Every engine, grouped once per pass (a pass asks for them a dozen times)."""
+        groups: dict[tuple[str | None, str | None, str], list[PodView]] = {}
+        for pod in self.pods:
+            groups.setdefault((pod.role, pod.revision, pod.engine.key), []).append(pod)
+        return tuple(EngineView(key, role, rev, pods[0].engine.pods, tuple(pods)) for (role, rev, key), pods in groups.items())
 
     def count_engines(self, role: str, revision: Any = _ANY, ready: bool | None = None,
                       terminating: bool | None = None) -> int:  # fmt: skip
