@@ -23,22 +23,20 @@ No request fails throughout, and no pod is deleted while its engine works on a r
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import urllib3
-from kubernetes import client, watch
+from kubernetes import client
 
 from disagg_connector import contract
-from tests.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble, start_pod_router
+from tests.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble
 
 from .conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
+from .serving import Serving
 from .test_rollout import Pool, get_model, rolled_out
-from .test_router_e2e import BackgroundClient
-from .waiting import condition, wait_for
+from .waiting import PodStates, condition, engine_pods, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -67,48 +65,20 @@ def wide_ep_model(name: str, pool_label: str) -> dict[str, Any]:
     })  # fmt: skip
 
 
-class Engines:
+def _engine_facts(pod: Any) -> tuple[str, str, str, bool]:
+    meta = pod.metadata
+    group = contract.engine_group(meta.name, meta.labels, meta.annotations)
+    # the leader (index 0) stands for its engine: once it goes, LWS's garbage collector takes the workers
+    key = group.key if group.index == 0 else f"{group.key}#worker"
+    return meta.labels[contract.LABEL_ROLE], meta.labels[contract.LABEL_REVISION], key, pod_ready(pod)
+
+
+class Engines(PodStates[tuple[str, str, str, bool]]):
     """After every pod event of the model: pod -> (role, revision, engine key, ready), terminating pods left out
     (as a Deployment's surge leaves them out)."""
 
     def __init__(self, api_client: Any, namespace: str, model: str):
-        self.states: list[dict[str, tuple[str, str, str, bool]]] = []
-        self._core, self._ns = client.CoreV1Api(api_client), namespace
-        self._selector = f"{contract.LABEL_MODEL}={contract.model_label_value(model)},{contract.LABEL_ROLE} in (prefill,decode)"
-        self._watch, self._stopped = watch.Watch(), False
-        listed = self._core.list_namespaced_pod(namespace, label_selector=self._selector)
-        self._pods = {p.metadata.name: self._facts(p) for p in listed.items if not p.metadata.deletion_timestamp}
-        self.states.append(dict(self._pods))
-        self._thread = threading.Thread(target=self._run, args=(listed.metadata.resource_version,), daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _facts(pod: Any) -> tuple[str, str, str, bool]:
-        meta = pod.metadata
-        group = contract.engine_group(meta.name, meta.labels, meta.annotations)
-        ready = any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
-        # the leader (index 0) stands for its engine: once it goes, LWS's garbage collector takes the workers
-        key = group.key if group.index == 0 else f"{group.key}#worker"
-        return meta.labels[contract.LABEL_ROLE], meta.labels[contract.LABEL_REVISION], key, ready
-
-    def _run(self, version: str) -> None:
-        try:
-            for event in self._watch.stream(self._core.list_namespaced_pod, self._ns, label_selector=self._selector,
-                                            resource_version=version, timeout_seconds=600):  # fmt: skip
-                pod = event["object"]
-                if event["type"] == "DELETED" or pod.metadata.deletion_timestamp:  # a terminating pod holds no room
-                    self._pods.pop(pod.metadata.name, None)
-                else:
-                    self._pods[pod.metadata.name] = self._facts(pod)
-                self.states.append(dict(self._pods))
-        except urllib3.exceptions.ProtocolError:
-            if not self._stopped:
-                raise
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._watch.stop()
-        self._thread.join(timeout=10)
+        super().__init__(api_client, namespace, engine_pods(model), _engine_facts)
 
     @staticmethod
     def engines(state: dict[str, tuple[str, str, str, bool]], role: str) -> int:
@@ -155,16 +125,13 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
     assert len(prefill) == 1 and contract.LWS_NAME_LABEL not in prefill[0].metadata.labels  # one pod: a Deployment
 
     served = first["spec"]["model"]["name"]
-    sims = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, stop_gone=True)
-    sims.start()
-    wait_for("5 simulated engines listening", lambda: sims.serving(1, 4), 120, retry_on=NOT_YET)
-    router = start_pod_router(cluster, namespace, name, tmp_path)
-    background: BackgroundClient | None = None
-    engines = Engines(api_client, namespace, name)
-    try:
+    with (
+        Serving(cluster, namespace, name, served, tmp_path, listening=(1, 4)) as harness,
+        Engines(api_client, namespace, name) as engines,
+    ):
+        sims, router = harness.engines, harness.router
         wait_for("router offers 8 prefill ranks and 4 decode pods", lambda: router.table() == {revision: (8, 4)}, 60, retry_on=NOT_YET)
-        background = BackgroundClient(router.url, served, workers=4)
-        background.start()
+        background = harness.start_client(workers=4)
         wait_for("every prefill rank and decode pod served", lambda: _served(sims, revision) == (set(range(8)), 4), 120, retry_on=NOT_YET)
 
         # --- 2. a worker deleted by hand: its group is recreated whole ---------------------------------------
@@ -188,12 +155,11 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
         done = wait_for("image rollout complete", lambda: rolled_out(custom, namespace, name, revision), 600)
         assert done["status"]["decode"]["readyReplicas"] == 2
         background.wait_past(time.monotonic(), "the rollout")
-        results = background.stop()
-        background = None
+        results = harness.stop_client()
         failed = [r for r in results if not r.ok]
         assert not failed and len(results) >= 20, (len(failed), len(results), failed[:3])
         engines.stop()
-        during = engines.states[started:]
+        during = [state for _, state in engines.states[started:]]
         assert len(during) > 8, "the watch saw the rollout"
         for state in during:
             engines_now = {role: Engines.engines(state, role) for role in ("prefill", "decode")}
@@ -208,13 +174,6 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
         assert sorted(e.role for e in retired) == ["decode"] * 4 + ["prefill"], [(e.pod, e.role) for e in retired]
         assert_idle_when_deleted(retired)
         assert_no_kv_trouble(sims.all())
-    finally:
-        engines.stop()
-        if background is not None:
-            background.stop()
-        code = router.proc.stop()
-        print(f"router exited with {code}; log tail:\n{router.proc.log_text()[-2000:]}")
-        sims.stop()
 
 
 def _served(sims: PodEngines, revision: str) -> tuple[set[int], int]:

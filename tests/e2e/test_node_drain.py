@@ -36,18 +36,17 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import urllib3
 import yaml
-from kubernetes import client, watch
+from kubernetes import client
 
 from disagg_connector import contract
 from tests.vllm_sim.harness import FAST
-from tests.vllm_sim.pods import PodEngines, start_pod_router
 
 from ..conftest import REPO
 from .conftest import model_manifest
-from .test_router_e2e import BackgroundClient, wait_for
-from .waiting import condition
+from .serving import Serving
+from .test_router_e2e import wait_for
+from .waiting import PodWatch, condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 POOL = f"{contract.API_GROUP}/drain-pool"
@@ -103,39 +102,21 @@ class PodTimes:
     deleted_wall: dict[str, float] = field(default_factory=dict)
 
 
-class PodWatch:
+class Terminations(PodWatch):
+    """Watches every pod of the model (not only engines) into PodTimes."""
+
     def __init__(self, api_client: Any, namespace: str, model: str):
         self.times = PodTimes()
-        self._core = client.CoreV1Api(api_client)
-        self._ns = namespace
-        self._selector = f"{contract.LABEL_MODEL}={contract.model_label_value(model)}"
-        self._watch = watch.Watch()
-        self._stopped = False
-        listed = self._core.list_namespaced_pod(namespace, label_selector=self._selector)
-        self._rv = listed.metadata.resource_version
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__(api_client, namespace, f"{contract.LABEL_MODEL}={contract.model_label_value(model)}")
 
-    def _run(self) -> None:
-        try:
-            for event in self._watch.stream(self._core.list_namespaced_pod, self._ns, label_selector=self._selector,
-                                            resource_version=self._rv, timeout_seconds=600):  # fmt: skip
-                pod, now = event["object"], time.monotonic()
-                name = pod.metadata.name
-                if pod.metadata.deletion_timestamp:
-                    self.times.terminating.setdefault(name, now)
-                    self.times.deletion_timestamp.setdefault(name, pod.metadata.deletion_timestamp)
-                if event["type"] == "DELETED":
-                    self.times.deleted.setdefault(name, now)
-                    self.times.deleted_wall.setdefault(name, time.time())
-        except urllib3.exceptions.ProtocolError:
-            if not self._stopped:
-                raise
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._watch.stop()
-        self._thread.join(timeout=10)
+    def changed(self, kind: str, pod: Any, now: float) -> None:
+        name = pod.metadata.name
+        if pod.metadata.deletion_timestamp:
+            self.times.terminating.setdefault(name, now)
+            self.times.deletion_timestamp.setdefault(name, pod.metadata.deletion_timestamp)
+        if kind == "DELETED":
+            self.times.deleted.setdefault(name, now)
+            self.times.deleted_wall.setdefault(name, time.time())
 
 
 class LongStream:
@@ -189,16 +170,13 @@ def test_a_node_drain_waits_for_the_stream_on_its_decode(operator, cluster, api_
         contract.DRAIN_COMMAND, "--port", str(contract.HTTP_PORT), "--deadline-seconds", str(GRACE_SECONDS - 15)]  # fmt: skip
     assert len({p.spec.node_name for p in decode_pods}) == 2, "one decode per node"
 
-    engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, timing={**FAST, "tpot_ms": TPOT_MS}, stop_gone=True)
-    engines.start()
-    pods = PodWatch(cluster.api_client(), namespace, name)
-    router = start_pod_router(cluster, namespace, name, tmp_path)
-    background: BackgroundClient | None = None
-    try:
-        wait_for("3 engines listening", lambda: engines.serving(1, 2), 120)
+    with (
+        Serving(cluster, namespace, name, served, tmp_path, listening=(1, 2), timing={**FAST, "tpot_ms": TPOT_MS}) as harness,
+        Terminations(cluster.api_client(), namespace, name) as pods,
+    ):
+        engines, router = harness.engines, harness.router
         wait_for("router table 1P2D", lambda: router.table() == {revision: (1, 2)}, 60)
-        background = BackgroundClient(router.url, served, workers=2)
-        background.start()
+        background = harness.start_client(workers=2)
         wait_for("traffic", lambda: len(background.results) >= 4)
 
         stream = LongStream(router.url, served, STREAM_TOKENS)
@@ -257,15 +235,7 @@ def test_a_node_drain_waits_for_the_stream_on_its_decode(operator, cluster, api_
         wait_for("the replacement decode listening", lambda: engines.serving(1, 2), 120)
         wait_for("router table 1P2D again", lambda: router.table() == {revision: (1, 2)}, 60)
         background.wait_past(time.monotonic(), "the replacement")
-        results = background.stop()
-        background = None
+        results = harness.stop_client()
         failed = [r for r in results if not r.ok]
         assert not failed and len(results) >= 10, (len(failed), len(results), failed[:3])
         engines.check()
-    finally:
-        pods.stop()
-        if background is not None:
-            background.stop()
-        code = router.proc.stop()
-        print(f"router exited with {code}; log tail:\n{router.proc.log_text()[-2000:]}")
-        engines.stop()

@@ -20,23 +20,22 @@ kube-controller-manager's HPA controller).
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import urllib3
 import yaml
-from kubernetes import client, watch
+from kubernetes import client
 
 from disagg_connector import contract
-from tests.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble, start_pod_router
+from tests.vllm_sim.pods import assert_idle_when_deleted, assert_no_kv_trouble
 
 from ..conftest import REPO
 from .conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
-from .test_router_e2e import BackgroundClient, wait_for
-from .waiting import condition
+from .serving import Serving
+from .test_router_e2e import wait_for
+from .waiting import PodStates, condition, engine_pods, pod_ready
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 POOL = f"{contract.API_GROUP}/rollout-pool"
@@ -93,49 +92,16 @@ def big_model(name: str, pool_label: str, mode: str) -> dict[str, Any]:
     })  # fmt: skip
 
 
-class Timeline:
+def _role_revision_ready(pod: Any) -> tuple[str, str, bool]:
+    labels = pod.metadata.labels
+    return labels[contract.LABEL_ROLE], labels[contract.LABEL_REVISION], pod_ready(pod)
+
+
+class Timeline(PodStates[tuple[str, str, bool]]):
     """After every pod event of the model: pod -> (role, revision, ready); and when each pod went."""
 
     def __init__(self, api_client: Any, namespace: str, model: str):
-        self.states: list[tuple[float, dict[str, tuple[str, str, bool]]]] = []
-        self.deleted: dict[str, float] = {}  # pod name -> monotonic time its deletion was seen
-        self._core = client.CoreV1Api(api_client)
-        self._ns = namespace
-        self._selector = f"{contract.LABEL_MODEL}={contract.model_label_value(model)},{contract.LABEL_ROLE} in (prefill,decode)"
-        self._watch = watch.Watch()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _ready(pod: Any) -> bool:
-        return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
-
-    def _run(self) -> None:
-        listed = self._core.list_namespaced_pod(self._ns, label_selector=self._selector)
-        pods = {p.metadata.name: (p.metadata.labels[contract.LABEL_ROLE], p.metadata.labels[contract.LABEL_REVISION],
-                                  self._ready(p)) for p in listed.items}  # fmt: skip
-        self.states.append((time.monotonic(), dict(pods)))
-        try:
-            for event in self._watch.stream(self._core.list_namespaced_pod, self._ns, label_selector=self._selector,
-                                            resource_version=listed.metadata.resource_version, timeout_seconds=600):  # fmt: skip
-                pod = event["object"]
-                name = pod.metadata.name
-                if event["type"] == "DELETED" or pod.metadata.deletion_timestamp:
-                    self.deleted.setdefault(name, time.monotonic())
-                    pods.pop(name, None)
-                else:
-                    labels = pod.metadata.labels
-                    pods[name] = (labels[contract.LABEL_ROLE], labels[contract.LABEL_REVISION], self._ready(pod))
-                self.states.append((time.monotonic(), dict(pods)))
-        except urllib3.exceptions.ProtocolError:
-            if not self._stopped:
-                raise
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._watch.stop()
-        self._thread.join(timeout=10)
+        super().__init__(api_client, namespace, engine_pods(model), _role_revision_ready)
 
     def check(self, targets: dict[str, int], since: float = 0.0, until: float = float("inf"), ratio: bool = True) -> dict[str, int]:
         """The invariants over every recorded state in [since, until]; returns the peak pods per role."""
@@ -179,16 +145,13 @@ def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, na
                      and o["status"]["decode"]["readyReplicas"] == 4 and o, 180)["status"]["revision"]
     served = get_model(custom, namespace, name)["spec"]["model"]["name"]
 
-    engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, stop_gone=True)
-    engines.start()
-    wait_for("8 engines listening", lambda: engines.serving(4, 4), 120)
-    router = start_pod_router(cluster, namespace, name, tmp_path)
-    background: BackgroundClient | None = None
-    timeline = Timeline(cluster.api_client(), namespace, name)
-    try:
+    with (
+        Serving(cluster, namespace, name, served, tmp_path, listening=(4, 4)) as harness,
+        Timeline(cluster.api_client(), namespace, name) as timeline,
+    ):
+        engines, router = harness.engines, harness.router
         wait_for("router table 4P4D", lambda: router.table() == {first: (4, 4)}, 60)
-        background = BackgroundClient(router.url, served, workers=3)
-        background.start()
+        background = harness.start_client(workers=3)
         wait_for("traffic", lambda: len(background.results) >= 6)
 
         # --- 1. an image change ------------------------------------------------------------------------
@@ -222,8 +185,7 @@ def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, na
         assert get_model(custom, namespace, name)["spec"]["decode"]["replicas"] == 4, "the spec is the user's, untouched"
 
         background.wait_past(time.monotonic(), "the Pull rollout")
-        results = background.stop()
-        background = None
+        results = harness.stop_client()
         failed = [r for r in results if not r.ok]
         assert not failed and len(results) >= 30, (len(failed), len(results), failed[:3])
 
@@ -234,13 +196,6 @@ def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, na
         assert sum(1 for e in retired for ev in e.events() if ev["kind"] == "leg_received"), "the retired pods served"
         assert_idle_when_deleted(retired)
         assert_no_kv_trouble(engines.all())
-    finally:
-        timeline.stop()
-        if background is not None:
-            background.stop()
-        code = router.proc.stop()
-        print(f"router exited with {code}; log tail:\n{router.proc.log_text()[-2000:]}")
-        engines.stop()
 
 
 def test_the_rendered_hpa_resolves_its_scale_target(operator, api_client, namespace) -> None:
