@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import cached_property
 from typing import Any, Callable
@@ -52,10 +52,14 @@ def error_message(error: ApiException) -> str:
         return f"HTTP {error.status} {error.reason}".strip()
 
 
+SERVES_TTL_SECONDS = 300.0
+
+
 @dataclass
 class Cluster:
     api_client: client.ApiClient
     field_manager: str = contract.FIELD_MANAGER
+    _served: dict[tuple[str, str], tuple[bool, float]] = field(default_factory=dict, repr=False)
 
     @cached_property
     def dynamic(self) -> DynamicClient:
@@ -65,12 +69,19 @@ class Cluster:
         return self.dynamic.resources.get(api_version=api_version, kind=kind)
 
     def serves(self, api_version: str, kind: str) -> bool:
-        """Whether the API server's discovery lists the kind (the client looks again on a miss)."""
+        """Whether the API server's discovery lists the kind. A miss makes the client fetch discovery again, so
+        the answer is kept for SERVES_TTL_SECONDS: a kind that comes (a feature gate turned on) is seen then."""
+        now = time.monotonic()
+        known = self._served.get((api_version, kind))
+        if known is not None and now - known[1] < SERVES_TTL_SECONDS:
+            return known[0]
         try:
             self._resource(api_version, kind)
+            found = True
         except ResourceNotFoundError:
-            return False
-        return True
+            found = False
+        self._served[(api_version, kind)] = (found, now)
+        return found
 
     def apply(self, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
         """Server-side apply with our field manager; with dry_run the API server validates and admits

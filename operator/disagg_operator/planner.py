@@ -316,18 +316,27 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
         rendered[key] = copy.deepcopy(rendered[key])
         rendered[key]["spec"]["replicas"] = replicas
 
-    # PodGroups are sized here, with their LeaderWorkerSets, and only where the cluster serves them.
+    # PodGroups are sized here, with their LeaderWorkerSets and the roles' targets, and only where the cluster
+    # serves them.
+    pair = next((o for o in rendered.values() if gang.is_pair_group(o)), None)
     rendered = {k: o for k, o in rendered.items() if o["kind"] != gang.POD_GROUP_KIND}
     retired = {a.key for a in engines.old_actions if isinstance(a, Delete)}
     if observed.pod_groups_served:
         rendered |= _pod_groups(rendered, observed, retired)
+        if pair is not None:
+            pair = copy.deepcopy(pair)
+            pair["spec"]["schedulingPolicy"]["gang"]["minCount"] = gang.pair_min_count(dict(targets))
+            rendered[key_of(pair)] = pair
     wanted = {**{k: stamped(o) for k, o in rendered.items()}, **scalers}
     applies = [
         Apply(obj, "update" if k in observed.children else "create")
         for k, obj in sorted(wanted.items(), key=lambda item: _apply_rank(item[1]))
         if needs_apply(obj, observed.children.get(k))
     ]
-    stale = [Delete(o, "stale") for k, o in observed.children.items() if k not in wanted and not is_engine_workload(o)]
+    # An older revision's pair PodGroup stays while that revision's engines do (its pods may be recreated).
+    kept_revisions = {revision_of(o) for k, o in observed.children.items() if is_engine_workload(o) and k not in retired}
+    stale = [Delete(o, "stale") for k, o in observed.children.items() if k not in wanted and not is_engine_workload(o)
+             and not (gang.is_pair_group(o) and revision_of(o) in kept_revisions)]  # fmt: skip
     after = _without(observed, {d.key for d in stale} | retired)
     return Plan(
         actions=(*engines.pod_actions, *applies, *engines.old_actions, *stale, *_role_scaler_statuses(desired, observed)),

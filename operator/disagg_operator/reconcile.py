@@ -114,7 +114,7 @@ class Reconciler:
         now = self.now()
         try:
             if any(o["kind"] == gang.POD_GROUP_KIND for o in desired.rendered.objects):  # an engine spans pods
-                served = self.cluster.serves(gang.POD_GROUP_API_VERSION, gang.POD_GROUP_KIND)  # discovery: cached when found
+                served = self.cluster.serves(gang.POD_GROUP_API_VERSION, gang.POD_GROUP_KIND)  # discovery, kept a while
                 observed = replace(observed, pod_groups_served=served)
             if self._routers_due(key, observed):  # HTTP to the router pods, not the API server
                 observed = replace(observed, routers=executor.read_routers(observed, status_mod.pod_ready))

@@ -188,7 +188,8 @@ def _scheduling_problem(pods: list[PodView]) -> Problem | None:
     with a gang none of its pods is bound, and what it lacks is in one member's message (the others wait for
     their group), so the reason is that member's, or GroupUnschedulable."""
     problems = {p.name: problem for p in pods if (problem := _unschedulable(p.obj))}
-    first = next((p for p in pods if p.name in problems), None)
+    # a pod that lacks something first: one that only waits for its gang says less
+    first = min((p for p in pods if p.name in problems), key=lambda p: problems[p.name].reason == "Unschedulable", default=None)
     if first is None or first.engine.pods == 1:
         return problems[first.name] if first else None
     members = [p for p in pods if p.engine.key == first.engine.key and p.revision == first.revision and p.name in problems]
@@ -409,16 +410,20 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
 
 
 def gang_scheduled(desired: Desired, observed: Observed) -> tuple[str, bool, str, str] | None:
-    """GangScheduled, for a model with an engine that spans pods whose cluster was asked about PodGroups."""
-    spanning = [f"{r} ({getattr(desired.model.spec, r).shape.pods} pods)" for r in contract.ENGINE_ROLES
-                if getattr(desired.model.spec, r).shape.spans_pods]  # fmt: skip
-    if not spanning or observed.pod_groups_served is None:
+    """GangScheduled, for a model with PodGroups (render/gang.py) whose cluster was asked whether it serves them."""
+    spec = desired.model.spec
+    spanning = [f"{r} ({getattr(spec, r).shape.pods} pods)" for r in contract.ENGINE_ROLES if getattr(spec, r).shape.spans_pods]
+    pairs = gang.pairs(desired.model)
+    if not (spanning or pairs) or observed.pod_groups_served is None:
         return None
     if observed.pod_groups_served:
-        return ("GangScheduled", True, "PodGroups", f"each engine of {' and '.join(spanning)} is one PodGroup: its pods "
-                "are bound all together or not at all")  # fmt: skip
-    return ("GangScheduled", False, "PodGroupsNotServed", f"the engines of {' and '.join(spanning)} are bound pod by "
-            f"pod, and a group that fits only in part holds the accelerators of the pods bound: {gang.INSTALL_HINT}")
+        what = (f"each engine of {' and '.join(spanning)} is one PodGroup: its pods are bound all together or not at all"
+                if spanning else "a revision's first prefill and decode pods are one PodGroup: bound together or not at all")
+        return ("GangScheduled", True, "PodGroups", what)
+    if not spanning:
+        return None  # pods bound one by one, as on most clusters today: no news for one-pod engines
+    return ("GangScheduled", False, "PodGroupsNotServed", f"the pods of the engines of {' and '.join(spanning)} are "
+            f"bound one by one, and a group that fits only in part holds the accelerators of the pods bound: {gang.INSTALL_HINT}")
 
 
 def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tuple[bool | None, str, str]:

@@ -5,20 +5,19 @@ scheduling cycle), kube-apiserver serving scheduling.k8s.io/v1beta1 PodGroups an
 kube-controller-manager's PodGroup protection, the LeaderWorkerSet v0.9.0 controller and webhooks
 (hack/cluster.sh up), and kwok's p5en nodes (8 nvidia.com/gpu each, hack/nodes/p5en.yaml).
 
-What the operator renders for a LeaderWorkerSet of engines (docs/gang-scheduling.md), made here by hand:
+The gang: the label GANG_LABEL on an LWS's pod template, one PodGroup per LWS group named `<lws>-<group
+index>` (its leader pod's name) with minCount = the group's size, and, once per cluster, the chart's
+MutatingAdmissionPolicy (templates/gang-policy.yaml, rendered here by the real helm), which sets every labelled
+LWS pod's spec.schedulingGroup.podGroupName to its leader pod's name (the leader's own name; a worker's
+`leaderworkerset.sigs.k8s.io/leader-name` annotation). LWS v0.9.0 cannot: its only gang provider is Volcano.
 
-- the label GANG_LABEL on the LWS's pod template;
-- one PodGroup per LWS group, named `<lws>-<group index>` (the group's leader pod's name), gang policy with
-  minCount = the group's size, owned by the LWS;
-- once per cluster (the chart): the MutatingAdmissionPolicy below, which sets every labelled LWS pod's
-  spec.schedulingGroup.podGroupName to its leader pod's name (the leader's own name; a worker's
-  `leaderworkerset.sigs.k8s.io/leader-name` annotation). LWS v0.9.0 cannot: its only gang provider is Volcano.
-
-Filler pods take whole p5en nodes so that a group of two 8-GPU pods finds only one free node. Then no pod
-of it is bound (without the gang the leader takes the free node alone and holds 8 GPUs: the control test),
-the PodGroup and the pods say why, and once a filler goes the whole group is bound at once. With two groups
-and room for one, one group is bound whole and the other not at all. Pods with a priorityClassName need it
-on their PodGroup too, or the scheduler refuses the group.
+The first tests make the LWS and PodGroups by hand, to show the scheduler's side. Filler pods take whole p5en
+nodes so that a group of two 8-GPU pods finds only one free node. Then no pod of it is bound (without the gang
+the leader takes the free node alone and holds 8 GPUs: the control test), the PodGroup and the pods say why,
+and once a filler goes the whole group is bound at once. With two groups and room for one, one group is bound
+whole and the other not at all. Pods with a priorityClassName need it on their PodGroup too, or the scheduler
+refuses the group. The last test is the operator's own: a DisaggregatedModel whose decode engine spans two
+nodes, on a pool with room for the prefill and half of it.
 
 Waits are on conditions; nothing sleeps to synchronise.
 """
@@ -31,64 +30,35 @@ from typing import Any, Iterator
 import pytest
 from kubernetes import client
 
-from .waiting import pod_ready, wait_for
+from disagg_connector import contract
+
+from ..support.helm import CHART, helm
+from .conftest import model_manifest
+from .test_rollout import POOL, Pool, get_model
+from .waiting import condition, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
 LWS_GROUP, LWS_VERSION, LWS_PLURAL = "leaderworkerset.x-k8s.io", "v1", "leaderworkersets"
 PG_GROUP, PG_VERSION, PG_PLURAL = "scheduling.k8s.io", "v1beta1", "podgroups"
 MAP_GROUP, MAP_VERSION = "admissionregistration.k8s.io", "v1"
-NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
-GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
-LEADER_NAME_ANNOTATION = "leaderworkerset.sigs.k8s.io/leader-name"
-GANG_LABEL, GANG_VALUE = "disagg.dev/gang", "lws-group"
-POLICY = "disagg-e2e-lws-gang"
+NAME_LABEL, GROUP_INDEX_LABEL = contract.LWS_NAME_LABEL, contract.LWS_GROUP_INDEX_LABEL
+GANG_LABEL, GANG_VALUE = contract.LABEL_GANG, contract.GANG_LWS_GROUP
+POLICY = "e2e-disagg-operator-gang"  # the chart's, release "e2e"
 GPU = "nvidia.com/gpu"
 P5EN_NODES = [f"kwok-p5en-{i}" for i in range(4)]  # hack/nodes/p5en.yaml: 8 GPUs each, tainted nvidia.com/gpu
 GPU_TOLERATION = {"key": GPU, "operator": "Exists", "effect": "NoSchedule"}
 
-# The cluster-wide policy (the chart's to install): the PodGroup of an LWS pod is named after its group's
-# leader pod, `<lws>-<group index>`, which every pod of the group knows at creation.
-GANG_POLICY = {
-    "apiVersion": f"{MAP_GROUP}/{MAP_VERSION}",
-    "kind": "MutatingAdmissionPolicy",
-    "metadata": {"name": POLICY},
-    "spec": {
-        "failurePolicy": "Fail",
-        "reinvocationPolicy": "Never",
-        "matchConstraints": {
-            "resourceRules": [
-                {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
-            ],
-            "objectSelector": {
-                "matchExpressions": [
-                    {"key": GANG_LABEL, "operator": "In", "values": [GANG_VALUE]},
-                    {"key": NAME_LABEL, "operator": "Exists"},
-                ]
-            },
-        },
-        "matchConditions": [{"name": "no-scheduling-group-yet", "expression": "!has(object.spec.schedulingGroup)"}],
-        "mutations": [
-            {
-                "patchType": "ApplyConfiguration",
-                "applyConfiguration": {
-                    "expression": (
-                        "Object{spec: Object.spec{schedulingGroup: Object.spec.schedulingGroup{podGroupName: "
-                        f"has(object.metadata.annotations) && '{LEADER_NAME_ANNOTATION}' in object.metadata.annotations"
-                        f" ? object.metadata.annotations['{LEADER_NAME_ANNOTATION}'] : object.metadata.name"
-                        "}}}"
-                    )
-                },
-            }
-        ],
-    },
-}
-GANG_POLICY_BINDING = {
-    "apiVersion": f"{MAP_GROUP}/{MAP_VERSION}",
-    "kind": "MutatingAdmissionPolicyBinding",
-    "metadata": {"name": POLICY},
-    "spec": {"policyName": POLICY},
-}
+# The cluster-wide policy, as the chart renders it where PodGroups and MutatingAdmissionPolicies are served
+# (templates/gang-policy.yaml): the PodGroup of an LWS pod is named after its group's leader pod,
+# `<lws>-<group index>`, which every pod of the group knows at creation.
+def chart_policy() -> tuple[dict[str, Any], dict[str, Any]]:
+    docs = helm("template", "e2e", str(CHART), "--show-only", "templates/gang-policy.yaml",
+                "--api-versions", "scheduling.k8s.io/v1beta1/PodGroup",
+                "--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy").docs()  # fmt: skip
+    policy, binding = docs
+    assert policy["metadata"]["name"] == POLICY and binding["spec"]["policyName"] == POLICY
+    return policy, binding
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -121,7 +91,8 @@ def gangs_served(cluster) -> None:
 @pytest.fixture(scope="module")
 def gang_policy(cluster, gangs_served) -> Iterator[None]:
     custom = client.CustomObjectsApi(cluster.api_client())
-    for obj, plural in ((GANG_POLICY, "mutatingadmissionpolicies"), (GANG_POLICY_BINDING, "mutatingadmissionpolicybindings")):
+    policy, binding = chart_policy()
+    for obj, plural in ((policy, "mutatingadmissionpolicies"), (binding, "mutatingadmissionpolicybindings")):
         try:
             custom.delete_cluster_custom_object(MAP_GROUP, MAP_VERSION, plural, obj["metadata"]["name"])
         except client.ApiException as e:
@@ -129,7 +100,7 @@ def gang_policy(cluster, gangs_served) -> Iterator[None]:
                 raise
         custom.create_cluster_custom_object(MAP_GROUP, MAP_VERSION, plural, obj)
     yield
-    for obj, plural in ((GANG_POLICY_BINDING, "mutatingadmissionpolicybindings"), (GANG_POLICY, "mutatingadmissionpolicies")):
+    for obj, plural in ((binding, "mutatingadmissionpolicybindings"), (policy, "mutatingadmissionpolicies")):
         try:
             custom.delete_cluster_custom_object(MAP_GROUP, MAP_VERSION, plural, obj["metadata"]["name"])
         except client.ApiException as e:
@@ -448,3 +419,104 @@ def test_the_pod_group_carries_the_pods_priority(api_client, namespace, gang_pol
     assert (pg["spec"]["priorityClassName"], pg["spec"]["priority"]) == (priority_class, 1000)  # set by admission
     pods = group_pods(core, namespace, "prio", 0, 2)
     assert pods and all(p.spec.node_name and p.spec.priority == 1000 for p in pods.values())
+
+
+def test_the_operators_engine_waits_whole_and_status_names_what_it_lacks(operator, cluster, api_client, namespace,
+                                                                          gang_policy) -> None:  # fmt: skip
+    """The operator's PodGroups on the real scheduler: prefill one 8-GPU pod, decode one engine over two 8-GPU
+    pods, a pool of nodes of this test's own. With room for the prefill and one decode pod, no decode pod is
+    bound (the free node keeps its GPUs), the model says which engine waits and what it lacks, the prefill
+    is not held up; one node more, and the engine is bound whole and serves."""
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    pool = Pool(api_client, f"{namespace}-gang")
+    place = {"nodeSelector": {POOL: pool.label}}
+    name = "gangs"
+    manifest = model_manifest(name, {
+        "prefill": {"replicas": 1, "parallelism": {"tensor": 8}, "accelerator": {"count": 8}, **place},
+        "decode": {"replicas": 1, "parallelism": {"data": 16, "expert": True}, "accelerator": {"count": 8}, **place},
+        "network": {"placement": {"zone": "None", "spine": "None"}},
+    })  # fmt: skip
+    try:
+        pool.add(1)
+        custom.create_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, manifest)
+
+        def role_pods(role: str) -> list[client.V1Pod]:
+            return core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}={role}").items
+
+        wait_for("the prefill pod bound", lambda: [p for p in role_pods("prefill") if p.spec.node_name], timeout=120)
+        pool.add(1)  # room for one decode pod of two
+        revision = wait_for("a revision", lambda: (get_model(custom, namespace, name).get("status") or {}).get("revision"), timeout=60)
+        lws = contract.engine_deployment_name(name, "decode", revision)
+        pods = wait_unschedulable(api_client, namespace, lws, 0, 2)
+        assert {p.spec.scheduling_group.pod_group_name for p in pods.values()} == {f"{lws}-0"}
+        pg = pod_group(api_client, namespace, f"{lws}-0")
+        assert pg["spec"]["schedulingPolicy"]["gang"]["minCount"] == 2
+        assert pg["metadata"]["ownerReferences"][0]["kind"] == "DisaggregatedModel"
+        free = pool.names[1]
+        assert not [p for p in core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={free}").items]
+
+        def names_the_engine() -> dict[str, Any] | None:
+            ready = condition(obj := get_model(custom, namespace, name), "Ready")
+            named = ready.get("reason") == "InsufficientGPUs" and f"decode engine {lws}/0" in ready.get("message", "")
+            return obj if named and (obj.get("status") or {}).get("prefill", {}).get("readyReplicas") == 1 else None
+
+        obj = wait_for("Ready=False names the decode engine and its GPUs, the prefill ready", names_the_engine, timeout=60)
+        assert condition(obj, "Ready")["status"] == "False"
+        assert "2 pods, bound together or not at all" in condition(obj, "Ready")["message"]
+        gang = condition(obj, "GangScheduled")
+        assert (gang["status"], gang["reason"]) == ("True", "PodGroups"), gang
+
+        pool.add(1)
+        bound = wait_for("the decode engine bound whole",
+                         lambda: (d := role_pods("decode")) and len(d) == 2 and all(p.spec.node_name for p in d) and d,
+                         timeout=120)  # fmt: skip
+        assert sorted(p.spec.node_name for p in bound) == sorted(pool.names[1:])
+        wait_for("Ready", lambda: condition(get_model(custom, namespace, name), "Ready").get("status") == "True", timeout=120)
+    finally:
+        custom.delete_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, name)
+        wait_for("the model's pods gone", lambda: not core.list_namespaced_pod(
+            namespace, label_selector=f"{contract.LABEL_MODEL}={contract.model_label_value(name)}").items, timeout=120)
+        pool.remove()
+
+
+def test_a_pair_is_bound_whole_or_not_at_all(operator, cluster, api_client, namespace, gang_policy) -> None:
+    """One-pod engines, prefill and decode 8 GPUs each, on a pool of one node: without a gang the first pod
+    bound would take the node and serve nothing; with the revision's pair PodGroup neither is bound and the node
+    keeps its GPUs. A second node, and both are bound at once."""
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    pool = Pool(api_client, f"{namespace}-pair")
+    place = {"nodeSelector": {POOL: pool.label}}
+    name = "pair"
+    manifest = model_manifest(name, {
+        "prefill": {"replicas": 1, "parallelism": {"tensor": 8}, "accelerator": {"count": 8}, **place},
+        "decode": {"replicas": 1, "parallelism": {"tensor": 8}, "accelerator": {"count": 8}, **place},
+        "network": {"placement": {"zone": "None", "spine": "None"}},
+    })  # fmt: skip
+    engines = f"{contract.LABEL_MODEL}={contract.model_label_value(name)},{contract.LABEL_ROLE} in (prefill,decode)"
+    try:
+        pool.add(1)
+        custom.create_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, manifest)
+        revision = wait_for("a revision", lambda: (get_model(custom, namespace, name).get("status") or {}).get("revision"), timeout=60)
+        group = contract.pair_pod_group_name(name, revision)
+        condition_ = wait_for(
+            f"PodGroup {group} PodGroupInitiallyScheduled=False",
+            lambda: (c := initially_scheduled(pod_group(api_client, namespace, group))).get("status") == "False" and c,
+            timeout=90,
+        )
+        assert condition_["reason"] == "Unschedulable" and "minCount (2) cannot be satisfied" in condition_["message"], condition_
+        pods = wait_for("both pods refused", lambda: (p := core.list_namespaced_pod(namespace, label_selector=engines).items)
+                        and len(p) == 2 and all((c := pod_scheduled(x)) and c.status == "False" for x in p) and p, timeout=60)  # fmt: skip
+        assert {p.spec.scheduling_group.pod_group_name for p in pods} == {group}
+        assert [p.spec.node_name for p in pods] == [None, None]
+        assert not core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={pool.names[0]}").items
+
+        pool.add(1)
+        bound = wait_for("both bound", lambda: (p := core.list_namespaced_pod(namespace, label_selector=engines).items)
+                         and len(p) == 2 and all(x.spec.node_name for x in p) and p, timeout=120)  # fmt: skip
+        assert sorted(p.spec.node_name for p in bound) == sorted(pool.names)
+        wait_for("Ready", lambda: condition(get_model(custom, namespace, name), "Ready").get("status") == "True", timeout=120)
+    finally:
+        custom.delete_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, name)
+        wait_for("the model's pods gone", lambda: not core.list_namespaced_pod(
+            namespace, label_selector=f"{contract.LABEL_MODEL}={contract.model_label_value(name)}").items, timeout=120)
+        pool.remove()

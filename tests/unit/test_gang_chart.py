@@ -26,14 +26,16 @@ def policies(docs: list[dict]) -> list[dict]:
     return [d for d in docs if d["kind"].startswith("MutatingAdmissionPolicy")]
 
 
-def test_the_policy_puts_the_operators_lws_pods_in_the_pod_group_it_makes() -> None:
+def test_the_policy_puts_the_operators_pods_in_the_pod_groups_it_makes() -> None:
+    """The names the policy reads are contract.py's (the e2e shows the policy at work on the API server)."""
     policy, binding = policies(rendered(*SERVED))
     assert binding["spec"] == {"policyName": policy["metadata"]["name"]}
     selector = policy["spec"]["matchConstraints"]["objectSelector"]["matchExpressions"]
-    assert {"key": contract.LABEL_GANG, "operator": "In", "values": [contract.GANG_LWS_GROUP]} in selector
-    assert {"key": contract.LWS_NAME_LABEL, "operator": "Exists"} in selector
+    assert selector == [{"key": contract.LABEL_GANG, "operator": "In", "values": [contract.GANG_LWS_GROUP, contract.GANG_PAIR]}]
     expression = policy["spec"]["mutations"][0]["applyConfiguration"]["expression"]
-    # the leader's own name, a worker's leader-name annotation: <lws>-<group index>, gang.pod_group_name's
+    # a pair's pod: its revision's PodGroup, from its own label
+    assert f"['{contract.LABEL_GANG}'] == '{contract.GANG_PAIR}' ? object.metadata.labels['{contract.LABEL_POD_GROUP}']" in expression
+    # an LWS pod: the leader's own name, a worker's leader-name annotation: <lws>-<group index>, gang.pod_group_name's
     assert f"'{contract.LWS_LEADER_NAME_ANNOTATION}'" in expression and "object.metadata.name" in expression
     assert gang.pod_group_name("m-decode-abc", 3) == "m-decode-abc-3"
     assert gang.POD_GROUP_API_VERSION == "scheduling.k8s.io/v1beta1"

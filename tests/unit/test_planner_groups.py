@@ -37,11 +37,12 @@ def groups(revision: str, count: int, not_ready: tuple[tuple[int, int], ...] = (
     return tuple(group_pod(revision, g, w, (g, w) not in not_ready, g in marked) for g in range(count) for w in (0, 1))
 
 
-def world(want: Any, pods: tuple[dict[str, Any], ...], routers: RouterView | None = None, prefill: int = 1) -> Observed:
+def world(want: Any, pods: tuple[dict[str, Any], ...], routers: RouterView | None = None, prefill: int = 1,
+          gangs: bool = False) -> Observed:  # fmt: skip
     base = (*(pod("prefill", f"p-{want.revision}-{i}", want.revision) for i in range(prefill)),
             *(pod("router", f"r-{i}", None) for i in range(2)))  # fmt: skip
-    observed = with_role_status(Observed(children(want), base + pods), want.revision)
-    return Observed(observed.children, observed.pods, routers=routers)
+    observed = with_role_status(Observed(children(want, gangs=gangs), base + pods), want.revision)
+    return Observed(observed.children, observed.pods, routers=routers, pod_groups_served=gangs or None)
 
 
 def lws_of(plan: planner.Plan) -> dict[str, Any] | None:
@@ -203,12 +204,12 @@ def test_without_pod_groups_served_none_is_written_and_status_says_so() -> None:
 def test_a_group_that_leaves_keeps_its_pod_group_until_its_lws_has_shrunk() -> None:
     lws_name = contract.engine_deployment_name("m", "decode", TWO.revision)
     idle = RouterView((router({f"{lws_name}-1": (0, True), f"{lws_name}-1-1": (0, True)}),), ("r0",))
-    shrinking = planner.plan(ONE, served(world(TWO, groups(TWO.revision, 2, marked=(1,)), idle)), NOW)
+    shrinking = planner.plan(ONE, world(TWO, groups(TWO.revision, 2, marked=(1,)), idle, gangs=True), NOW)
     assert lws_of(shrinking)["spec"]["replicas"] == 1  # type: ignore[index]
     assert not pod_groups_of(shrinking, planner.Delete)
 
-    shrunk = served(world(ONE, groups(TWO.revision, 1)))  # the LWS at 1; group 1's pods are gone
-    leftover = next(o for o in children(TWO).values() if o["metadata"]["name"] == f"{lws_name}-1")
+    shrunk = world(ONE, groups(TWO.revision, 1), gangs=True)  # the LWS at 1; group 1's pods are gone
+    leftover = next(o for o in children(TWO, gangs=True).values() if o["metadata"]["name"] == f"{lws_name}-1")
     plan = planner.plan(ONE, replace(shrunk, children={**shrunk.children, ("PodGroup", f"{lws_name}-1"): leftover}), NOW)
     assert [pg["metadata"]["name"] for pg in pod_groups_of(plan, planner.Delete)] == [f"{lws_name}-1"]
     assert not pod_groups_of(plan)  # group 0's stays as it is
@@ -216,10 +217,10 @@ def test_a_group_that_leaves_keeps_its_pod_group_until_its_lws_has_shrunk() -> N
 
 def test_an_old_revisions_pod_groups_go_with_its_lws() -> None:
     old_lws = contract.engine_deployment_name("m", "decode", TWO.revision)
-    old = {k: o for k, o in children(TWO).items() if k[0] in ("Deployment", "LeaderWorkerSet", "PodGroup")}
-    new = world(NEW_IMAGE, groups(NEW_IMAGE.revision, 2))
+    old = {k: o for k, o in children(TWO, gangs=True).items() if k[0] in ("Deployment", "LeaderWorkerSet", "PodGroup")}
+    new = world(NEW_IMAGE, groups(NEW_IMAGE.revision, 2), gangs=True)
     # the old revision's pods are all gone: its workloads are retired, its PodGroups with them
-    plan = planner.plan(NEW_IMAGE, served(replace(new, children={**old, **new.children})), NOW)
+    plan = planner.plan(NEW_IMAGE, replace(new, children={**old, **new.children}), NOW)
     retired = [a.obj["metadata"]["name"] for a in plan.actions if isinstance(a, planner.Delete) and a.why == "retired"]
     assert old_lws in retired
     assert sorted(pg["metadata"]["name"] for pg in pod_groups_of(plan, planner.Delete)) == [f"{old_lws}-0", f"{old_lws}-1"]
@@ -237,13 +238,13 @@ def test_status_names_the_engine_that_cannot_be_bound_and_what_it_lacks() -> Non
     waits = "pod group is unschedulable, minCount (2) cannot be satisfied: 1 scheduled, 0 remaining"
     lacks = "0/6 nodes are available: 4 Insufficient nvidia.com/gpu, 2 node(s) didn't match Pod's node affinity/selector."
     pending = (unschedulable(group_pod(TWO.revision, 0, 0), waits), unschedulable(group_pod(TWO.revision, 0, 1), lacks))
-    ready = cond(planner.plan(ONE, served(world(ONE, pending)), NOW).status, "Ready")
+    ready = cond(planner.plan(ONE, world(ONE, pending, gangs=True), NOW).status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "InsufficientGPUs")
     assert ready["message"].startswith(f"decode engine {lws_name}/0 (2 pods, bound together or not at all): 2 of its pods")
     assert waits in ready["message"] and "no node has enough nvidia.com/gpu" in ready["message"]
 
     both_wait = (unschedulable(group_pod(TWO.revision, 0, 0), waits), unschedulable(group_pod(TWO.revision, 0, 1), waits))
-    ready = cond(planner.plan(ONE, served(world(ONE, both_wait)), NOW).status, "Ready")
+    ready = cond(planner.plan(ONE, world(ONE, both_wait, gangs=True), NOW).status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "GroupUnschedulable")
 
 

@@ -21,7 +21,7 @@ from disagg_operator.state import Desired, SpecProblems, desire
 
 from ..conftest import dm
 from ..support.memory_cache import MemoryCache
-from .world import UID, desired, steady
+from .world import UID, children, desired, steady
 
 NOW = "2026-12-01T00:00:00Z"
 KEY = ("ns", "m")
@@ -36,6 +36,9 @@ class ScriptedCluster:
         self.foreign, self.refuse, self.fail_write, self.get_raises = foreign or {}, refuse or {}, fail_write, get_raises
         self.writes: list[tuple[str, str]] = []  # (verb, kind/name)
         self.statuses: list[dict[str, Any]] = []
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        return False  # no Workload API (GenericWorkload is off by default): no PodGroups
 
     def get(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         if self.get_raises is not None:
@@ -120,7 +123,7 @@ ROWS = [
     Row("invalid-spec", lambda: MemoryCache([model({"kvTransfer": {"mode": "Push", "bidirectional": True}})]), ScriptedCluster,
         ("invalid", "InvalidSpec"), lambda w: w == [], ("False", "InvalidSpec"), lambda e: e == [("Warning", "InvalidSpec")]),
     Row("first-create", lambda: MemoryCache([model()]), ScriptedCluster, ("success", None),
-        lambda w: len(w) == len(desired().rendered.objects) and {v for v, _ in w} == {"apply"}, ("False", "WaitingForPods"),
+        lambda w: len(w) == len(children(desired())) and {v for v, _ in w} == {"apply"}, ("False", "WaitingForPods"),
         lambda e: e == []),
     # Steady: no child is written; the first pass of an operator asks the routers (none has an IP here), which
     # KVTransferHealthy then says.

@@ -124,6 +124,7 @@ def test_children_of_a_model() -> None:
         ("PodDisruptionBudget", "m-prefill"), ("PodDisruptionBudget", "m-decode"), ("PodDisruptionBudget", "m-router"),
         ("ServiceAccount", "m-router"), ("Role", "m-router"), ("RoleBinding", "m-router"),
         ("NetworkPolicy", "m-engines"), (contract.ROLE_KIND, "m-prefill"), (contract.ROLE_KIND, "m-decode"),
+        ("PodGroup", f"m-{revision}-pair"),  # applied only where the cluster serves PodGroups (the planner's call)
     ])  # fmt: skip
 
 

@@ -34,8 +34,11 @@ def live(obj: dict[str, Any], **status: Any) -> dict[str, Any]:
     return out
 
 
-def children(world: Desired, kinds: Iterable[str] | None = None) -> dict[tuple[str, str], dict[str, Any]]:
-    return {key_of(o): live(o) for o in world.rendered.objects if kinds is None or o["kind"] in kinds}
+def children(world: Desired, kinds: Iterable[str] | None = None, gangs: bool = False) -> dict[tuple[str, str], dict[str, Any]]:
+    """The rendered children as stored; PodGroups only with `gangs` (an API server that serves them: the planner
+    makes them only then)."""
+    return {key_of(o): live(o) for o in world.rendered.objects
+            if (kinds is None or o["kind"] in kinds) and (gangs or o["kind"] != "PodGroup")}
 
 
 def pod(role: str, name: str, revision: str | None, ready: bool = True, **status: Any) -> dict[str, Any]:

@@ -56,9 +56,12 @@ LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # the group (
 LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
 LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
 LWS_LEADER_NAME_ANNOTATION = "leaderworkerset.sigs.k8s.io/leader-name"  # on a worker: its group's leader pod
-# Gangs (docs/gang-scheduling.md): the pods of an LWS group carry this label, the chart's admission policy puts
-# each in the PodGroup named after its group's leader pod, `<LWS name>-<group index>`, which the operator makes.
-LABEL_GANG, GANG_LWS_GROUP = f"{API_GROUP}/gang", "lws-group"
+# Gangs (docs/gang-scheduling.md): the chart's admission policy puts each pod labelled LABEL_GANG in a PodGroup
+# the operator makes: a pod of an LWS group (GANG_LWS_GROUP) in the one named after its group's leader pod,
+# `<LWS name>-<group index>`; a pod of a one-pod engine (GANG_PAIR) in the one its LABEL_POD_GROUP names, its
+# revision's pair_pod_group_name.
+LABEL_GANG, GANG_LWS_GROUP, GANG_PAIR = f"{API_GROUP}/gang", "lws-group", "pair"
+LABEL_POD_GROUP = f"{API_GROUP}/pod-group"
 # vLLM's data-parallel startup handshake, on the group's leader (its default, --data-parallel-rpc-port).
 DATA_PARALLEL_RPC_PORT = 29550
 ANNOTATION_SIDE_CHANNEL_PORT = f"{API_GROUP}/nixl-side-channel-port"
@@ -162,6 +165,11 @@ def role_service_name(model: str, role: Role) -> str:
 def engine_deployment_name(model: str, role: Role, revision: str) -> str:
     """P and D Deployments carry the revision: a new revision is a new pair, never a mixed rollout."""
     return fit_name(model, role, revision)
+
+
+def pair_pod_group_name(model: str, revision: str) -> str:
+    """The PodGroup of a revision's prefill and decode pods (one-pod engines); its pods carry it as LABEL_POD_GROUP."""
+    return fit_name(model, revision, "pair")
 
 
 def role_scaler_name(model: str, role: Role) -> str:

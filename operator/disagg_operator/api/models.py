@@ -1058,8 +1058,8 @@ class DisaggregatedModelStatus(ApiModel):
     router: RouterStatus = Field(default_factory=RouterStatus, description="Router pods and URL.")
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready (the model serves at the size asked, or is on its way there "
-        "within the rollout budget), Progressing, Degraded, FabricReady, KVTransferHealthy, GangScheduled (when an engine "
-        "spans pods), and for kstatus readers Reconciling and Stalled, each with a reason that says what to do."
+        "within the rollout budget), Progressing, Degraded, FabricReady, KVTransferHealthy, GangScheduled (where PodGroups "
+        "are served, or an engine spans pods), and for kstatus readers Reconciling and Stalled, each with a reason that says what to do."
     )
 
 

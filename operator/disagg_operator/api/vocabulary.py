@@ -34,8 +34,9 @@ CONDITION_TYPES: dict[str, str] = {
     DEGRADED: "Something is wrong while the model serves (a failing pod, short of its size for a reason).",
     FABRIC_READY: "The preflight of prefill and decode pods found the NIXL backend and the EFA devices.",
     KV_TRANSFER_HEALTHY: "The routers see KV transfers succeed in every revision (their own numbers).",
-    GANG_SCHEDULED: "Only with an engine that spans pods: each engine's pods are bound all together or not at all "
-                    "(a PodGroup per LeaderWorkerSet group).",
+    GANG_SCHEDULED: "Each engine's pods (a PodGroup per LeaderWorkerSet group), or a revision's first prefill and "
+                    "decode pods (one-pod engines), are bound all together or not at all. Shown where the cluster serves "
+                    "PodGroups, and where it does not for an engine that spans pods.",
     RECONCILING: "For kstatus readers (Flux): True while Progressing is.",
     STALLED: "For kstatus readers (Flux): True while Ready is False for a reason no retry clears.",
 }
@@ -96,7 +97,7 @@ REASONS: tuple[Reason, ...] = (
     _r("HugepagesMissing", "Ready Degraded FabricReady", "failing", "The pod has fewer 2Mi hugepages than EFA needs."),
     _r("SharedMemoryTooSmall", "Ready Degraded FabricReady", "failing", "/dev/shm is smaller than spec.network.efa.sharedMemory."),
     # --- gangs, for engines that span pods (render/gang.py) ------------------------------------------------------
-    _r("PodGroups", "GangScheduled", "ok", "Each LeaderWorkerSet group has its PodGroup: the scheduler binds an engine's pods together or not at all."),
+    _r("PodGroups", "GangScheduled", "ok", "Each LeaderWorkerSet group has its PodGroup, or each revision its prefill/decode pair's: the scheduler binds them together or not at all."),
     _r("PodGroupsNotServed", "GangScheduled", "capacity", "The cluster does not serve scheduling.k8s.io/v1beta1 PodGroups: an engine's pods are bound one by one, and a group that fits in part holds the GPUs of the pods bound. Turn on GenericWorkload (docs/gang-scheduling.md)."),
     _r("GroupUnschedulable", "Ready Degraded", "capacity", "An engine that spans pods cannot be bound as a whole: none of its pods holds a node; the message names the engine and what it lacks."),
     # --- KV transfer, from the routers (disagg_connector.contract.health verdicts) ---------------------------

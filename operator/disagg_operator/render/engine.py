@@ -11,7 +11,7 @@ from ..api.models import DisaggregatedModel, RoleSpec
 from ..config import RenderDefaults
 from ..quantity import parse_quantity
 from ..resolve import TransferPlan
-from . import placement, vllm
+from . import gang, placement, vllm
 from .meta import metadata
 
 ACCELERATOR_RESOURCE = contract.ACCELERATOR_RESOURCES
@@ -239,7 +239,8 @@ def pod_template(
         pod_spec["schedulerName"] = role.scheduler_name
     return {
         "metadata": {
-            "labels": contract.child_labels(dm.metadata.name, role_name),
+            # the gang label is hashed with the rest: changing it is a new revision, rolled out with drains
+            "labels": {**contract.child_labels(dm.metadata.name, role_name), **gang.pod_label(dm, role)},
             "annotations": identity_annotations(dm, role, plan),
         },
         "spec": pod_spec,
@@ -253,7 +254,10 @@ def deployment(
     role: RoleSpec = getattr(dm.spec, role_name)
     rollout = getattr(dm.spec.rollout, role_name)
     labels = contract.child_labels(model, role_name, revision)
-    template = {**template, "metadata": {**template["metadata"], "labels": labels}}
+    pod_labels = {**template["metadata"]["labels"], **labels}
+    if pod_labels.get(contract.LABEL_GANG) == contract.GANG_PAIR:  # its revision's PodGroup (gang.pair_pod_group)
+        pod_labels[contract.LABEL_POD_GROUP] = contract.pair_pod_group_name(model, revision)
+    template = {**template, "metadata": {**template["metadata"], "labels": pod_labels}}
     spec: dict[str, Any] = {
         "selector": {"matchLabels": {**contract.selector_labels(model, role_name), contract.LABEL_REVISION: revision}},
         "strategy": {
@@ -283,13 +287,11 @@ def leader_worker_set(
     """The engines of a role whose engine spans pods, for one revision: one LeaderWorkerSet group per engine
     (its replicas count engines), every pod from the same template (the leader is worker 0), the whole group
     recreated when one of its pods restarts (vLLM's data-parallel ranks cannot rejoin a running engine), the
-    workers created once the leader exists (they wait for its handshake port themselves), every pod labelled
-    for its group's gang (gang.py; the label is outside the revision hash: it says how, not what, to run)."""
+    workers created once the leader exists (they wait for its handshake port themselves)."""
     model = dm.metadata.name
     role: RoleSpec = getattr(dm.spec, role_name)
     labels = contract.child_labels(model, role_name, revision)
-    pod_labels = {**labels, contract.LABEL_GANG: contract.GANG_LWS_GROUP}
-    template = {**template, "metadata": {**template["metadata"], "labels": pod_labels}}
+    template = {**template, "metadata": {**template["metadata"], "labels": {**template["metadata"]["labels"], **labels}}}
     return {
         "apiVersion": LWS_API_VERSION,
         "kind": LWS_KIND,

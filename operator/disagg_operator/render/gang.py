@@ -1,10 +1,15 @@
-"""Gangs: one PodGroup per LeaderWorkerSet group, so that an engine's pods bind all together or not at all.
+"""Gangs: PodGroups, so that what must run together is bound all together or not at all.
 
 Kubernetes' Workload API (scheduling.k8s.io/v1beta1, feature GenericWorkload) gang-schedules the pods of a
-PodGroup; LWS v0.9.0 makes none. The chart's MutatingAdmissionPolicy puts every pod labelled
-`contract.LABEL_GANG` in the PodGroup named after its group's leader pod, `<LWS name>-<group index>`, and
-these are the PodGroups of those names (docs/gang-scheduling.md). A PodGroup is derived from its
-LeaderWorkerSet alone, so the planner makes the same ones for the LWS it renders and for older revisions'.
+PodGroup; LWS v0.9.0 makes none. The chart's MutatingAdmissionPolicies put every pod labelled
+`contract.LABEL_GANG` in its PodGroup, and these are the PodGroups of those names (docs/gang-scheduling.md):
+
+- an engine that spans pods: one PodGroup per LeaderWorkerSet group, named after the group's leader pod
+  (`<LWS name>-<group index>`), derived from its LeaderWorkerSet alone, so the planner makes the same ones for
+  the LWS it renders and for older revisions';
+- a model whose engines are one pod each: one PodGroup per revision for its prefill and decode pods, with
+  minCount one pod of each role, so a revision's first pair is bound together or not at all (a pair of one
+  half serves nothing and holds its accelerators); the pods after the first pair are bound one by one.
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ from typing import Any
 
 from disagg_connector import contract
 
+from ..api.models import DisaggregatedModel, RoleSpec
+from .meta import metadata
+
 POD_GROUP_API_VERSION, POD_GROUP_KIND, POD_GROUP_PLURAL = "scheduling.k8s.io/v1beta1", "PodGroup", "podgroups"
 INSTALL_HINT = (
-    "engines that span pods are gang scheduled through Kubernetes' Workload API: turn on the GenericWorkload "
+    "gangs come from Kubernetes' Workload API: turn on the GenericWorkload "
     "feature gate on kube-apiserver, kube-controller-manager and kube-scheduler and serve scheduling.k8s.io/v1beta1 "
     "(docs/gang-scheduling.md)"
 )
@@ -50,3 +58,44 @@ def pod_groups(lws: dict[str, Any], groups: int) -> list[dict[str, Any]]:
         }
         for index in range(groups)
     ]
+
+
+def pairs(dm: DisaggregatedModel) -> bool:
+    """Whether a revision's prefill and decode pods form one gang: only when every engine is one pod (an LWS
+    group's pods are in their group's PodGroup, and a pod is in one PodGroup) and both roles' pods have the
+    priority and the scheduler that one PodGroup's pods must share."""
+    roles: list[RoleSpec] = [getattr(dm.spec, r) for r in contract.ENGINE_ROLES]
+    return (not any(r.shape.spans_pods for r in roles)
+            and len({r.priority_class_name for r in roles}) == 1 and len({r.scheduler_name for r in roles}) == 1)  # fmt: skip
+
+
+def pair_min_count(sizes: dict[str, int]) -> int:
+    """One pod of each role that is to run (a role scaled to 0 does not hold the other back)."""
+    return max(1, sum(1 for size in sizes.values() if size > 0))
+
+
+def pair_pod_group(dm: DisaggregatedModel, revision: str, min_count: int) -> dict[str, Any]:
+    """The PodGroup of a revision's prefill and decode pods (`pairs`)."""
+    model = dm.metadata.name
+    labels = {**contract.common_labels(model, "pod-group"), contract.LABEL_REVISION: revision,
+              contract.LABEL_GANG: contract.GANG_PAIR}  # fmt: skip
+    spec: dict[str, Any] = {"schedulingPolicy": {"gang": {"minCount": min_count}}}
+    if dm.spec.prefill.priority_class_name:
+        spec = {"priorityClassName": dm.spec.prefill.priority_class_name, **spec}
+    return {
+        "apiVersion": POD_GROUP_API_VERSION,
+        "kind": POD_GROUP_KIND,
+        "metadata": metadata(dm, contract.pair_pod_group_name(model, revision), labels),
+        "spec": spec,
+    }
+
+
+def is_pair_group(obj: dict[str, Any]) -> bool:
+    return obj["kind"] == POD_GROUP_KIND and (obj["metadata"].get("labels") or {}).get(contract.LABEL_GANG) == contract.GANG_PAIR
+
+
+def pod_label(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, str]:
+    """The label by which the chart's policy puts a pod in its PodGroup (none when its pods are bound one by one)."""
+    if role.shape.spans_pods:
+        return {contract.LABEL_GANG: contract.GANG_LWS_GROUP}
+    return {contract.LABEL_GANG: contract.GANG_PAIR} if pairs(dm) else {}
