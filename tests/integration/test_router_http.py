@@ -85,3 +85,27 @@ def test_graceful_shutdown_finishes_in_flight_streams(env):
             asyncio.run(h.post(R.url + "/v1/completions", h.completion(), timeout=5))
     finally:
         R.proc.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_time_per_output_token_of_a_stream(env, path):
+    """The decode simulator streams one token every 40 ms: the router's TPOT histogram sees about that, per
+    stream, and nothing for an answer that was not streamed."""
+    _, _, R, *_ = env
+    endpoint = "chat" if "chat" in path else "completions"
+    body = h.chat(max_tokens=20, stream=True) if endpoint == "chat" else h.completion(max_tokens=20, stream=True)
+
+    def observed() -> tuple[float, float]:
+        labels = {"revision": "r1", "mode": "push"}
+        count = R.metric("disagg_router_time_per_output_token_seconds_count", **labels) or 0.0
+        return count, R.metric("disagg_router_time_per_output_token_seconds_sum", **labels) or 0.0
+
+    count0, sum0 = observed()
+    reply = asyncio.run(h.post(R.url + path, body))
+    assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n")
+    count1, sum1 = observed()
+    assert count1 == count0 + 1
+    assert 0.035 <= sum1 - sum0 <= 0.08, sum1 - sum0  # 40 ms a token, with room for a loaded machine
+    unstreamed = {**body, "stream": False}
+    assert asyncio.run(h.post(R.url + path, unstreamed)).status == 200
+    assert observed() == (count1, sum1)

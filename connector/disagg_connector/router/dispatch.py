@@ -499,7 +499,9 @@ class Dispatcher:
             out = web.StreamResponse(status=o.status, headers=headers)
             await out.prepare(ctx.request)
             await out.write(o.data)
-            self.metrics.child(self.metrics.ttft, o.revision, o.flow).observe(time.monotonic() - ctx.t0)
+            first = time.monotonic()
+            self.metrics.child(self.metrics.ttft, o.revision, o.flow).observe(first - ctx.t0)
+            events, last = 0, b""  # SSE events after the first chunk (one token each), for the TPOT
             engine_error = False
             stall = StallTimer(self.cfg.leg_timeout)
             try:
@@ -519,6 +521,8 @@ class Dispatcher:
                         finished = True
                         break
                     engine_error = engine_error or _SSE_ERROR in chunk
+                    events += chunk.count(b"\n\n")  # JSON escapes newlines: a blank line only ends an event
+                    last = chunk
                     await out.write(chunk)
             finally:
                 stall.close()
@@ -527,6 +531,9 @@ class Dispatcher:
                 self._failed(o.revision, o.flow, "decode_stream_broken")
             elif finished:
                 self._succeeded(o)
+                tokens = events - last.endswith(_SSE_DONE)  # [DONE] carries no token
+                if tokens > 0:
+                    self.metrics.child(self.metrics.tpot, o.revision, o.flow).observe((time.monotonic() - first) / tokens)
             await out.write_eof()
             return out
         except ConnectionError:  # the client went away while we wrote to it

@@ -3,7 +3,8 @@
 Per request, labelled by revision and path (``push``, ``pull``, ``local`` for prompts below the
 disaggregation threshold): histograms of the prefill leg, the wait for the KV (the decode's first token
 after both its leg started and the prefill finished: in pull the whole decode leg up to its first token,
-in push the part of it after the prefill), time to first token and end to end; failures by cause (the
+in push the part of it after the prefill), time to first token, time per output token (streamed answers:
+vLLM sends one SSE event per token unless its --stream-interval batches them) and end to end; failures by cause (the
 vocabulary of :mod:`health`). Per backend, read at scrape time from the balancer: in-flight legs,
 draining, ejected; per revision: ready pairs and traffic weight.
 """
@@ -20,6 +21,8 @@ from prometheus_client.registry import Collector
 from disagg_connector.contract.health import RouterHealth
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 30, 60, 120, 300)
+# Time per output token: milliseconds apart on an H200, tens of them on a busy or small engine.
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 _LABELS = ("revision", "mode")
 
 
@@ -69,6 +72,11 @@ class RouterMetrics:
         )
         self.ttft = hist("disagg_router_time_to_first_token_seconds", "Request arrival to the first streamed chunk sent to the client")
         self.e2e = hist("disagg_router_request_duration_seconds", "End-to-end request latency as seen by the router")
+        self.tpot = Histogram(
+            "disagg_router_time_per_output_token_seconds",
+            "Streamed answers: the first chunk to the end of the stream over the SSE events after the first",
+            _LABELS, buckets=_TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
         self.failures = Counter("disagg_router_failures", "Failed attempts and streams by cause", [*_LABELS, "cause"], registry=r)
         self.retries = Counter("disagg_router_retries", "Retries on another pair with fresh ids", ["revision"], registry=r)
         self.in_flight = Gauge("disagg_router_requests_in_flight", "Client requests in progress", registry=r)
