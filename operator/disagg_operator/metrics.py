@@ -11,11 +11,15 @@ Ours:
   disagg_operator_reconcile_errors_by_reason_total{reason}   ChildRejected, OwnershipConflict, ApiUnavailable, ...
   disagg_operator_children_applied_total{kind}, disagg_operator_children_deleted_total{kind}
   disagg_operator_models{phase}                               read from the cache at scrape time
+  disagg_operator_model_condition{model_namespace, model, type, status, reason}   1 per model and condition
+                                                              type, read from the cache at scrape time
+The model's own labels are model_namespace and model, not namespace: a scrape's target label namespace (the
+operator's) would rename an exported namespace to exported_namespace.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,12 +30,33 @@ CONTROLLER = "disaggregatedmodel"
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-class _Live(Collector):
-    """Gauges read at scrape time (queue depth, models by phase), so nothing has to keep them current."""
+class ModelCondition(NamedTuple):
+    """One condition of a DisaggregatedModel's status, as the alerts read it (a rollout stuck: Progressing)."""
 
-    def __init__(self, queue_stats: Callable[[], tuple[int, int, int]], phases: Callable[[], Mapping[str, int]]):
+    namespace: str
+    model: str
+    type: str
+    status: str  # "True" | "False" | "Unknown"
+    reason: str
+
+
+def model_conditions(namespace: str, name: str, body: Mapping[str, object]) -> list[ModelCondition]:
+    status = body.get("status")
+    conditions = status.get("conditions") if isinstance(status, Mapping) else None
+    return [
+        ModelCondition(namespace, name, str(c.get("type", "")), str(c.get("status", "Unknown")), str(c.get("reason", "")))
+        for c in conditions or () if isinstance(c, Mapping) and c.get("type")
+    ]
+
+
+class _Live(Collector):
+    """Gauges read at scrape time (queue depth, models by phase, their conditions), so nothing has to keep them current."""
+
+    def __init__(self, queue_stats: Callable[[], tuple[int, int, int]], phases: Callable[[], Mapping[str, int]],
+                 conditions: Callable[[], Iterable[ModelCondition]]):
         self._queue_stats = queue_stats
         self._phases = phases
+        self._conditions = conditions
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         depth, adds, retries = self._queue_stats()
@@ -42,6 +67,11 @@ class _Live(Collector):
         for phase, count in sorted(self._phases().items()):
             models.add_metric([phase], count)
         yield models
+        condition = GaugeMetricFamily("disagg_operator_model_condition", "1 per condition of a DisaggregatedModel's status",
+                                      labels=["model_namespace", "model", "type", "status", "reason"])
+        for c in self._conditions():
+            condition.add_metric([c.namespace, c.model, c.type, c.status, c.reason], 1)
+        yield condition
 
 
 def _labelled(family: GaugeMetricFamily | CounterMetricFamily, value: float) -> GaugeMetricFamily | CounterMetricFamily:
@@ -68,8 +98,9 @@ class OperatorMetrics:
         self.applied = Counter("disagg_operator_children_applied", "Children written by server-side apply", ["kind"], registry=r)
         self.deleted = Counter("disagg_operator_children_deleted", "Children deleted", ["kind"], registry=r)
 
-    def watch(self, queue_stats: Callable[[], tuple[int, int, int]], phases: Callable[[], Mapping[str, int]]) -> None:
-        self.registry.register(_Live(queue_stats, phases))
+    def watch(self, queue_stats: Callable[[], tuple[int, int, int]], phases: Callable[[], Mapping[str, int]],
+              conditions: Callable[[], Iterable[ModelCondition]] = tuple) -> None:
+        self.registry.register(_Live(queue_stats, phases, conditions))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Binds now (OSError when it cannot: `run` says so before kopf starts), serves from a daemon thread."""

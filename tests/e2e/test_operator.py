@@ -167,7 +167,9 @@ def test_scale_and_revision_rollout_never_mixes_revisions(operator, api_client, 
         p for p in pods_of(api_client, namespace, "roll", "prefill") + pods_of(api_client, namespace, "roll", "decode")
         if p.metadata.labels[contract.LABEL_REVISION] == first
     ])  # fmt: skip
-    time.sleep(1)
+    # the watch has seen what the API server says: the old pods gone
+    wait_for("the timeline to see the old revision gone", lambda: timeline.states and not [
+        e for e in timeline.states[-1].values() if e[1] == first])  # fmt: skip
     timeline.stop()
     assert check(status) and status["prefill"]["readyReplicas"] == 2
     assert not [d for d in apps.list_namespaced_deployment(namespace).items if d.metadata.labels.get(contract.LABEL_REVISION) == first]

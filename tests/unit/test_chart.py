@@ -29,7 +29,8 @@ NAMESPACE = "disagg-system"
 RELEASE = "dop"
 FULLNAME = f"{RELEASE}-disagg-operator"
 # Kinds that are not in Kubernetes' own schemas: checked against the chart's CRDs / by hand below.
-CUSTOM_KINDS = {("kopf.dev/v1", "KopfPeering"), ("kopf.dev/v1", "ClusterKopfPeering"), ("monitoring.coreos.com/v1", "ServiceMonitor")}
+CUSTOM_KINDS = {("kopf.dev/v1", "KopfPeering"), ("kopf.dev/v1", "ClusterKopfPeering"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
+                ("monitoring.coreos.com/v1", "PrometheusRule")}  # fmt: skip
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -57,6 +58,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "extraEnv": [{"name": "TZ", "value": "UTC"}],
         "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/none"}},
         "metrics": {"service": {"port": 9090}, "serviceMonitor": {"enabled": True, "interval": "1m", "labels": {"release": "prom"}}},
+        "alerts": {"enabled": True, "labels": {"release": "prom"}, "rolloutStuck": {"for": "4h"}},
+        "dashboards": {"enabled": True, "labels": {"release": "prom"}, "annotations": {"example.com/owner": "ml"}},
     },
     "bring-your-own-rbac": {
         "rbac": {"create": False},
