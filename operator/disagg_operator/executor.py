@@ -27,7 +27,7 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from .kube import Cluster, error_message
 from .planner import Action, Annotate, Apply, Delete, Plan, Scale, SetStatus
-from .render.engine import INSTALL_HINTS
+from .render import INSTALL_HINTS
 from .state import ChildProblem, Key, Obj, Observed, RouterView, controlled_by, role_of
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,10 @@ def problem_from_error(kind: str, name: str, status: int | None, message: str) -
     """The condition reason for an API server's refusal: what the user would search for."""
     # Server-side apply answers 500 "failed to create typed patch object" for a value of the wrong type
     # (a list where the schema wants a map, say): a refusal of the content like a 422.
-    if status in (400, 422) or (status == 500 and "failed to create typed patch object" in message):
+    # A PodGroup naming a PriorityClass that does not exist is refused by admission with a 403: the content is
+    # wrong, not the operator's RBAC.
+    if (status in (400, 422) or (status == 500 and "failed to create typed patch object" in message)
+            or (status == 403 and "no PriorityClass with name" in message)):
         reason = "ChildRejected"
     elif status == 403:
         reason = "QuotaExceeded" if "exceeded quota" in message else "Forbidden"

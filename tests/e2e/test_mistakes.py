@@ -77,7 +77,9 @@ MISTAKES = [
             {"prefill": {"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
                 {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": ""}]}}}},
             "ChildRejected", ("Deployment m-prefill-", "topologyKey")),
-    Mistake("missing-priority-class", {"prefill": {"priorityClassName": "gold"}, "decode": {"priorityClassName": "gold"}},
+    # One role only: with both, their revision's pair PodGroup (same priority) is refused first, ChildRejected
+    # (tests/unit/test_reconciler.py), where the cluster serves PodGroups.
+    Mistake("missing-priority-class", {"prefill": {"priorityClassName": "gold"}},
             "PodCreationFailed", ("Deployment m-", "no PriorityClass with name gold")),
     Mistake("namespace-gpu-quota", {}, "QuotaExceeded", ("Deployment m-", "exceeded quota: no-gpus"), _quota),
     Mistake("namespace-limit-range", {}, "PodCreationFailed", ("Deployment m-", "must be less than or equal to memory limit of 16Gi"),

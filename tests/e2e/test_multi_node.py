@@ -13,7 +13,9 @@ Simulated engines listen on every engine pod's IP, each serving the ranks its po
    read as the index within the pod) and every decode pod.
 2. A worker pod deleted by hand: LWS recreates its whole group (RecreateGroupOnPodRestart); the router
    stops using the group at once (only the other group's 2 decode pods are offered), the model comes back
-   to two ready engines, and the router to 4 decode pods.
+   to two ready engines, and the router to 4 decode pods. Then decode is scaled as an HPA scales it (the
+   DisaggregatedRole's scale subresource) to 3 engines and back: the LWS gets a third group and its PodGroup,
+   the scale status counts engines, and the way back drains the third group before it goes.
 3. An image change rolls out in engines: at every moment (a watch over every pod transition) decode has at
    most 3 engines (2 + a surge of one engine; an engine is there while its leader is: a group whose leader
    went leaves whole, LWS's garbage collector taking its workers), some revision has a whole ready prefill
@@ -147,6 +149,23 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
         assert back["status"]["revision"] == revision
         wait_for("the router offers the recreated group", lambda: router.table().get(revision) == (8, 4), 120, retry_on=NOT_YET)
 
+        # --- 2b. scaled as an HPA scales it (the DisaggregatedRole's scale subresource), in engines ------------
+        scaler = contract.role_scaler_name(name, "decode")
+        custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL, scaler, {"spec": {"replicas": 3}})
+        wait_for("three ready decode engines", lambda: (o := get_model(custom, namespace, name))
+                 and o["status"]["decode"]["readyReplicas"] == 3 and o, 120)  # fmt: skip
+        assert lws_of(api_client, namespace, lws_name)["spec"]["replicas"] == 3
+        scale = custom.get_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL, scaler)
+        assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (3, 3)  # what an HPA reads: engines
+        assert {g["metadata"]["name"] for g in _pod_groups(api_client, namespace, lws_name)} == {f"{lws_name}-{i}" for i in range(3)}
+        wait_for("the router offers the third engine", lambda: router.table().get(revision) == (8, 6), 60, retry_on=NOT_YET)
+        custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL, scaler, {"spec": {"replicas": 2}})
+        wait_for("back to two engines, the third drained and gone", lambda: lws_of(api_client, namespace, lws_name)["spec"]["replicas"] == 2
+                 and (o := get_model(custom, namespace, name))["status"]["decode"]["replicas"] == 2, 120)  # fmt: skip
+        wait_for("its PodGroup gone", lambda: {g["metadata"]["name"] for g in _pod_groups(api_client, namespace, lws_name)}
+                 == {f"{lws_name}-{i}" for i in range(2)}, 60)  # fmt: skip
+        wait_for("the router offers two engines", lambda: router.table().get(revision) == (8, 4), 60, retry_on=NOT_YET)
+
         # --- 3. an image rollout, in engines ------------------------------------------------------------------
         started = len(engines.states)
         before = {e.uid for e in sims.live()}
@@ -174,6 +193,12 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
         assert sorted(e.role for e in retired) == ["decode"] * 4 + ["prefill"], [(e.pod, e.role) for e in retired]
         assert_idle_when_deleted(retired)
         assert_no_kv_trouble(sims.all())
+
+
+def _pod_groups(api_client: Any, namespace: str, lws: str) -> list[dict[str, Any]]:
+    """The PodGroups the operator made for an LWS's groups (the cluster serves them: hack/cluster.sh)."""
+    return client.CustomObjectsApi(api_client).list_namespaced_custom_object(
+        "scheduling.k8s.io", "v1beta1", namespace, "podgroups", label_selector=f"{contract.LWS_NAME_LABEL}={lws}")["items"]
 
 
 def _served(sims: PodEngines, revision: str) -> tuple[set[int], int]:

@@ -242,6 +242,9 @@ def test_a_write_that_fails_half_way(code: int, message: str, reason: str) -> No
 @pytest.mark.parametrize(("code", "message", "reason"), [
     (422, "is invalid", "ChildRejected"), (400, "bad request", "ChildRejected"), (404, "namespaces not found", "ApplyFailed"),
     (500, "failed to create typed patch object (/m; apps/v1, Kind=Deployment): .spec...: expected list", "ChildRejected"),
+    # kube-apiserver 1.37's answer to a PodGroup of a missing PriorityClass (kubectl apply --dry-run=server)
+    (403, 'podgroups.scheduling.k8s.io "m-x-pair" is forbidden: no PriorityClass with name gold was found', "ChildRejected"),
+    (403, 'deployments.apps "m" is forbidden: User "system:serviceaccount:x:y" cannot patch resource', "Forbidden"),
 ])  # fmt: skip
 def test_api_refusals_get_stable_reasons(code: int, message: str, reason: str) -> None:
     assert executor.problem_from_error("Service", "s", code, message).reason == reason
