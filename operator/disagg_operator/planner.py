@@ -240,13 +240,22 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
 def _pod_groups(rendered: Mapping[Key, Obj], observed: Observed, gone: set[Key]) -> dict[Key, Obj]:
     """The PodGroups of every LeaderWorkerSet this pass keeps, as many as the larger of its live and planned
     size: a group that comes has its PodGroup before its pods, one that leaves keeps it until its LWS has
-    shrunk (and kube-controller-manager's protection finalizer keeps a deleted one while its pods run)."""
+    shrunk (and kube-controller-manager's protection finalizer keeps a deleted one while its pods run). An
+    LWS whose group 0 is in its revision's pair gets the others' only once that pair is bound: a pod whose
+    PodGroup does not exist yet waits outside the scheduling queue, so the first pair is never beaten to the
+    nodes by a second engine that would serve nothing without it."""
     sizes = {k: _replicas(o) for k, o in observed.children.items() if o["kind"] == LWS_KIND and k not in gone}
     sources = {k: observed.children[k] for k in sizes}
     for k, o in rendered.items():
         if o["kind"] == LWS_KIND:
             sizes[k], sources[k] = max(sizes.get(k, 0), _replicas(o)), o
-    return {key_of(pg): pg for k, lws in sources.items() for pg in gang.pod_groups(lws, sizes[k])}
+    out: dict[Key, Obj] = {}
+    for k, lws in sources.items():
+        pair = gang.pair_of(lws)
+        bound = pair is None or gang.initially_scheduled(observed.children.get((gang.POD_GROUP_KIND, pair)))
+        # (one made before stays: a pair is bound only once, and its groups' pods may already use theirs)
+        out |= {key_of(pg): pg for pg in gang.pod_groups(lws, sizes[k]) if bound or key_of(pg) in observed.children}
+    return out
 
 
 def _role_scaler_statuses(desired: Desired, observed: Observed) -> list[Action]:
@@ -325,7 +334,7 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
         rendered |= _pod_groups(rendered, observed, retired)
         if pair is not None:
             pair = copy.deepcopy(pair)
-            pair["spec"]["schedulingPolicy"]["gang"]["minCount"] = gang.pair_min_count(dict(targets))
+            pair["spec"]["schedulingPolicy"]["gang"]["minCount"] = gang.pair_min_count(desired.model, dict(targets))
             rendered[key_of(pair)] = pair
     wanted = {**{k: stamped(o) for k, o in rendered.items()}, **scalers}
     applies = [

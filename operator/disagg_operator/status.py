@@ -417,9 +417,9 @@ def gang_scheduled(desired: Desired, observed: Observed) -> tuple[str, bool, str
     if not (spanning or pairs) or observed.pod_groups_served is None:
         return None
     if observed.pod_groups_served:
-        what = (f"each engine of {' and '.join(spanning)} is one PodGroup: its pods are bound all together or not at all"
-                if spanning else "a revision's first prefill and decode pods are one PodGroup: bound together or not at all")
-        return ("GangScheduled", True, "PodGroups", what)
+        what = [f"each engine of {' and '.join(spanning)} is one PodGroup: its pods are bound all together or not at all"] if spanning else []
+        what += ["a revision's first prefill and decode engines are bound together or not at all"] if pairs else []
+        return ("GangScheduled", True, "PodGroups", "; ".join(what))
     if not spanning:
         return None  # pods bound one by one, as on most clusters today: no news for one-pod engines
     return ("GangScheduled", False, "PodGroupsNotServed", f"the pods of the engines of {' and '.join(spanning)} are "

@@ -16,8 +16,8 @@ nodes so that a group of two 8-GPU pods finds only one free node. Then no pod of
 the leader takes the free node alone and holds 8 GPUs: the control test), the PodGroup and the pods say why,
 and once a filler goes the whole group is bound at once. With two groups and room for one, one group is bound
 whole and the other not at all. Pods with a priorityClassName need it on their PodGroup too, or the scheduler
-refuses the group. The last test is the operator's own: a DisaggregatedModel whose decode engine spans two
-nodes, on a pool with room for the prefill and half of it.
+refuses the group. The last tests are the operator's own: a model whose decode engines span two nodes each,
+and one of one-pod engines, on pools of nodes too small for what they ask, then large enough.
 
 Waits are on conditions; nothing sleeps to synchronise.
 """
@@ -197,9 +197,9 @@ def take_node(core: client.CoreV1Api, namespace: str, node: str) -> str:
 # --- observations --------------------------------------------------------------------------------------
 
 
-def gpus_in_use(core: client.CoreV1Api) -> dict[str, int]:
+def gpus_in_use(core: client.CoreV1Api, nodes: list[str] = P5EN_NODES) -> dict[str, int]:
     """GPUs requested by the pods bound to each p5en node that still hold them (terminating ones too)."""
-    used = {node: 0 for node in P5EN_NODES}
+    used = {node: 0 for node in nodes}
     for pod in core.list_pod_for_all_namespaces().items:
         if pod.spec.node_name in used and pod.status.phase not in ("Succeeded", "Failed"):
             for c in pod.spec.containers:
@@ -417,66 +417,93 @@ def test_the_pod_group_carries_the_pods_priority(api_client, namespace, gang_pol
         timeout=60,
     )
     assert (pg["spec"]["priorityClassName"], pg["spec"]["priority"]) == (priority_class, 1000)  # set by admission
-    pods = group_pods(core, namespace, "prio", 0, 2)
-    assert pods and all(p.spec.node_name and p.spec.priority == 1000 for p in pods.values())
+    # the condition comes with the quorum's reservation; the bindings follow
+    pods = wait_for("both pods bound", lambda: (g := group_pods(core, namespace, "prio", 0, 2))
+                    and all(p.spec.node_name for p in g.values()) and g, timeout=30)  # fmt: skip
+    assert all(p.spec.priority == 1000 for p in pods.values())
 
 
-def test_the_operators_engine_waits_whole_and_status_names_what_it_lacks(operator, cluster, api_client, namespace,
-                                                                          gang_policy) -> None:  # fmt: skip
-    """The operator's PodGroups on the real scheduler: prefill one 8-GPU pod, decode one engine over two 8-GPU
-    pods, a pool of nodes of this test's own. With room for the prefill and one decode pod, no decode pod is
-    bound (the free node keeps its GPUs), the model says which engine waits and what it lacks, the prefill
-    is not held up; one node more, and the engine is bound whole and serves."""
+def test_the_operators_engines_wait_whole_first_pair_first(operator, cluster, api_client, namespace, gang_policy) -> None:
+    """The operator's PodGroups on the real scheduler: prefill one 8-GPU pod, decode two engines of two 8-GPU
+    pods each, on a pool of nodes of this test's own.
+
+    - Two nodes: the revision's first pair (the prefill pod and decode group 0: 3 pods) does not fit, so nothing
+      is bound and the nodes keep their GPUs (decode group 1 has no PodGroup yet: its pods wait outside the
+      scheduler's queue, so it cannot take the nodes the pair needs).
+    - A third node: the pair is bound whole; then group 1 gets its PodGroup and, with no room, waits whole; the
+      model names that engine and what it lacks.
+    - Two nodes more: group 1 is bound whole, and the model is Ready."""
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     pool = Pool(api_client, f"{namespace}-gang")
     place = {"nodeSelector": {POOL: pool.label}}
     name = "gangs"
     manifest = model_manifest(name, {
         "prefill": {"replicas": 1, "parallelism": {"tensor": 8}, "accelerator": {"count": 8}, **place},
-        "decode": {"replicas": 1, "parallelism": {"data": 16, "expert": True}, "accelerator": {"count": 8}, **place},
+        "decode": {"replicas": 2, "parallelism": {"data": 16, "expert": True}, "accelerator": {"count": 8}, **place},
         "network": {"placement": {"zone": "None", "spine": "None"}},
     })  # fmt: skip
+    engines = f"{contract.LABEL_MODEL}={contract.model_label_value(name)},{contract.LABEL_ROLE} in (prefill,decode)"
+
+    def bound() -> dict[str, str]:
+        return {p.metadata.name: p.spec.node_name for p in core.list_namespaced_pod(namespace, label_selector=engines).items
+                if p.spec.node_name}  # fmt: skip
+
+    def pool_gpus() -> int:
+        return sum(gpus_in_use(core, pool.names).values())
+
     try:
-        pool.add(1)
+        pool.add(2)
         custom.create_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, manifest)
-
-        def role_pods(role: str) -> list[client.V1Pod]:
-            return core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}={role}").items
-
-        wait_for("the prefill pod bound", lambda: [p for p in role_pods("prefill") if p.spec.node_name], timeout=120)
-        pool.add(1)  # room for one decode pod of two
         revision = wait_for("a revision", lambda: (get_model(custom, namespace, name).get("status") or {}).get("revision"), timeout=60)
-        lws = contract.engine_deployment_name(name, "decode", revision)
-        pods = wait_unschedulable(api_client, namespace, lws, 0, 2)
-        assert {p.spec.scheduling_group.pod_group_name for p in pods.values()} == {f"{lws}-0"}
-        pg = pod_group(api_client, namespace, f"{lws}-0")
-        assert pg["spec"]["schedulingPolicy"]["gang"]["minCount"] == 2
+        lws, pair = contract.engine_deployment_name(name, "decode", revision), contract.pair_pod_group_name(name, revision)
+        refused = wait_for(
+            f"PodGroup {pair} PodGroupInitiallyScheduled=False",
+            lambda: (c := initially_scheduled(pod_group(api_client, namespace, pair))).get("status") == "False" and c,
+            timeout=90,
+        )
+        assert "minCount (3) cannot be satisfied" in refused["message"], refused
+        assert bound() == {} and pool_gpus() == 0
+        assert not _pod_group_exists(api_client, namespace, f"{lws}-1"), "group 1 waits for the pair"
+
+        pool.add(1)
+        wait_for("the pair bound whole", lambda: set(bound()) == {f"{lws}-0", f"{lws}-0-1"} | {
+            p.metadata.name for p in core.list_namespaced_pod(namespace, label_selector=f"{contract.LABEL_ROLE}=prefill").items}, timeout=120)
+        wait_for("group 1's PodGroup, once the pair is bound", lambda: _pod_group_exists(api_client, namespace, f"{lws}-1"), timeout=60)
+        pods = wait_unschedulable(api_client, namespace, lws, 1, 2)  # no room: neither of its pods is bound
+        assert {p.spec.scheduling_group.pod_group_name for p in pods.values()} == {f"{lws}-1"}
+        assert [p.spec.node_name for p in pods.values()] == [None, None]
+        pg = pod_group(api_client, namespace, f"{lws}-1")
         assert pg["metadata"]["ownerReferences"][0]["kind"] == "DisaggregatedModel"
-        free = pool.names[1]
-        assert not [p for p in core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={free}").items]
 
         def names_the_engine() -> dict[str, Any] | None:
-            ready = condition(obj := get_model(custom, namespace, name), "Ready")
-            named = ready.get("reason") == "InsufficientGPUs" and f"decode engine {lws}/0" in ready.get("message", "")
-            return obj if named and (obj.get("status") or {}).get("prefill", {}).get("readyReplicas") == 1 else None
+            obj = get_model(custom, namespace, name)
+            said = [c for c in (obj.get("status") or {}).get("conditions", []) if f"decode engine {lws}/1" in c.get("message", "")]
+            return obj if any(c["reason"] == "InsufficientGPUs" for c in said) else None
 
-        obj = wait_for("Ready=False names the decode engine and its GPUs, the prefill ready", names_the_engine, timeout=60)
-        assert condition(obj, "Ready")["status"] == "False"
-        assert "2 pods, bound together or not at all" in condition(obj, "Ready")["message"]
+        obj = wait_for("the model names decode engine 1 and what it lacks", names_the_engine, timeout=60)
         gang = condition(obj, "GangScheduled")
         assert (gang["status"], gang["reason"]) == ("True", "PodGroups"), gang
 
-        pool.add(1)
-        bound = wait_for("the decode engine bound whole",
-                         lambda: (d := role_pods("decode")) and len(d) == 2 and all(p.spec.node_name for p in d) and d,
-                         timeout=120)  # fmt: skip
-        assert sorted(p.spec.node_name for p in bound) == sorted(pool.names[1:])
-        wait_for("Ready", lambda: condition(get_model(custom, namespace, name), "Ready").get("status") == "True", timeout=120)
+        pool.add(2)
+        wait_for("group 1 bound whole", lambda: {f"{lws}-1", f"{lws}-1-1"} <= set(bound()), timeout=120)
+        assert len(set(bound().values())) == 5, "one node per pod"
+        wait_for("Ready, two decode engines", lambda: (o := get_model(custom, namespace, name))
+                 and condition(o, "Ready").get("status") == "True" and o["status"]["decode"]["readyReplicas"] == 2, timeout=120)  # fmt: skip
     finally:
         custom.delete_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, name)
         wait_for("the model's pods gone", lambda: not core.list_namespaced_pod(
             namespace, label_selector=f"{contract.LABEL_MODEL}={contract.model_label_value(name)}").items, timeout=120)
         pool.remove()
+
+
+def _pod_group_exists(api_client, namespace: str, name: str) -> bool:
+    try:
+        pod_group(api_client, namespace, name)
+    except client.ApiException as e:
+        if e.status == 404:
+            return False
+        raise
+    return True
 
 
 def test_a_pair_is_bound_whole_or_not_at_all(operator, cluster, api_client, namespace, gang_policy) -> None:

@@ -32,11 +32,14 @@ def test_the_policy_puts_the_operators_pods_in_the_pod_groups_it_makes() -> None
     assert binding["spec"] == {"policyName": policy["metadata"]["name"]}
     selector = policy["spec"]["matchConstraints"]["objectSelector"]["matchExpressions"]
     assert selector == [{"key": contract.LABEL_GANG, "operator": "In", "values": [contract.GANG_LWS_GROUP, contract.GANG_PAIR]}]
+    variables = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
     expression = policy["spec"]["mutations"][0]["applyConfiguration"]["expression"]
-    # a pair's pod: its revision's PodGroup, from its own label
-    assert f"['{contract.LABEL_GANG}'] == '{contract.GANG_PAIR}' ? object.metadata.labels['{contract.LABEL_POD_GROUP}']" in expression
-    # an LWS pod: the leader's own name, a worker's leader-name annotation: <lws>-<group index>, gang.pod_group_name's
-    assert f"'{contract.LWS_LEADER_NAME_ANNOTATION}'" in expression and "object.metadata.name" in expression
+    assert f"variables.inPair ? object.metadata.labels['{contract.LABEL_POD_GROUP}'] : variables.leader" in expression
+    # an LWS pod's group: the leader's own name, a worker's leader-name annotation: gang.pod_group_name's <lws>-<index>
+    assert f"'{contract.LWS_LEADER_NAME_ANNOTATION}'" in variables["leader"] and "object.metadata.name" in variables["leader"]
+    # the pair: a one-pod engine's pods, and group 0's (gang.pod_groups leaves group 0 to the pair)
+    assert f"== '{contract.GANG_PAIR}'" in variables["inPair"]
+    assert f"variables.leader == object.metadata.labels['{contract.LWS_NAME_LABEL}'] + '-0'" in variables["inPair"]
     assert gang.pod_group_name("m-decode-abc", 3) == "m-decode-abc-3"
     assert gang.POD_GROUP_API_VERSION == "scheduling.k8s.io/v1beta1"
 

@@ -13,7 +13,7 @@ from disagg_operator.state import Observed, RouterView
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from .test_planner import MARKED_AT, NOW, act, cond, router
-from .world import children, desired, pod, with_role_status
+from .world import children, desired, live, pod, with_role_status
 
 # Decode DP2 over two one-GPU pods (one LWS group per engine); prefill one pod per engine.
 GROUPS = {"decode": {"replicas": 2, "parallelism": {"data": 2, "expert": True}, "accelerator": {"count": 1}}}
@@ -162,22 +162,44 @@ def served(observed: Observed, answer: bool | None = True) -> Observed:
 
 
 def test_each_group_gets_its_pod_group_before_its_pods_where_the_cluster_serves_them() -> None:
-    plan = planner.plan(TWO, served(Observed()), NOW)
+    """Prefill and decode of different priorities: no pair, so every LWS group has a PodGroup of its own."""
+    apart = desired({"decode": {**GROUPS["decode"], "priorityClassName": "engines"}})
+    plan = planner.plan(apart, served(Observed()), NOW)
     lws = lws_of(plan)
     assert lws is not None
     pgs = pod_groups_of(plan)
     # named as the admission policy names every pod's group: its leader pod, <lws>-<index>
     assert [pg["metadata"]["name"] for pg in pgs] == [f"{lws['metadata']['name']}-0", f"{lws['metadata']['name']}-1"]
-    assert all(pg["spec"] == {"schedulingPolicy": {"gang": {"minCount": 2}}} for pg in pgs)  # both pods or none
+    assert all(pg["spec"]["schedulingPolicy"] == {"gang": {"minCount": 2}} for pg in pgs)  # both pods or none
     assert all(pg["metadata"]["ownerReferences"] == lws["metadata"]["ownerReferences"] for pg in pgs)
     assert [pg["metadata"]["labels"][contract.LWS_GROUP_INDEX_LABEL] for pg in pgs] == ["0", "1"]
     kinds = [a.obj["kind"] for a in plan.applies]
     assert kinds.index("PodGroup") < kinds.index("LeaderWorkerSet")  # a pod may not wait for its PodGroup
     pod_labels = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
     assert pod_labels[contract.LABEL_GANG] == contract.GANG_LWS_GROUP  # what the chart's policy selects
+    assert contract.LABEL_POD_GROUP not in pod_labels
     assert cond(plan.status, "GangScheduled")["status"] == "True"
-    # the prefill role, one pod per engine, has none
-    assert all(pg["metadata"]["labels"][contract.LABEL_ROLE] == "decode" for pg in pgs)
+
+
+def test_group_0_is_in_its_revisions_pair_with_the_first_prefill() -> None:
+    """Roles of one priority: group 0 of the decode LWS and the prefill pods are the revision's pair, one gang of
+    one engine of each role (1 + 2 pods); the other groups have their own."""
+    plan = planner.plan(TWO, served(Observed()), NOW)
+    lws = lws_of(plan)
+    assert lws is not None
+    pair = contract.pair_pod_group_name("m", TWO.revision)
+    # first the pair alone: group 1's pods wait for a PodGroup (outside the scheduler's queue) until it is bound
+    assert {pg["metadata"]["name"]: pg["spec"]["schedulingPolicy"]["gang"]["minCount"] for pg in pod_groups_of(plan)} == {pair: 3}
+    assert lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"][contract.LABEL_POD_GROUP] == pair
+    message = cond(plan.status, "GangScheduled")["message"]
+    assert "decode (2 pods) is one PodGroup" in message and "first prefill and decode engines are bound together" in message
+
+    waiting = {k: o for k, o in children(TWO, gangs=True).items() if k[0] != "PodGroup"}
+    pending = {("PodGroup", pair): live(next(o for o in TWO.rendered.objects if o["metadata"]["name"] == pair))}
+    assert not pod_groups_of(planner.plan(TWO, served(Observed({**waiting, **pending})), NOW))
+    bound = children(TWO, kinds=["PodGroup"], gangs=True)
+    then = pod_groups_of(planner.plan(TWO, served(Observed({**waiting, ("PodGroup", pair): bound[("PodGroup", pair)]})), NOW))
+    assert [pg["metadata"]["name"] for pg in then] == [f"{lws['metadata']['name']}-1"]
 
 
 def test_a_pod_group_has_its_pods_priority() -> None:
@@ -223,7 +245,8 @@ def test_an_old_revisions_pod_groups_go_with_its_lws() -> None:
     plan = planner.plan(NEW_IMAGE, replace(new, children={**old, **new.children}), NOW)
     retired = [a.obj["metadata"]["name"] for a in plan.actions if isinstance(a, planner.Delete) and a.why == "retired"]
     assert old_lws in retired
-    assert sorted(pg["metadata"]["name"] for pg in pod_groups_of(plan, planner.Delete)) == [f"{old_lws}-0", f"{old_lws}-1"]
+    old_pair = contract.pair_pod_group_name("m", TWO.revision)
+    assert sorted(pg["metadata"]["name"] for pg in pod_groups_of(plan, planner.Delete)) == sorted([f"{old_lws}-1", old_pair])
 
 
 def unschedulable(pod_obj: dict[str, Any], message: str) -> dict[str, Any]:

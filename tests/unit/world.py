@@ -36,8 +36,9 @@ def live(obj: dict[str, Any], **status: Any) -> dict[str, Any]:
 
 def children(world: Desired, kinds: Iterable[str] | None = None, gangs: bool = False) -> dict[tuple[str, str], dict[str, Any]]:
     """The rendered children as stored; PodGroups only with `gangs` (an API server that serves them: the planner
-    makes them only then)."""
-    return {key_of(o): live(o) for o in world.rendered.objects
+    makes them only then), each bound by the scheduler once (its pods are there)."""
+    bound = {"conditions": [{"type": "PodGroupInitiallyScheduled", "status": "True", "reason": "Scheduled"}]}
+    return {key_of(o): live(o, **(bound if o["kind"] == "PodGroup" else {})) for o in world.rendered.objects
             if (kinds is None or o["kind"] in kinds) and (gangs or o["kind"] != "PodGroup")}
 
 

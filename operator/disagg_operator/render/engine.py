@@ -254,9 +254,7 @@ def deployment(
     role: RoleSpec = getattr(dm.spec, role_name)
     rollout = getattr(dm.spec.rollout, role_name)
     labels = contract.child_labels(model, role_name, revision)
-    pod_labels = {**template["metadata"]["labels"], **labels}
-    if pod_labels.get(contract.LABEL_GANG) == contract.GANG_PAIR:  # its revision's PodGroup (gang.pair_pod_group)
-        pod_labels[contract.LABEL_POD_GROUP] = contract.pair_pod_group_name(model, revision)
+    pod_labels = {**template["metadata"]["labels"], **labels, **gang.pair_label(dm, revision)}
     template = {**template, "metadata": {**template["metadata"], "labels": pod_labels}}
     spec: dict[str, Any] = {
         "selector": {"matchLabels": {**contract.selector_labels(model, role_name), contract.LABEL_REVISION: revision}},
@@ -291,7 +289,8 @@ def leader_worker_set(
     model = dm.metadata.name
     role: RoleSpec = getattr(dm.spec, role_name)
     labels = contract.child_labels(model, role_name, revision)
-    template = {**template, "metadata": {**template["metadata"], "labels": {**template["metadata"]["labels"], **labels}}}
+    pod_labels = {**template["metadata"]["labels"], **labels, **gang.pair_label(dm, revision)}  # group 0: the pair's
+    template = {**template, "metadata": {**template["metadata"], "labels": pod_labels}}
     return {
         "apiVersion": LWS_API_VERSION,
         "kind": LWS_KIND,

@@ -4,12 +4,14 @@ Kubernetes' Workload API (scheduling.k8s.io/v1beta1, feature GenericWorkload) ga
 PodGroup; LWS v0.9.0 makes none. The chart's MutatingAdmissionPolicies put every pod labelled
 `contract.LABEL_GANG` in its PodGroup, and these are the PodGroups of those names (docs/gang-scheduling.md):
 
-- an engine that spans pods: one PodGroup per LeaderWorkerSet group, named after the group's leader pod
-  (`<LWS name>-<group index>`), derived from its LeaderWorkerSet alone, so the planner makes the same ones for
-  the LWS it renders and for older revisions';
-- a model whose engines are one pod each: one PodGroup per revision for its prefill and decode pods, with
-  minCount one pod of each role, so a revision's first pair is bound together or not at all (a pair of one
-  half serves nothing and holds its accelerators); the pods after the first pair are bound one by one.
+- a revision's first pair: one PodGroup per revision (`pair_pod_group`, named by the pods' LABEL_POD_GROUP)
+  holding its prefill and decode pods, or, of a role whose engine spans pods, the pods of its LWS group 0; its
+  minCount is one engine of each role (all their pods), so the first pair is bound together or not at all (a
+  pair of one half serves nothing and holds its accelerators). Once bound, the gang counts the pods bound: a
+  group 0 recreated later waits for all its pods again, while other pods of one-pod engines bind one by one;
+- every other LeaderWorkerSet group: its own PodGroup, named after the group's leader pod (`<LWS name>-<group
+  index>`), derived from its LeaderWorkerSet alone, so the planner makes the same ones for the LWS it renders
+  and for older revisions'.
 """
 
 from __future__ import annotations
@@ -34,11 +36,24 @@ def pod_group_name(lws_name: str, index: int) -> str:
     return f"{lws_name}-{index}"
 
 
+def pair_of(lws: dict[str, Any]) -> str | None:
+    """The pair PodGroup an LWS's group 0 is in (its pods' LABEL_POD_GROUP), if any."""
+    return (lws["spec"]["leaderWorkerTemplate"]["workerTemplate"].get("metadata") or {}).get("labels", {}).get(contract.LABEL_POD_GROUP)
+
+
+def initially_scheduled(pod_group: dict[str, Any] | None) -> bool:
+    """The scheduler bound the group's quorum once (PodGroupInitiallyScheduled=True: terminal)."""
+    conditions = ((pod_group or {}).get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "PodGroupInitiallyScheduled" and c.get("status") == "True" for c in conditions)
+
+
 def pod_groups(lws: dict[str, Any], groups: int) -> list[dict[str, Any]]:
-    """The PodGroups of groups 0 .. `groups`-1 of `lws` (rendered or observed): all `size` pods of a group or
-    none, at the priority of its pods (the scheduler refuses a group whose pods' priority differs from its own),
-    owned and labelled like the LWS (the model's child, cleaned up with it)."""
+    """The PodGroups of groups 0 .. `groups`-1 of `lws` (rendered or observed; group 0 is in its revision's pair
+    when its pods name one): all `size` pods of a group or none, at the priority of its pods (the scheduler
+    refuses a group whose pods' priority differs from its own), owned and labelled like the LWS (the model's
+    child, cleaned up with it)."""
     meta, template = lws["metadata"], lws["spec"]["leaderWorkerTemplate"]
+    first = 1 if pair_of(lws) else 0
     priority_class = (template["workerTemplate"].get("spec") or {}).get("priorityClassName")
     spec: dict[str, Any] = {"schedulingPolicy": {"gang": {"minCount": int(template.get("size") or 1)}}}
     if priority_class:
@@ -56,22 +71,20 @@ def pod_groups(lws: dict[str, Any], groups: int) -> list[dict[str, Any]]:
             },
             "spec": spec,
         }
-        for index in range(groups)
+        for index in range(first, groups)
     ]
 
 
 def pairs(dm: DisaggregatedModel) -> bool:
-    """Whether a revision's prefill and decode pods form one gang: only when every engine is one pod (an LWS
-    group's pods are in their group's PodGroup, and a pod is in one PodGroup) and both roles' pods have the
+    """Whether a revision's first prefill and decode engines form one gang: when both roles' pods have the
     priority and the scheduler that one PodGroup's pods must share."""
     roles: list[RoleSpec] = [getattr(dm.spec, r) for r in contract.ENGINE_ROLES]
-    return (not any(r.shape.spans_pods for r in roles)
-            and len({r.priority_class_name for r in roles}) == 1 and len({r.scheduler_name for r in roles}) == 1)  # fmt: skip
+    return len({r.priority_class_name for r in roles}) == 1 and len({r.scheduler_name for r in roles}) == 1
 
 
-def pair_min_count(sizes: dict[str, int]) -> int:
-    """One pod of each role that is to run (a role scaled to 0 does not hold the other back)."""
-    return max(1, sum(1 for size in sizes.values() if size > 0))
+def pair_min_count(dm: DisaggregatedModel, sizes: dict[str, int]) -> int:
+    """All pods of one engine of each role that is to run (a role scaled to 0 does not hold the other back)."""
+    return max(1, sum(getattr(dm.spec, r).shape.pods for r, size in sizes.items() if size > 0))
 
 
 def pair_pod_group(dm: DisaggregatedModel, revision: str, min_count: int) -> dict[str, Any]:
@@ -99,3 +112,9 @@ def pod_label(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, str]:
     if role.shape.spans_pods:
         return {contract.LABEL_GANG: contract.GANG_LWS_GROUP}
     return {contract.LABEL_GANG: contract.GANG_PAIR} if pairs(dm) else {}
+
+
+def pair_label(dm: DisaggregatedModel, revision: str) -> dict[str, str]:
+    """The revision's pair PodGroup, named on its engines' pods. Outside the revision hash (it holds the revision);
+    `pairs` follows the roles' priority and scheduler, which are in the hash."""
+    return {contract.LABEL_POD_GROUP: contract.pair_pod_group_name(dm.metadata.name, revision)} if pairs(dm) else {}
