@@ -3,13 +3,16 @@
 #
 #   hack/cluster.sh build    build the binaries from Go modules (cached by version), with
 #                            prometheus, promtool and the promql helper (alert rule and
-#                            dashboard query tests, the e2e's Prometheus)
+#                            dashboard query tests, the e2e's Prometheus), GAIE's lwepp and
+#                            lwepp-ask (asks it as a gateway does: tests/e2e/test_gateway.py)
 #   hack/cluster.sh up       build if needed, start etcd, kube-apiserver,
 #                            kube-controller-manager, kube-scheduler (with the Workload
 #                            API and gang scheduling: GenericWorkload), kwok and the
 #                            LeaderWorkerSet controller (lws: its CRDs, and its admission
 #                            webhooks served on 127.0.0.1) on 127.0.0.1, create the fake
-#                            GPU/EFA nodes, wait until healthy
+#                            GPU/EFA nodes, install the CRDs of Gateway API (v1.6.3:
+#                            GatewayClass, Gateway, HTTPRoute) and of the inference
+#                            extension (GAIE v1.6.0: InferencePool), wait until healthy
 #   hack/cluster.sh down     stop everything and remove the state directory
 #   hack/cluster.sh env      print `export KUBECONFIG=...` / PATH / DISAGG_AUDIT_LOG
 #   hack/cluster.sh status   show what is running (exit 0 only if all are up, /readyz is ok
@@ -81,10 +84,24 @@ COMPONENTS=(
   "helm v3.22.0 - helm.sh/helm/v3/cmd/helm"
   "kstatus v0.37.2 kstatus github.com/disagg-operator/hack/k8s-tools/kstatus sigs.k8s.io/cli-utils/pkg/kstatus/status"
   "lws v0.9.0 lws sigs.k8s.io/lws/cmd"
+  "lwepp v1.6.0 lwepp sigs.k8s.io/gateway-api-inference-extension/cmd/lwepp"
+  "lwepp-ask v1.6.0 lwepp github.com/disagg-operator/hack/k8s-tools/lwepp sigs.k8s.io/gateway-api-inference-extension/pkg/lwepp/metadata"
   "promtool v0.316.0 prometheus github.com/prometheus/prometheus/cmd/promtool"
   "prometheus v0.316.0 prometheus github.com/prometheus/prometheus/cmd/prometheus"
   "promql v0.316.0 promql github.com/disagg-operator/hack/k8s-tools/promql github.com/prometheus/prometheus/promql/parser"
 )
+
+# CRDs of kinds the operator renders whose controllers are not run here (spec.gateway's InferencePool and
+# HTTPRoute, and the Gateway an HTTPRoute names): name, version, Go module, files in it. Copied from the module at
+# that exact version by `build` (cached by version, like LWS's), installed by `up`, so the API server judges the
+# operator's objects with the upstream schemas and CEL. (The proxy serves GAIE v1.6.0 and Gateway API v1.6.3;
+# Gateway API v1.7.0 needs a newer Go.)
+CRD_BUNDLES=(
+  "gaie v1.6.0 sigs.k8s.io/gateway-api-inference-extension config/crd/bases/inference.networking.k8s.io_inferencepools.yaml"
+  "gateway-api v1.6.3 sigs.k8s.io/gateway-api config/crd/standard/gateway.networking.k8s.io_gatewayclasses.yaml config/crd/standard/gateway.networking.k8s.io_gateways.yaml config/crd/standard/gateway.networking.k8s.io_httproutes.yaml"
+)
+UPSTREAM_CRDS=(inferencepools.inference.networking.k8s.io gatewayclasses.gateway.networking.k8s.io
+               gateways.gateway.networking.k8s.io httproutes.gateway.networking.k8s.io)
 
 log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -222,6 +239,24 @@ build_one() { # name version moddir pkg [pinned library package]
   log "build: $name $ver done in $((SECONDS - start))s ($(du -h "$dest/$name" | cut -f1))"
 }
 
+crd_bundle_dir() { echo "$BIN_ROOT/crds-$1-$2"; }  # name version
+
+fetch_crd_bundle() { # name version module files...
+  local name=$1 ver=$2 module=$3; shift 3
+  local dest tmp moddir f; dest="$(crd_bundle_dir "$name" "$ver")"
+  [ -d "$dest" ] && return 0
+  command -v go >/dev/null || die "go is not installed (needed to fetch the $name CRDs)"
+  tmp="$(mktemp -d "$BIN_ROOT/.crds-$name.XXXXXX")"
+  moddir="$(cd "$tmp" && go mod download -json "$module@$ver" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",*$/\1/p')"
+  [ -d "$moddir" ] || { rm -rf "$tmp"; die "build: go mod download $module@$ver failed"; }
+  for f in "$@"; do
+    [ -f "$moddir/$f" ] || { rm -rf "$tmp"; die "build: no $f in $module@$ver ($moddir)"; }
+    cp "$moddir/$f" "$tmp/" && chmod 644 "$tmp/$(basename "$f")"
+  done
+  mv "$tmp" "$dest"
+  log "build: $name $ver CRDs copied from $module into $dest"
+}
+
 cmd_build() {
   mkdir -p "$BIN_ROOT"
   local line total=$SECONDS summary=""
@@ -230,6 +265,12 @@ cmd_build() {
     build_one $line
     local -a f; read -r -a f <<<"$line"
     summary+="${summary:+, }${f[0]} ${f[1]}"
+  done
+  for line in "${CRD_BUNDLES[@]}"; do
+    # shellcheck disable=SC2086
+    fetch_crd_bundle $line
+    local -a c; read -r -a c <<<"$line"
+    summary+="${summary:+, }${c[0]} ${c[1]} CRDs"
   done
   log "build: ready in $((SECONDS - total))s under $BIN_ROOT: $summary"
 }
@@ -581,6 +622,22 @@ install_lws_crds() { # one kubectl per CRD, in parallel: each takes the apiserve
   for f in "${pids[@]}"; do wait "$f" || rc=1; done
   [ "$rc" -eq 0 ] || die "installing the LWS CRDs from $dir failed"
 }
+install_upstream_crds() { # CRD_BUNDLES, server-side (idempotent: also run on a cluster that is already up)
+  local line f rc=0
+  local -a pids=() c
+  for line in "${CRD_BUNDLES[@]}"; do
+    read -r -a c <<<"$line"
+    for f in "$(crd_bundle_dir "${c[0]}" "${c[1]}")"/*.yaml; do
+      kc apply --server-side --force-conflicts --field-manager=disagg-hack-cluster -f "$f" >/dev/null &
+      pids+=($!)
+    done
+  done
+  for f in "${pids[@]}"; do wait "$f" || rc=1; done
+  [ "$rc" -eq 0 ] || die "installing the Gateway API and inference extension CRDs failed"
+}
+upstream_crds_established() {
+  [ "$(kc get crd "${UPSTREAM_CRDS[@]}" -o 'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Established")].status}{end}')" = TrueTrueTrueTrue ]
+}
 # (the manager must not start before: it looks for a missing kind again only every 10s)
 lws_crds_established() {
   [ "$(kc get crd "${LWS_CRDS[@]}" -o 'jsonpath={range .items[*]}{.status.conditions[?(@.type=="Established")].status}{end}')" = TrueTrue ]
@@ -623,6 +680,8 @@ cmd_up() {
   local start=$SECONDS
   cmd_build
   if [ -f "$MARKER" ] && all_healthy; then
+    install_upstream_crds  # a cluster made before they were added gets them too
+    wait_until "Gateway API and inference extension CRDs Established" 60 kube-apiserver upstream_crds_established
     log "up: cluster already up and healthy ($STATE)"
     cmd_env
     return 0
@@ -649,7 +708,7 @@ cmd_up() {
   # LWS's CRDs take the apiserver a few seconds (2.8 MB of schema): in the background,
   # while the other components start
   local lws_objects
-  { install_lws_crds; install_lws_webhooks; } &
+  { install_lws_crds; install_lws_webhooks; install_upstream_crds; } &
   lws_objects=$!
   start_component kube-controller-manager
   start_component kube-scheduler
@@ -661,6 +720,7 @@ cmd_up() {
   wait_until "nodes Ready" 120 kwok nodes_ready
   wait "$lws_objects" || die "installing LWS's CRDs and webhook configurations failed"
   wait_until "LWS CRDs Established" 60 kube-apiserver lws_crds_established
+  wait_until "Gateway API and inference extension CRDs Established" 60 kube-apiserver upstream_crds_established
   start_component lws
   wait_until "default ServiceAccount" 120 kube-controller-manager default_sa_exists
   wait_until "lws /healthz" 120 lws lws_healthy

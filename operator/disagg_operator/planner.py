@@ -36,7 +36,7 @@ from disagg_connector import contract
 from . import rollout, sizing
 from . import status as status_mod
 from .drift import needs_apply, stamped
-from .render import gang
+from .render import gang, gateway
 from .render.engine import LWS_KIND
 from .retirement import DELETION_COST, LEAVING_COST, Retirement, marked, retire, retire_groups
 from .state import (ChildProblem, Desired, Key, Obj, Observed, RouterView, is_engine_workload, key_of, revision_of,
@@ -45,7 +45,8 @@ from .state import (ChildProblem, Desired, Key, Obj, Observed, RouterView, is_en
 # Who may depend on whom: a RoleBinding needs its Role and ServiceAccount, the router discovers the
 # engines, an HPA targets a DisaggregatedRole.
 APPLY_ORDER = ("ServiceAccount", "Role", "RoleBinding", "Service", "PodDisruptionBudget", "NetworkPolicy",
-               contract.ROLE_KIND, gang.POD_GROUP_KIND, "Deployment", LWS_KIND, "HorizontalPodAutoscaler")  # fmt: skip
+               contract.ROLE_KIND, gang.POD_GROUP_KIND, "Deployment", LWS_KIND, "HorizontalPodAutoscaler",
+               gateway.INFERENCE_POOL_KIND, gateway.HTTP_ROUTE_KIND)  # fmt: skip
 ROUTER_LAST = {"prefill": 0, "decode": 0, "router": 1}
 # While a pod drains, the pass comes back this often: in-flight counts change without Kubernetes events.
 DRAIN_POLL_SECONDS = 1.0

@@ -84,6 +84,8 @@ HTTP_PORT_NAME = "http"
 NIXL_SIDE_CHANNEL_PORT = 5600
 NIXL_PORT_NAME = "nixl"
 ROUTER_PORT = 8000
+# GAIE's endpoint picker protocol: ext-proc gRPC on 9002, its gRPC health service on 9003, metrics on 9090.
+LWEPP_GRPC_PORT, LWEPP_HEALTH_PORT, LWEPP_METRICS_PORT = 9002, 9003, 9090
 
 # --- vLLM releases the operator renders for --------------------------------------------------------
 VLLM_VERSIONS = ("0.24.0", "0.26.0", "0.33.0")
@@ -179,6 +181,21 @@ def role_scaler_name(model: str, role: Role) -> str:
 
 def router_name(model: str) -> str:
     return fit_name(model, "router")
+
+
+def inference_pool_name(model: str) -> str:
+    """The Gateway API inference extension's InferencePool of the model: its router pods (docs/gateway.md)."""
+    return fit_name(model, "router")
+
+
+def http_route_name(model: str) -> str:
+    """The HTTPRoute from the model's parent Gateways to its InferencePool."""
+    return fit_name(model, "route")
+
+
+def endpoint_picker_name(model: str) -> str:
+    """GAIE's lightweight endpoint picker (lwepp) of the model's InferencePool: Deployment, Service and RBAC."""
+    return fit_name(model, "lwepp")
 
 
 def engines_network_policy_name(model: str) -> str:

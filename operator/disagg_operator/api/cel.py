@@ -79,9 +79,24 @@ def _program(rule: str) -> Any:
     return env.program(env.compile(rule), functions=KUBERNETES_FUNCTIONS)
 
 
+# The API server names a property that is a CEL reserved word `__<word>__` in rules (apiserver/pkg/cel/escaping.go):
+# a rule reads a Gateway reference's namespace as `__namespace__`, and an unescaped one is refused as too costly.
+CEL_RESERVED = frozenset({"true", "false", "null", "in", "as", "break", "const", "continue", "else", "for", "function",
+                          "if", "import", "let", "loop", "package", "namespace", "return", "var", "void", "while"})
+
+
+def _escaped(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {(f"__{k}__" if k in CEL_RESERVED else k): _escaped(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_escaped(v) for v in node]
+    return node
+
+
 def holds(rule: CelRule, node: dict[str, Any]) -> bool:
-    """Evaluate a rule against a node as the API server would see it (JSON, defaults applied)."""
-    result = _program(rule.rule).evaluate({"self": celpy.json_to_cel(node)})
+    """Evaluate a rule against a node as the API server would see it (JSON, defaults applied, reserved words
+    escaped; map keys too here, which the API server leaves alone: no rule reads a map key that is a reserved word)."""
+    result = _program(rule.rule).evaluate({"self": celpy.json_to_cel(_escaped(node))})
     if isinstance(result, Exception):  # celpy returns evaluation errors as values
         raise ValueError(f"CEL rule {rule.rule!r} failed to evaluate: {result}")
     return bool(result)

@@ -850,6 +850,86 @@ class RolloutSpec(ApiModel):
     )
 
 
+# --- Gateway API inference routing ---------------------------------------------------------------------
+
+# Gateway API's own syntax (sigs.k8s.io/gateway-api v1.6.3, apis/v1/shared_types.go): admission refuses what its
+# CRDs would refuse, so a bad reference is a spec error and not a child the API server rejects.
+_DNS_LABEL_RE = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+GATEWAY_HOSTNAME_RE = r"^(\*[.])?[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+GatewayHostname = Annotated[str, Field(min_length=1, max_length=253, pattern=GATEWAY_HOSTNAME_RE)]
+# GAIE's lightweight endpoint picker at the version whose CRDs the tests install (docs/gateway.md).
+LWEPP_IMAGE = "registry.k8s.io/gateway-api-inference-extension/lwepp:v1.6.0"
+_SAME_PARENT = ("p1.name == p2.name && (has(p1.__namespace__) ? p1.__namespace__ : '') == "
+                "(has(p2.__namespace__) ? p2.__namespace__ : '')")  # `namespace` is a CEL reserved word (cel.py)
+
+
+class ParentGatewayRef(ApiModel):
+    """A Gateway (gateway.networking.k8s.io) whose listeners route to the model: an HTTPRoute parentRef."""
+
+    name: Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_RE)] = Field(
+        description="Name of the Gateway."
+    )
+    namespace: Annotated[str, Field(min_length=1, max_length=63, pattern=_DNS_LABEL_RE)] | None = Field(
+        default=None,
+        description="Namespace of the Gateway. Unset: the model's. A Gateway in another namespace must allow routes "
+        "from this one (its listeners' allowedRoutes.namespaces).",
+    )
+    section_name: Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_RE)] | None = Field(
+        default=None, description="The Gateway listener to attach to. Unset: every listener that allows the route."
+    )
+
+
+class GatewaySpec(ApiModel):
+    """Routing from Gateway API inference gateways (Istio, Agentgateway, NGINX Gateway Fabric, ...): an
+    InferencePool (inference.networking.k8s.io/v1) of the model's router pods on the router port, and an HTTPRoute
+    from the parent Gateways to it. Pairing, concurrent push and the revision split stay the router's
+    (docs/gateway.md). Needs the InferencePool and HTTPRoute CRDs in the cluster."""
+
+    cel_rules = (
+        CelRule(
+            rule=f"self.parentRefs.all(p1, self.parentRefs.exists_one(p2, {_SAME_PARENT} && "
+            "(has(p1.sectionName) ? p1.sectionName : '') == (has(p2.sectionName) ? p2.sectionName : '')))",
+            message="spec.gateway.parentRefs names one Gateway listener twice: remove the repeated entry",
+            field_path=".parentRefs",
+        ),
+        CelRule(
+            rule=f"self.parentRefs.all(p1, self.parentRefs.all(p2, !({_SAME_PARENT}) || "
+            "has(p1.sectionName) == has(p2.sectionName)))",
+            message="a Gateway named twice in spec.gateway.parentRefs needs a sectionName in every entry (Gateway "
+            "API refuses one entry for the whole Gateway beside one for a listener): set sectionName on each",
+            field_path=".parentRefs",
+        ),
+        CelRule(
+            rule="self.hostnames.all(h1, self.hostnames.exists_one(h2, h1 == h2))",
+            message="spec.gateway.hostnames repeats a hostname: remove the repeated entry",
+            field_path=".hostnames",
+        ),
+        CelRule(
+            rule="self.endpointPicker == 'Lwepp' || !has(self.endpointPickerImage)",
+            message="spec.gateway.endpointPickerImage is the lwepp image: set endpointPicker to Lwepp, or remove it",
+            field_path=".endpointPickerImage",
+        ),
+    )
+
+    parent_refs: Annotated[list[ParentGatewayRef], Field(min_length=1, max_length=8)] = Field(
+        description="The Gateways (and optionally their listeners) the model's HTTPRoute attaches to."
+    )
+    hostnames: Annotated[list[GatewayHostname], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="Hostnames the HTTPRoute matches (a leading '*.' is a wildcard). Empty: the listeners' own.",
+    )
+    endpoint_picker: Literal["None", "Lwepp"] = Field(
+        default="None",
+        description="The InferencePool's endpoint picker. None: the pool has no endpointPickerRef, and the gateway "
+        "balances over the router pods itself (GAIE v1.5.0 on; not every gateway supports it). Lwepp: the operator "
+        "runs GAIE's lightweight endpoint picker (Deployment and Service <name>-lwepp, ext-proc gRPC on port "
+        f"{contract.LWEPP_GRPC_PORT}), which picks among the ready router pods, fail-closed.",
+    )
+    endpoint_picker_image: Image | None = Field(
+        default=None, description=f"The lwepp image (endpointPicker Lwepp). Unset: {LWEPP_IMAGE}."
+    )
+
+
 # --- spec -------------------------------------------------------------------------------------------
 
 # The effective vLLM release in CEL: the spec's, else the default image's for the accelerator.
@@ -990,6 +1070,11 @@ class DisaggregatedModelSpec(ApiModel):
     router: RouterSpec = _sub(RouterSpec, "The router in front of the engines.")
     network: NetworkSpec = _sub(NetworkSpec, "EFA pod settings, placement and network policy.")
     rollout: RolloutSpec = _sub(RolloutSpec, "Update strategy of the engine Deployments.")
+    gateway: GatewaySpec | None = Field(
+        default=None,
+        description="Routing from Gateway API inference gateways: an InferencePool of the router pods and an "
+        "HTTPRoute from these Gateways (docs/gateway.md). Unset: the router's Service only.",
+    )
 
 
 # --- status -----------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ REASONS: tuple[Reason, ...] = (
     _r("InvalidSpec", "Ready Progressing Stalled Reconciling", "needs-change", "The spec cannot be served (admission was bypassed): fix the fields named."),
     _r("ChildRejected", "Ready Degraded Stalled Reconciling", "needs-change", "The API server refuses a child: its message names the field; nothing was changed."),
     _r("OwnershipConflict", "Ready Degraded Stalled Reconciling", "needs-change", "An object of a child's name exists and is not this model's: delete or rename it, or rename the model."),
-    _r("KindNotInstalled", "Ready Degraded Stalled Reconciling", "needs-change", "The cluster does not serve a kind a child needs (LeaderWorkerSet for engines that span pods): install it as the message says."),
+    _r("KindNotInstalled", "Ready Degraded Stalled Reconciling", "needs-change", "The cluster does not serve a kind a child needs (LeaderWorkerSet for engines that span pods; InferencePool and HTTPRoute for spec.gateway): install it as the message says."),
     _r("Forbidden", "Ready Degraded Stalled Reconciling", "needs-change", "The operator's RBAC does not allow a write: install the chart's ClusterRole."),
     _r("QuotaExceeded", "Ready Degraded Stalled Reconciling", "needs-change", "A ResourceQuota refuses a child or its pods: raise the quota or ask for less."),
     _r("PodCreationFailed", "Ready Degraded Stalled Reconciling", "needs-change", "A ReplicaSet cannot create pods (PodSecurity, a missing PriorityClass, a LimitRange): the API server's words follow."),

@@ -15,12 +15,16 @@ from disagg_connector import contract
 from ..api.models import DisaggregatedModel
 from ..config import RenderDefaults
 from ..resolve import TransferPlan, plan
-from . import engine, gang, network, router, scaling
+from . import engine, gang, gateway, network, router, scaling
 from .engine import LWS_API_VERSION, LWS_KIND, LWS_PLURAL
 from .gang import POD_GROUP_API_VERSION, POD_GROUP_KIND, POD_GROUP_PLURAL
+from .gateway import (HTTP_ROUTE_API_VERSION, HTTP_ROUTE_KIND, HTTP_ROUTE_PLURAL, INFERENCE_POOL_API_VERSION,
+                      INFERENCE_POOL_KIND, INFERENCE_POOL_PLURAL)
 from .meta import pod_disruption_budget
 
 REVISION_LENGTH = 10
+# What to install for a kind the cluster does not serve (status reason KindNotInstalled).
+INSTALL_HINTS: dict[str, str] = {**engine.INSTALL_HINTS, **gateway.INSTALL_HINTS}
 
 # Every kind render() produces, with its API version and resource name: the operator watches, writes and
 # cleans up exactly these (and its RBAC grants exactly these). A test ties the list to render()'s output.
@@ -36,6 +40,8 @@ MANAGED_KINDS: tuple[tuple[str, str, str], ...] = (
     ("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
     (f"{contract.API_GROUP}/{contract.API_VERSION}", contract.ROLE_KIND, contract.ROLE_PLURAL),
     ("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+    (INFERENCE_POOL_API_VERSION, INFERENCE_POOL_KIND, INFERENCE_POOL_PLURAL),
+    (HTTP_ROUTE_API_VERSION, HTTP_ROUTE_KIND, HTTP_ROUTE_PLURAL),
 )
 
 
@@ -86,4 +92,5 @@ def render(dm: DisaggregatedModel, defaults: RenderDefaults | None = None) -> Re
     ]
     if dm.spec.network.network_policy.enabled:
         objects.append(network.engines_network_policy(dm, transfer))
+    objects += gateway.objects(dm)  # spec.gateway: where the cluster lacks the CRDs, the dry run says KindNotInstalled
     return Rendered(objects=objects, plan=transfer, revision=revision)
