@@ -6,11 +6,14 @@
 #   OUT/a1/a1.tar.xz    vllm/_C_stable_libtorch.abi3.so                                          (~56 MB)
 #   OUT/a2/rest.tar.xz  everything else of the site dir                                          (~49 MB)
 #   OUT/a2/fa3.tar.xz   vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so                                  (~8 MB)
+#   OUT/a3/*.whl        the peer routers of peers.txt, as their wheels (vllm-router 0.1.17: 23.7 MB; its own
+#                       imports are the machine's or the pack's, tests/unit/test_gpu_pack.py checks it)
 # On the GPU machine: extract both into one folder (hack/gpu/run.sh does), export PYTHONPATH=that folder
 # and VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer is left out; vLLM 0.26.0's sampler imports it unguarded).
 # Dropped to fit: FA2 kernels (Hopper uses FA3), _moe_C (MoE models only), vllm-rs, fmha_sm100 (Blackwell),
 # deep_gemm headers, nixl_ep, UCX perftest libs. wheels.txt beside this file lists every vLLM wheel and its size.
-# Usage: hack/gpu/pack.sh [OUT]   (default ./.gpu; put OUT in .git/info/exclude). About 10 min of xz on 2 cores.
+# Usage: hack/gpu/pack.sh [OUT] [all|a3]   (default ./.gpu, all; put OUT in .git/info/exclude). About 10 min of
+# xz on 2 cores; `a3` only downloads the peers' wheels (seconds).
 set -eu
 PY=${PY:-python3}
 OUT=$(mkdir -p "${1:-.gpu}" && cd "${1:-.gpu}" && pwd)
@@ -23,6 +26,11 @@ TAGS="--only-binary=:all: --python-version 3.12 --implementation cp --platform m
   --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
   --platform any"
 dl() { $PY -m pip download -q --no-deps $TAGS -d $W/whl "$@"; }
+# The peers (a3): their wheels as they are (a zip already; unzipped into the site on the machine)
+mkdir -p $OUT/a3
+$PY -m pip download -q --no-deps $TAGS -d $OUT/a3 $(grep -v '^#' $HERE/peers.txt | awk 'NF {print $1}' | sed -E 's/^([^-]+)-([^-]+)-.*/\1==\2/')
+ls -la $OUT/a3
+[ "${2:-all}" = a3 ] && exit 0
 dl vllm==0.26.0
 grep -v -E "^(vllm-|TOTAL)" $HERE/wheels.txt | awk '{print $1}' | sed -E 's/^([^-]+)-([^-]+)-.*/\1==\2/' > $W/reqs.txt
 # The harness renders with disagg_operator (kubernetes' quantity parser, cel-python for admission rules) and

@@ -15,6 +15,11 @@
 #                                    #   pull bandwidth on the same GPUs, in the same call
 #   hack/gpu/run.sh issue12-pull     # then (same machine): pull through the router and direct, same cells;
 #   disagg-localrun report --baseline router-pull OUT/issue12-*-results.json   # one table, ratios to pull
+#   hack/gpu/run.sh unpack-a3        # (same machine) carry .gpu/a3: the peer router's wheel (pack.sh OUT a3)
+#   hack/gpu/run.sh issue20-peers    # call after unpack-a1, unpack-a3 (same machine), carry .gpu/a2: our router
+#                                    #   and vllm-router 0.1.17, push and pull, on the same engines, one GPU,
+#                                    #   1k/4k/16k x 2/8 per s, with vLLM's KV-transfer metrics per cell
+#                                    #   (SHAPE=qwen3-8b: the 8B shape, hack/gpu/qwen3-8b-h200.yaml)
 #   hack/gpu/run.sh issue18-dp2      # one GPU (after unpack-a1): prefill and decode each data parallel over two
 #                                    #   "pods" (one process each, as LWS would start them, hack/gpu/qwen3-0.6b-dp2.yaml),
 #                                    #   push through the router; per-rank requests and NIXL handshakes (dp.json/.md);
@@ -27,7 +32,7 @@
 # runs out of time (each cell is saved as it completes). REHEARSAL=1 runs the same command lines on a CPU
 # machine with the simulator in place of vLLM (tests/vllm_sim/as_vllm.py) and a short sweep.
 set -u
-stage=${1:?usage: hack/gpu/run.sh unpack-a1|push|pull-1gpu|issue20-1gpu|issue12-push|issue12-pull|issue18-dp2}
+stage=${1:?usage: hack/gpu/run.sh unpack-a1|unpack-a3|push|pull-1gpu|issue20-1gpu|issue20-peers|issue12-push|issue12-pull|issue18-dp2}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$REPO"
 SITE=${SITE:-/tmp/site}
@@ -43,6 +48,8 @@ if [ "${REHEARSAL:-0}" = 1 ]; then
   export DISAGG_SIM_PROFILE=fast PYTHONPATH=$REPO
   QUICK="--prompts 256,1024 --cell-seconds 2 --min-requests 4 --drain-timeout 10"
   BUDGET=${BUDGET:-300}
+  PEER_SITE=$WORK/peer-site  # the peer's wheel and its dependencies, from the package index (this machine has one)
+  PEER_ROUTER="env PYTHONPATH=$PEER_SITE $MODEL_PY -m vllm_router.launch_router"
 else
   PY=python3
   MODEL_PY=python3
@@ -50,6 +57,7 @@ else
   export PYTHONPATH=$SITE:$REPO/operator:$REPO/connector:$REPO/bench
   QUICK=""
   BUDGET=${BUDGET:-450}  # seconds for the sweep; the call's limit is 600 s, unpacking takes ~1 min
+  PEER_ROUTER="python3 -m vllm_router.launch_router"  # unpacked into $SITE by unpack-a3; its imports are the pack's
 fi
 # vLLM 0.26.0's V2 sampler imports flashinfer unguarded (left out of the pack); no hub on the machine;
 # NVLink multicast stays off on the multi-GPU kinds (it can take the host's GPUs down for others).
@@ -72,6 +80,28 @@ unpack() {  # unpack an archive once per machine
   log "unpacked $archive into $SITE ($(du -sh "$SITE" | cut -f1))"
 }
 
+unpack_peers() {  # the peer routers' wheels of .gpu/a3 (pack.sh OUT a3): plain wheels, unzipped into the site
+  local whl
+  if [ "${REHEARSAL:-0}" = 1 ]; then
+    [ -e "$PEER_SITE/.installed" ] && return 0
+    ls .gpu/a3/*.whl >/dev/null 2>&1 || { log "missing .gpu/a3/*.whl: run hack/gpu/pack.sh .gpu a3"; exit 3; }
+    $MODEL_PY -m pip install -q --target "$PEER_SITE" .gpu/a3/*.whl && touch "$PEER_SITE/.installed" || exit 3
+    return 0
+  fi
+  for whl in .gpu/a3/*.whl; do
+    [ -e "$SITE/.unpacked-$(basename "$whl")" ] && continue
+    [ -f "$whl" ] || { log "missing .gpu/a3/*.whl: carry .gpu/a3"; exit 3; }
+    mkdir -p "$SITE" && python3 -m zipfile -e "$whl" "$SITE" && touch "$SITE/.unpacked-$(basename "$whl")" || exit 3
+    log "unpacked $whl into $SITE"
+  done
+}
+
+peers_ready() {  # the peer router's wheels, unpacked by an earlier call (unpack-a3) or now
+  if [ "${REHEARSAL:-0}" = 1 ]; then unpack_peers; return; fi
+  ls "$SITE"/.unpacked-vllm_router-* >/dev/null 2>&1 || unpack_peers
+  $PY -c 'import vllm_router, vllm_router_rs; from importlib.metadata import version; print("vllm-router", version("vllm-router"))' || exit 3
+}
+
 prepare() {  # everything but the compiled kernels, the byte code, the model folder
   if [ "${REHEARSAL:-0}" != 1 ]; then
     unpack .gpu/a2/rest.tar.xz
@@ -81,7 +111,7 @@ prepare() {  # everything but the compiled kernels, the byte code, the model fol
     $PY -c 'import vllm, nixl, torch; print("vllm", vllm.__version__, "torch", torch.__version__, "gpus", torch.cuda.device_count())' || exit 3
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   fi
-  $MODEL_PY hack/gpu/make_model.py "$WORK/model" qwen3-0.6b || exit 3
+  $MODEL_PY hack/gpu/make_model.py "$WORK/model" "${SHAPE:-qwen3-0.6b}" || exit 3
 }
 
 # One sweep with disagg-localrun; $1 = results folder name, the rest = its options.
@@ -102,6 +132,9 @@ case "$stage" in
   unpack-a1)
     unpack .gpu/a1/a1.tar.xz
     ;;
+  unpack-a3)
+    unpack_peers
+    ;;
   push)
     prepare
     bench push $ONE_GPU --modes router-push,direct-push --prompts 1024,4096,16384 --rates 1,4,8 \
@@ -120,6 +153,19 @@ case "$stage" in
     bench "issue20-1gpu-r${REP:-1}" $ONE_GPU \
       --modes router-push,router-push-sequential,router-pull,direct-push,direct-pull \
       --prompts 1024,4096,16384 --rates 2,8 --cell-seconds 5 --min-requests 8 --drain-timeout 20
+    ;;
+  issue20-peers)
+    # Issue 20 item 5: vllm-router 0.1.17 (vllm-project/router) as a peer of our router on the same real engines,
+    # push and pull, in one run; every cell with vLLM's own KV-transfer counters (bench.py). vllm-router turns a
+    # prefill URL to concurrent push only after an answer with transfer_mode "push" (vLLM 0.33.0 sends it, 0.26.0
+    # does not): its counters at the end of the group (results.md) say which path it took.
+    prepare
+    peers_ready
+    if [ "${SHAPE:-qwen3-0.6b}" = qwen3-8b ]; then MODEL_YAML=hack/gpu/qwen3-8b-h200.yaml; fi
+    MODEL_YAML=${MODEL_YAML:-hack/gpu/qwen3-0.6b-h200.yaml} \
+      bench "issue20-peers${SHAPE:+-${SHAPE#qwen3-}}${REP:+-r$REP}" $ONE_GPU --peer-router-command "$PEER_ROUTER" \
+      --modes "${MODES:-router-push,vllmrouter-push,router-pull,vllmrouter-pull}" --prompts "${PROMPTS:-1024,4096,16384}" \
+      --rates "${RATES:-2,8}" --cell-seconds 5 --min-requests 8 --drain-timeout 20
     ;;
   issue12-push)
     prepare

@@ -1,14 +1,16 @@
 """The simulator's prediction next to every real figure: each committed real run replayed, same sweep,
 same seed (so the same arrival times), with simulated engines timed by the profile fitted to that run.
 
-    python -m tests.bench.sim_vs_real                       # every bench/results/h200-*.json (~12 min)
-    python -m tests.bench.sim_vs_real --only h200-1gpu-push # one of them
+    python -m tests.bench.sim_vs_real                       # every bench/results/h200-*.json with a profile (~17 min)
+    python -m tests.bench.sim_vs_real --only h200-1gpu-fair # one profile (or one results file's stem)
     python -m tests.bench.router_bench --sim-vs-real        # the same, as a section of the router benchmark
 
 The replay is disagg-localrun itself with `tests.vllm_sim.as_vllm` in place of vLLM: the engines get the
 same rendered command lines (hence the same transfer mode) and the real router, in real time. Profiles:
 tests/vllm_sim/calibration.json (fitted by tests/vllm_sim/calibrate.py); a run's profile is the one whose
-`runs` list names its file.
+`runs` list names its file. A profile fitted to repetitions of one sweep (the same seed, hence the same
+arrivals) is replayed once and compared with the real runs' per-cell medians (calibrate.median_of_runs).
+Results files no profile names (other shapes, peers' routers) are listed as not replayed.
 """
 
 from __future__ import annotations
@@ -28,18 +30,32 @@ from disagg_bench.localrun.cli import read_model
 from disagg_bench.localrun.plan import LocalOptions
 from tests.vllm_sim import harness as h
 from tests.vllm_sim.as_vllm import CALIBRATION
+from tests.vllm_sim.calibrate import median_of_runs
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 SIM = (sys.executable, "-m", "tests.vllm_sim.as_vllm")
 
 
-def profile_for(path: Path) -> str:
+def profile_for(path: Path) -> str | None:
     profiles = json.loads(CALIBRATION.read_text())["profiles"]
     names = [n for n, p in profiles.items() if path.name in p.get("runs", ())]
-    if not names:
-        raise SystemExit(f"no calibration profile was fitted to {path.name} (run python -m tests.vllm_sim.calibrate)")
-    return names[0]
+    return names[0] if names else None
+
+
+def replay_sets(paths: list[Path]) -> tuple[list[tuple[str, list[Path]]], list[Path]]:
+    """What to replay, in order: (profile, the results files fitted to it that repeat one sweep); and the files
+    no profile names."""
+    sets: dict[tuple[str, str], list[Path]] = {}
+    orphans = []
+    for path in paths:
+        name = profile_for(path)
+        if name is None:
+            orphans.append(path)
+        else:
+            sweep = json.dumps(json.loads(path.read_text())["sweep"], sort_keys=True)
+            sets.setdefault((name, sweep), []).append(path)
+    return [(name, ps) for (name, _), ps in sets.items()], orphans
 
 
 def model_file(real: dict[str, Any]) -> str:
@@ -86,26 +102,31 @@ def table(real: dict[str, Any], sim: dict[str, Any]) -> list[str]:
 
 
 def compare(only: list[str] | None = None) -> list[str]:
-    paths = sorted(RESULTS.glob("h200-*.json"))
+    sets, orphans = replay_sets(sorted(RESULTS.glob("h200-*.json")))
     if only:
-        paths = [p for p in paths if p.stem in only]
+        sets = [(n, ps) for n, ps in sets if n in only or any(p.stem in only for p in ps)]
+        orphans = []
     profiles = json.loads(CALIBRATION.read_text())["profiles"]
     out = ["", "## Simulator vs real (each real run replayed with its calibrated profile; ratio = sim / real)"]
-    for path in paths:
-        real = json.loads(path.read_text())
-        name = profile_for(path)
+    for name, paths in sets:
+        runs = [json.loads(p.read_text()) for p in paths]
+        real = runs[0] if len(runs) == 1 else {**median_of_runs(runs), "command": runs[0]["command"]}
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="sim-vs-real-") as tmp:
             sim = replay(real, name, Path(tmp))
-        out += ["", f"### {path.name}: profile `{name}` ({time.monotonic() - t0:.0f} s)", "",
+        what = paths[0].name if len(paths) == 1 else (
+            f"{', '.join(p.name for p in paths)}: real = per cell the median of the {len(paths)} runs (ok real: all runs)")
+        out += ["", f"### {what}: profile `{name}` ({time.monotonic() - t0:.0f} s)", "",
                 "`" + json.dumps(profiles[name]["timing"]) + "`", ""]
         out += table(real, sim)
+    if orphans:
+        out += ["", "Not replayed (no profile is fitted to them): " + ", ".join(p.name for p in orphans)]
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", action="append", help="a results file's stem, e.g. h200-1gpu-push (repeatable)")
+    ap.add_argument("--only", action="append", help="a profile or a results file's stem, e.g. h200-1gpu-fair (repeatable)")
     a = ap.parse_args()
     print(f"# command: python -m tests.bench.sim_vs_real {shlex.join(sys.argv[1:])}".rstrip())
     print("\n".join(compare(a.only)))

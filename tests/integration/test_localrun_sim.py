@@ -86,3 +86,36 @@ def test_bad_input_says_what_to_change(tmp_path: Path, bad: str) -> None:
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert ("--colocate" in proc.stderr) if "gpus" in bad else ("choose from" in proc.stderr)
+
+
+def _peer_router_command() -> str:
+    """vllm-router's command: $DISAGG_PEER_ROUTER (e.g. `env PYTHONPATH=SITE python3 -m vllm_router.launch_router`),
+    or this interpreter's (the test extra pins vllm-router: hack/setup.sh installs it)."""
+    return os.environ.get("DISAGG_PEER_ROUTER") or f"{sys.executable} -m vllm_router.launch_router"
+
+
+def test_bench_runs_vllm_router_as_a_peer_on_the_same_engines(tmp_path: Path) -> None:
+    model = tmp_path / "dm.yaml"
+    model.write_text(json.dumps(dm({"engine": {"enablePrefixCaching": False}}, name="peer")))
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), "--gpus", "0,1",
+        "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port_block(64)),
+        "--peer-router-command", str(_peer_router_command()),
+        "--modes", "router-push,vllmrouter-push,vllmrouter-pull", "--prompts", "512", "--rates", "8",
+        "--cell-seconds", "0.5", "--min-requests", "4", "--max-tokens", "6", "--load-format", "dummy", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    for c in results["cells"]:
+        assert (c["ok"], c["sent"]) == (4, 4), c["errors"]
+        assert set(c["kv_transfer"]) == {"prefill-0", "decode-0"}  # scraped from every engine around the cell
+    groups = {g["transfer_mode"]: g for g in results["groups"]}
+    assert groups["Push"]["modes"] == ["router-push", "vllmrouter-push"]  # one set of push engines for both routers
+    from disagg_bench.localrun.report import peer_router_paths
+
+    # the simulated engines answer as vLLM 0.33.0 (transfer_mode "push"): vllm-router learns push from its warm-up
+    sequential, concurrent = peer_router_paths(groups["Push"]["peer_router_counters"]["vllmrouter-push"])
+    assert sequential == 1 and concurrent == 4, (sequential, concurrent)
+    assert peer_router_paths(groups["Pull"]["peer_router_counters"]["vllmrouter-pull"]) == (5, 0)

@@ -265,7 +265,7 @@ def test_one_pair_fails_fast_with_the_failure_it_has(log_dir):
     P = h.launch_sim(log_dir, "prefill", "push")
     D = h.launch_sim(log_dir, "decode", "push")
     static = log_dir / "stale.json"
-    h.write_static(static, [P.static_entry(engine_id="stale-incarnation"), D.static_entry()])
+    h.write_static(static, [P.static_entry(uid="stale-incarnation"), D.static_entry()])
     R = h.launch_router(log_dir, static, "push", max_retries=1, name="router-stale")
     try:
         h.wait_ready(P, D, R)

@@ -8,11 +8,15 @@ Checked here without a GPU, from the import graph, so that a new import cannot b
 
 from __future__ import annotations
 
+import email.parser
 import importlib.metadata
 import re
 import sys
+import zipfile
 
 import grimp
+
+import pytest
 
 from ..conftest import REPO
 
@@ -61,3 +65,35 @@ def test_the_pack_carries_every_import_of_the_harness_and_the_router() -> None:
     assert {"aiohttp", "orjson", "pydantic", "cel-python", "kubernetes"} <= set(imports), sorted(imports)  # it reads
     missing = {dist: sorted(users)[:3] for dist, users in imports.items() if dist not in have}
     assert not missing, f"not on the GPU machine, in wheels.txt or in pack.sh's pins (add a pin to pack.sh): {missing}"
+
+
+def peers() -> dict[str, set[str]]:
+    """The peer routers' wheels (hack/gpu/peers.txt) -> their Requires-Dist, as peers.txt records them."""
+    out = {}
+    for line in (GPU / "peers.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            wheel, _, requires = line.partition(" requires: ")
+            out[wheel.split()[0]] = {_normal(r) for r in requires.split()}
+    return out
+
+
+def test_the_pack_carries_what_the_peer_routers_need() -> None:
+    rows = peers()
+    assert any(w.startswith("vllm_router-0.1.17-") for w in rows), rows  # the pinned peer of issue 20
+    have = carried()
+    missing = {wheel: sorted(requires - have) for wheel, requires in rows.items() if requires - have}
+    assert not missing, f"a peer's dependency is not on the GPU machine, in wheels.txt or in pack.sh's pins: {missing}"
+    assert "peers.txt" in (GPU / "pack.sh").read_text(), "pack.sh no longer downloads the peers of peers.txt into a3"
+
+
+@pytest.mark.parametrize("wheel", sorted(peers()))
+def test_peers_txt_lists_each_wheels_own_requirements(wheel: str) -> None:
+    """Against the wheel itself where pack.sh OUT a3 has downloaded it (.gpu/a3), else nothing to compare."""
+    path = REPO / ".gpu" / "a3" / wheel
+    if not path.exists():
+        pytest.skip(f"{path} not downloaded (hack/gpu/pack.sh .gpu a3)")
+    with zipfile.ZipFile(path) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        requires = email.parser.Parser().parsestr(z.read(meta).decode()).get_all("Requires-Dist") or []
+    wanted = {_normal(re.split(r"[ ;<>=!~\[(]", r, maxsplit=1)[0]) for r in requires if "extra ==" not in r}
+    assert peers()[wheel] == wanted

@@ -32,6 +32,8 @@ BREAKS = {
     "render-builders": ("operator/disagg_operator/render/network.py", "from . import engine  # one builder on another"),
     "api-layers": ("operator/disagg_operator/api/cel.py", "from . import models"),
     "data-plane-layers": ("connector/disagg_connector/drain.py", "from disagg_connector.router import config"),
+    "contract-pure": ("connector/disagg_connector/contract/vllm_pd.py", "import aiohttp  # I/O in the wire protocol"),
+    "router-layers": ("connector/disagg_connector/router/legs.py", "from . import outcomes  # a leg keeping the books"),
 }
 
 

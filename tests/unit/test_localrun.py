@@ -17,9 +17,9 @@ from disagg_connector.router.config import parse_args as router_args
 from disagg_operator.api.validation import parse
 from disagg_connector.router.discovery import backends_from_pod, pods_from_static
 from disagg_bench.localrun import loadgen, report
-from disagg_bench.localrun.bench import Sweep, mode
+from disagg_bench.localrun.bench import Sweep, mode, parse_series, series_delta
 from disagg_bench.localrun.kube_env import DownwardValues, UnresolvableEnv, expand, resolve_env
-from disagg_bench.localrun.plan import LocalOptions, LocalPlan, LocalRunError, describe, flag_value, local_plan
+from disagg_bench.localrun.plan import PEER_ROUTER_MODES, LocalOptions, LocalPlan, LocalRunError, describe, flag_value, local_plan
 
 from ..conftest import EXAMPLES, dm, load_example
 
@@ -343,3 +343,83 @@ def test_repetitions_report_the_median_of_each_runs_p50_and_its_spread() -> None
     push, pull = table[2], table[3]
     assert push.startswith("| 1024 | 2 | router-push | 3 | 110 (100-300) | 0.55 |"), push  # median 110 / 200
     assert pull.startswith("| 1024 | 2 | router-pull | 3 | 200 (200-400) | 1.00 |"), pull
+
+
+# --- a peer's router (vllm-router) on the same engines ------------------------------------------------------
+def _values(argv: tuple[str, ...], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_peer_modes_run_vllm_router_against_the_same_engines() -> None:
+    assert (mode("vllmrouter-push").transfer_mode, mode("vllmrouter-push").router_mode) == ("Push", "vllmrouter-push")
+    assert (mode("vllmrouter-pull").transfer_mode, mode("vllmrouter-pull").direct_dispatch) == ("Pull", None)
+    with pytest.raises(ValueError, match="vllmrouter-pull"):
+        mode("vllmrouter-push-sequential")  # vllm-router has no such switch: it decides itself
+    doc = load_example(MINIMAL)
+    plan = local_plan(doc, local_options(doc, router_modes=("push", "vllmrouter-push"),
+                                         peer_router_command=("python3", "-m", "vllm_router.launch_router")), new_uid=_uids())
+    ours, peer = plan.router("push"), plan.router("vllmrouter-push")
+    assert peer.argv[:3] == ("python3", "-m", "vllm_router.launch_router")
+    assert _values(peer.argv, "--prefill") == [e.url for e in plan.role("prefill")]
+    assert _values(peer.argv, "--decode") == [e.url for e in plan.role("decode")]
+    assert flag_value(peer.argv, "--kv-connector") == "nixl" and "--vllm-pd-disaggregation" in peer.argv
+    assert flag_value(peer.argv, "--port") == str(peer.port) and flag_value(peer.argv, "--host") == "127.0.0.1"
+    assert flag_value(peer.argv, "--prometheus-port") == str(peer.metrics_port) and ours.metrics_port is None
+    ports = [ours.port, peer.port, peer.metrics_port] + [p for e in plan.engines for p in (e.http_port, e.side_channel_port)]
+    assert len(ports) == len(set(ports))
+    assert "router (vllmrouter-push) = python3 -m vllm_router.launch_router" in describe(plan)
+
+
+def test_a_peer_mode_needs_engines_of_its_transfer_mode() -> None:
+    doc = load_example(MINIMAL)
+    assert set(PEER_ROUTER_MODES) == {"vllmrouter-push", "vllmrouter-pull"}
+    with pytest.raises(LocalRunError, match="needs engines in pull mode"):
+        local_plan(doc, local_options(doc, transfer_mode="Push", router_modes=("vllmrouter-pull",)), new_uid=_uids())
+    plan = local_plan(doc, local_options(doc, transfer_mode="Pull", router_modes=("vllmrouter-pull",)), new_uid=_uids())
+    assert [r.mode for r in plan.routers] == ["vllmrouter-pull"]
+
+
+# --- vLLM's own KV-transfer series per cell --------------------------------------------------------------
+METRICS_BEFORE = """# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV Cache transfers.
+vllm:nixl_xfer_time_seconds_bucket{engine="0",le="0.005",model_name="m"} 1.0
+vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 2.0
+vllm:nixl_xfer_time_seconds_sum{engine="0",model_name="m"} 0.02
+vllm:nixl_xfer_time_seconds_created{engine="0",model_name="m"} 1.7e9
+vllm:nixl_num_failed_transfers_total{engine="0",model_name="m"} 0.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 2.0
+"""
+METRICS_AFTER = METRICS_BEFORE.replace("_count{engine=\"0\",model_name=\"m\"} 2.0", "_count{engine=\"0\",model_name=\"m\"} 6.0") \
+    .replace("_sum{engine=\"0\",model_name=\"m\"} 0.02", "_sum{engine=\"0\",model_name=\"m\"} 0.1") \
+    + 'vllm:nixl_xfer_time_seconds_count{engine="1",model_name="m"} 1.0\nvllm:nixl_xfer_time_seconds_sum{engine="1",model_name="m"} 0.02\n'
+
+
+def test_kv_series_are_summed_over_ranks_and_taken_per_cell() -> None:
+    before = {"prefill-0": parse_series(METRICS_BEFORE, "vllm:nixl_"), "decode-0": {}}
+    assert before["prefill-0"] == {"vllm:nixl_xfer_time_seconds_count": 2.0, "vllm:nixl_xfer_time_seconds_sum": 0.02,
+                                   "vllm:nixl_num_failed_transfers_total": 0.0}  # no buckets, stamps, other series
+    after = {"prefill-0": parse_series(METRICS_AFTER, "vllm:nixl_"), "decode-0": {}}
+    delta = series_delta(before, after)
+    assert delta["prefill-0"]["vllm:nixl_xfer_time_seconds_count"] == 5.0  # 4 on rank 0, 1 on rank 1
+    assert math.isclose(delta["prefill-0"]["vllm:nixl_xfer_time_seconds_sum"], 0.1)
+    assert delta["decode-0"] == {}
+    cell = {"prompt_tokens": 1024, "rate": 2.0, "mode": "router-push", "ok": 5, "kv_transfer": delta}
+    results = {"sweep": {"modes": ["router-push"], "prompts": [1024], "rates": [2.0]}, "cells": [cell]}
+    (row,) = report.kv_transfer_table(results)[2:]
+    assert row.startswith("| 1024 | 2 | router-push | 5 | 5 | 20.0 | - |"), row  # 0.1 s / 5 transfers
+    run = {**results, "command": "x", "started": "t", "groups": [], "warmup": []}
+    (rep,) = report.repeats_kv_table([run, run])[2:]
+    assert rep.startswith("| 1024 | 2 | router-push | 2 | 10 | 20.0 |"), rep
+    no_series = {**results, "cells": [{**cell, "kv_transfer": {"prefill-0": {}, "decode-0": {}}}]}
+    assert report.kv_transfer_table(no_series) == []  # engines without vllm:nixl_* (the simulator): no table
+
+
+def test_peer_router_counters_tell_its_sequential_and_concurrent_legs_apart() -> None:
+    counters = {'vllm_router_pd_prefill_requests_total{worker="http://127.0.0.1:18003"}': 1.0,
+                'vllm_router_pd_prefill_requests_total{worker="127.0.0.1:18003"}': 41.0,
+                'vllm_router_pd_decode_requests_total{worker="127.0.0.1:18005"}': 41.0}
+    assert report.peer_router_paths(counters) == (1.0, 41.0)
+    results = {"command": "x", "started": "t", "environment": {}, "cells": [], "sweep": {
+        "modes": ["vllmrouter-push"], "prompts": [1], "rates": [1.0], "max_tokens": 1, "cell_seconds": 1, "min_requests": 1, "seed": 0},
+        "groups": [{"transfer_mode": "Push", "modes": ["vllmrouter-push"], "backend": "UCX", "revision": "r", "plan": "p",
+                    "overrides": [], "peer_router_counters": {"vllmrouter-push": counters}}]}
+    assert "Prefill legs on its sequential path: 1; on its concurrent push path: 41" in report.markdown(results)

@@ -260,7 +260,7 @@ def test_static_file_goes_through_the_same_code(tmp_path):
         "endpoints": [
             {"role": "prefill", "revision": "a", "name": "p", "uid": "u", "host": "127.0.0.1", "http_port": 8100, "side_channel_port": 5610, "tp_size": 2},
             {"role": "decode", "revision": "a", "name": "d", "host": "127.0.0.1", "http_port": 8200},
-            {"role": "prefill", "revision": "b", "name": "q", "engine_id": "explicit", "dp_size": 2, "mode": "Pull"},
+            {"role": "prefill", "revision": "b", "name": "q", "uid": "v", "dp_size": 2, "mode": "Pull"},
             {"role": "decode", "revision": "b", "name": "e", "ready": False, "draining": True},
         ]
     }
@@ -272,13 +272,15 @@ def test_static_file_goes_through_the_same_code(tmp_path):
     assert [r.revision for r in snap.revisions] == ["b", "a"]  # later in the file = newer
     [p] = snap.revision("a").prefill
     assert p.identity.engine_id == contract.engine_id("p", "u") and p.identity.tp_size == 2 and p.base_url == "http://127.0.0.1:8100"
-    assert [b.identity.engine_id for b in snap.revision("b").prefill] == ["explicit_dp0", "explicit_dp1"]
+    assert [b.identity.engine_id for b in snap.revision("b").prefill] == [contract.engine_id("q", "v") + f"_dp{r}" for r in (0, 1)]
     assert not snap.revision("b").eligible and snap.revision("b").mode == "Pull"
     [e] = [pod for pod in load_static(f) if pod["metadata"]["name"] == "e"]
     assert contract.ANNOTATION_DRAINING in e["metadata"]["annotations"]
     yaml_file = tmp_path / "eps.yaml"
     yaml_file.write_text("endpoints:\n- {role: decode, name: d, revision: a}\n")
     assert pods_from_static({"endpoints": [{"role": "decode", "name": "d", "revision": "a"}]}) == load_static(yaml_file)
+    with pytest.raises(ValueError, match="engine_id"):  # an engine is named as a pod is: by name and UID
+        pods_from_static({"endpoints": [{"role": "prefill", "name": "q", "engine_id": "explicit"}]})
 
 
 def test_table_input_is_not_mutated():

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from disagg_connector.contract.vllm_pd import prefill_body
-from disagg_connector.router.dispatch import Timeline, estimate_prompt_tokens
+from disagg_connector.contract.vllm_pd import estimate_prompt_tokens, prefill_body
+from disagg_connector.router.legs import Timeline
 from disagg_connector.contract.health import (
     CAUSES,
     BackendHealth,

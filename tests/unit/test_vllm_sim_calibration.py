@@ -48,7 +48,7 @@ def test_what_the_simulator_cannot_be_is_refused() -> None:
 
 def test_every_profile_is_a_set_of_simulator_flags() -> None:
     profiles = json.loads(CALIBRATION.read_text())["profiles"]
-    assert {"fast", "h200-1gpu-push", "h200-1gpu-pull-tcp"} <= set(profiles)
+    assert {"fast", "h200-1gpu-push", "h200-1gpu-pull-tcp", "h200-1gpu-fair"} <= set(profiles)
     for name in profiles:
         flags = [x for k, v in profile(name).items() for x in (f"--{k.replace('_', '-')}", str(v))]
         sim.build_parser().parse_args(["--role", "prefill", "--engine-id", "e", *flags])
@@ -103,3 +103,81 @@ def test_fit_from_runs_whose_figures_follow_the_model() -> None:
     assert fitted["tpot_ms"] == pytest.approx(25.0) and fitted["link_gbps"] == pytest.approx(8.0)
     assert fitted["registration_rtt_ms"] == pytest.approx(50.0, abs=0.1)
     assert fitted["kv_pickup_ms"] == pytest.approx(30.0, abs=0.1)
+
+
+def test_the_committed_profiles_are_what_calibrate_fits_from_the_committed_results() -> None:
+    committed = json.loads(CALIBRATION.read_text())["profiles"]
+    fitted = calibrate.fitted_profiles(lambda name: json.loads((calibrate.RESULTS / name).read_text()))
+    assert {name: committed[name] for name in fitted} == fitted
+
+
+def test_pull_has_its_own_read_rate_and_pick_up_and_falls_back_to_push_figures() -> None:
+    t = sim.Timing(kv_bytes_per_token=1000, link_gbps=8.0, kv_pickup_ms=10.0)
+    assert t.xfer(1000) == t.xfer(1000, read=True) == pytest.approx(1e-3)
+    assert t.kv_pickup(pull=True) == t.kv_pickup() == pytest.approx(0.01)
+    t = sim.Timing(kv_bytes_per_token=1000, link_gbps=8.0, kv_pickup_ms=10.0, read_gbps=16.0, pull_pickup_ms=30.0)
+    assert (t.xfer(1000), t.xfer(1000, read=True)) == pytest.approx((1e-3, 0.5e-3))
+    assert (t.kv_pickup(), t.kv_pickup(pull=True)) == pytest.approx((0.01, 0.03))
+
+
+def test_repetitions_become_one_run_of_per_cell_medians() -> None:
+    def run(ttft: float, ok: int) -> dict[str, Any]:
+        c = _cell("router-pull", 1024, 2.0, ttft=ttft, tpot=0.02)
+        return {"sweep": {"rates": [2.0], "seed": 0}, "groups": [{"plan": "x"}], "cells": [{**c, "ok": ok, "sent": 10}]}
+
+    merged = calibrate.median_of_runs([run(0.1, 10), run(0.3, 9), run(0.2, 10)])
+    (cell,) = merged["cells"]
+    assert cell["ttft"]["p50"] == pytest.approx(0.2) and cell["tpot"]["mean"] == pytest.approx(0.02)
+    assert (cell["ok"], cell["sent"], cell["runs"]) == (29, 30, 3) and len(merged["groups"]) == 3
+    other = {**run(0.1, 10), "sweep": {"rates": [8.0], "seed": 0}}
+    with pytest.raises(ValueError, match="different sweeps"):
+        calibrate.median_of_runs([run(0.1, 10), other])
+
+
+def test_fair_pull_fit_recovers_a_world_that_follows_the_model() -> None:
+    # READs at 16 GB/s, 50 us of inline prep per block of 128 tokens, 40 ms pick-up, 1 KB of KV per token.
+    kv, read_bps, prep, pickup, tpot, block = 1000, 16e9, 50e-6, 0.04, 0.02, 128
+    lengths = [1024, 4096, 16384]
+    blocks = {n: -(-n // block) for n in lengths}
+    read = lambda n: n * kv / read_bps  # noqa: E731
+    counters = {"vllm:nixl_xfer_time_seconds_count": 0.0}
+    peer_cells = []
+    for n in lengths:
+        m = {"vllm:nixl_xfer_time_seconds_count": 10.0, "vllm:nixl_xfer_time_seconds_sum": 10 * read(n),
+             "vllm:nixl_post_time_seconds_sum": 10 * blocks[n] * prep, "vllm:nixl_bytes_transferred_sum": 10.0 * n * kv}
+        peer_cells += [{**_cell("router-pull", n, 2.0), "kv_transfer": {"decode-0": m, "prefill-0": counters}},
+                       {**_cell("router-pull", n, 8.0), "kv_transfer": {"decode-0": {**m, "vllm:nixl_xfer_time_seconds_sum": 99.0},
+                                                                       "prefill-0": counters}}]  # loaded: ignored
+    reads = calibrate.nixl_counters([{"sweep": {"rates": [2.0, 8.0]}, "cells": peer_cells}], "router-pull", "decode-0")
+    assert calibrate.counters_gbps(reads) == pytest.approx(128.0)
+    pull = {"sweep": {"rates": [2.0]}, "cells": [
+        _cell("direct-pull", n, 2.0, after_prefill=blocks[n] * prep + read(n) + pickup + tpot) for n in lengths]}
+    push_timing = {"tpot_ms": tpot * 1e3, "kv_bytes_per_token": kv, "link_gbps": 100.0}
+    fitted = calibrate.fit_pull_fair(pull, reads, push_timing, block)
+    assert fitted["read_gbps"] == pytest.approx(128.0) and fitted["link_gbps"] == 100.0
+    assert fitted["descriptor_prep_us_per_block"] == pytest.approx(50.0)
+    assert fitted["pull_pickup_ms"] == pytest.approx(40.0, abs=0.1)
+    with pytest.raises(ValueError, match="no vllm:nixl"):
+        calibrate.nixl_counters([{"sweep": {"rates": [2.0]}, "cells": peer_cells}], "router-push", "decode-0")
+
+
+def test_the_block_size_is_the_engines_own() -> None:
+    assert calibrate.block_size({"groups": [{"plan": "vllm serve m --block-size 64 --port 1"}] * 2}) == 64
+    with pytest.raises(ValueError):
+        calibrate.block_size({"groups": [{"plan": "--block-size 64"}, {"plan": "--block-size 16"}]})
+
+
+def test_sim_vs_real_replays_each_profile_once_and_names_what_it_does_not_replay() -> None:
+    from tests.bench import sim_vs_real
+
+    paths = sorted(calibrate.RESULTS.glob("h200-*.json"))
+    sets, orphans = sim_vs_real.replay_sets(paths)
+    profiles = json.loads(CALIBRATION.read_text())["profiles"]
+    replays = {tuple(p.name for p in ps): name for name, ps in sets}
+    assert replays[tuple(calibrate.FAIR_RUNS)] == "h200-1gpu-fair"  # three repetitions of one sweep: one replay
+    assert replays[("h200-1gpu-push.json",)] == replays[("h200-1gpu-push-sequential.json",)] == "h200-1gpu-push"  # two sweeps
+    for name, ps in sets:
+        assert all(p.name in profiles[name]["runs"] for p in ps)
+        assert len({json.dumps(json.loads(p.read_text())["sweep"]) for p in ps}) == 1
+    assert orphans and all(sim_vs_real.profile_for(p) is None for p in orphans)
+    assert sorted([*orphans, *(p for _, ps in sets for p in ps)]) == paths

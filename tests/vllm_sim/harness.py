@@ -348,8 +348,10 @@ def launch_router(
 ) -> Router:
     """A router on the static file (its leg deadline: the router's default unless given)."""
     port = free_port()
+    # push-sequential is a benchmark's dispatcher, not a mode of the production router.
+    program = "disagg_bench.localrun.baseline_router" if mode == "push-sequential" else "disagg_connector.router"
     argv = [
-        sys.executable, "-m", "disagg_connector.router", "--served-model-name", MODEL, "--mode", mode,
+        sys.executable, "-m", program, "--served-model-name", MODEL, "--mode", mode,
         "--static-endpoints", str(static_path), "--host", HOST, "--port", str(port),
         "--max-retries", str(max_retries), "--shutdown-grace-seconds", str(grace), *extra,
     ]

@@ -76,14 +76,18 @@ Only a bidirectional turn-2 read checks the expiry first.
   prompt_tokens`` each.
 - D runs an engine loop of steps of ``tpot_ms``; each step emits one token to every running request.
   Requests are scheduled (and push registrations sent) at step boundaries, and a request whose KV arrived
-  joins the batch at the next boundary, ``kv_pickup_ms`` after it arrived (0 by default; vLLM 0.26.0 on one
-  H200 took ~0.1 s, tests/vllm_sim/calibration.json). Work that vLLM does inline in D's loop stalls the step for
-  everyone: pull's descriptor prep + transfer submission, ``descriptor_prep_us_per_block * blocks``
+  joins the batch at the next boundary, ``kv_pickup_ms`` after it arrived (``pull_pickup_ms`` in pull, when
+  given; 0 by default; vLLM 0.26.0 on one H200: tests/vllm_sim/calibration.json). Work that vLLM does
+  inline in D's loop stalls the step for everyone: pull's descriptor prep + transfer submission
+  (vLLM's "post time"), ``descriptor_prep_us_per_block * blocks``
   (blocks of ``block_size`` tokens), and local (re)compute of a prompt, ``prefill_us_per_token *
   prompt_tokens``. Push preps descriptors in P's background writer thread, which merges contiguous blocks
   into larger transfer regions (the AWS article): one region's prep, on the request's path, stalling nobody.
-- KV transfer: ``prompt_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)`` seconds (P's background
-  writer in push, D's read in pull); each side-channel message costs half of ``registration_rtt_ms``.
+- KV transfer: ``prompt_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)`` seconds for P's background
+  WRITE in push, the same over ``read_gbps`` (when given) for D's READ in pull. Each side-channel message
+  costs half of ``registration_rtt_ms``. A READ is one-sided (``pull_worker.py``: D posts it and polls its
+  own completion; P hears of it by a notification off D's path), so D's path in pull is the inline prep,
+  the READ and the pick-up, with no side-channel message.
 - P notices a notification at its next engine step: at the end of the prefill it is computing, or,
   when idle, at the next multiple of ``step_ms``. This is the engine step boundary that push pays when
   the legs are sequential (the registration reaches an idle P after the prefill); concurrent push hides
@@ -173,15 +177,19 @@ class Timing:
     scale: float = 1.0
     prefill_base_ms: float = 0.0
     kv_pickup_ms: float = 0.0
+    read_gbps: float = 0.0  # D's READ in pull; 0: link_gbps
+    pull_pickup_ms: float | None = None  # D's pick-up of a READ's KV; None: kv_pickup_ms
 
     def prefill(self, n: int) -> float:
         return (self.prefill_base_ms * 1e3 + n * self.prefill_us_per_token) * 1e-6 * self.scale
 
-    def kv_pickup(self) -> float:
-        return self.kv_pickup_ms / 1000 * self.scale
+    def kv_pickup(self, pull: bool = False) -> float:
+        ms = self.pull_pickup_ms if pull and self.pull_pickup_ms is not None else self.kv_pickup_ms
+        return ms / 1000 * self.scale
 
-    def xfer(self, n: int) -> float:
-        return n * self.kv_bytes_per_token * 8 / (self.link_gbps * 1e9) * self.scale
+    def xfer(self, n: int, read: bool = False) -> float:
+        gbps = self.read_gbps if read and self.read_gbps > 0 else self.link_gbps
+        return n * self.kv_bytes_per_token * 8 / (gbps * 1e9) * self.scale
 
     def half_rtt(self) -> float:
         return self.registration_rtt_ms / 2000 * self.scale
@@ -263,7 +271,8 @@ class Engine:
         self.t = Timing(
             a.prefill_us_per_token, a.tpot_ms, a.kv_bytes_per_token, a.link_gbps, a.registration_rtt_ms,
             a.step_ms, a.descriptor_prep_us_per_block, a.block_size, a.time_scale,
-            prefill_base_ms=a.prefill_base_ms, kv_pickup_ms=a.kv_pickup_ms,
+            prefill_base_ms=a.prefill_base_ms, kv_pickup_ms=a.kv_pickup_ms, read_gbps=a.read_gbps,
+            pull_pickup_ms=a.pull_pickup_ms,
         )
         self.compute = asyncio.Lock()
         self.compute_until = 0.0
@@ -436,7 +445,7 @@ class Engine:
         seq.kv_ready = True
         self.stop_heartbeat(seq)
         self.by_rid.pop(seq.rid, None)
-        pickup = self.t.kv_pickup()  # D's engine notices the received KV this much later
+        pickup = self.t.kv_pickup(seq.path == "pull")  # D's engine notices the received KV this much later
         if pickup > 0:
             asyncio.get_running_loop().call_later(pickup, self.join_batch, seq)
         else:
@@ -511,7 +520,7 @@ class Engine:
 
     async def pull_read(self, seq: Seq, setup: float) -> None:
         p = seq.params or {}
-        await asyncio.sleep(setup + self.t.half_rtt())
+        await asyncio.sleep(setup)  # the READ is posted at the end of the inline prep: no side-channel message
         if self.faults["fail_transfers"]:
             self.load_failed(seq, "transfer_setup_failed", "injected by /sim/control")
             return
@@ -525,7 +534,6 @@ class Engine:
             status, answer = await self.post(str(p["remote_host"]), int(p["remote_port"]), "/pull_read", body)
         except (aiohttp.ClientError, OSError, ValueError) as e:
             status, answer = 0, {"error": f"{type(e).__name__}: {e}"}
-        await asyncio.sleep(self.t.half_rtt())
         if seq.done:
             return
         if status != 200:
@@ -686,7 +694,7 @@ class Engine:
                 return web.json_response({"error": "NIXL compatibility hash mismatch"}, status=409)
             # A READ is one-sided: D reads the block ids it was given whether or not P still holds them.
             # P learns of it only from D's completion notice (pull_worker._get_new_notifs).
-            await asyncio.sleep(self.t.xfer(int(msg.get("num_tokens", 0))))
+            await asyncio.sleep(self.t.xfer(int(msg.get("num_tokens", 0)), read=True))
             rid = msg.get("remote_request_id")
             held = self.held[rank].pop(rid, None)
             if held is None:
@@ -1056,6 +1064,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=t.block_size)
     p.add_argument("--prefill-base-ms", type=float, default=t.prefill_base_ms, help="fixed part of every prefill (API server, scheduling)")
     p.add_argument("--kv-pickup-ms", type=float, default=t.kv_pickup_ms, help="D notices received KV this much after the last notice")
+    p.add_argument("--read-gbps", type=float, default=t.read_gbps, help="D's READ rate in pull (0: --link-gbps)")
+    p.add_argument("--pull-pickup-ms", type=float, default=t.pull_pickup_ms, help="D notices a READ's KV this much later (unset: --kv-pickup-ms)")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--record-bodies", action="store_true", help="keep every response's bytes for /sim/body")
     p.add_argument("--log-events", action="store_true")

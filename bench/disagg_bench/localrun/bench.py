@@ -1,12 +1,17 @@
 """A sweep over (prompt length, request rate, mode) against locally started engines.
 
 A mode is a transfer mode of the engines plus a dispatcher: the router in one of its modes
-(`router-push`, `router-push-sequential`, `router-pull`), or the load generator sending both legs itself
+(`router-push`, `router-push-sequential`, `router-pull`), the load generator sending both legs itself
 (`direct-push`, `direct-push-sequential`, `direct-pull`: the router's protocol without the router, the
-baseline for the router's own cost, and the split of TTFT into its legs). Modes of one transfer mode share
-one set of engines; the engines are restarted for the other. Within a (prompt, rate) cell every mode
-gets the same arrival times; the results are written after every cell, so a run cut short keeps what it
-measured.
+baseline for the router's own cost, and the split of TTFT into its legs), or a peer's router on the same
+engines (`vllmrouter-push`, `vllmrouter-pull`: vllm-project/router, whose own dispatch decides sequential or
+concurrent). Modes of one transfer mode share one set of engines; the engines are restarted for the other.
+Within a (prompt, rate) cell every mode gets the same arrival times; the results are written after every
+cell, so a run cut short keeps what it measured.
+
+Each cell also records what vLLM itself counted of the KV transfers during it: every engine's `vllm:nixl_*`
+series (NIXL transfers, their time, post time, bytes, descriptors, failures, expired leases), scraped from
+/metrics before and after the cell, as the difference.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any, Callable, Mapping
 import aiohttp
 
 from . import loadgen, report
-from .plan import LocalOptions, LocalPlan, describe, local_plan
+from .plan import PEER_ROUTER_MODES, LocalOptions, LocalPlan, describe, local_plan
 from .procs import Running, started
 
 
@@ -44,10 +49,12 @@ class Mode:
 
 def mode(name: str) -> Mode:
     kind, _, dispatch = name.partition("-")
-    if kind not in ("router", "direct") or dispatch not in loadgen.DISPATCHES:
-        choices = ", ".join(f"{k}-{d}" for k in ("router", "direct") for d in loadgen.DISPATCHES)
-        raise ValueError(f"mode {name!r}: choose from {choices}")
     transfer = "Pull" if dispatch == "pull" else "Push"
+    if name in PEER_ROUTER_MODES:
+        return Mode(name, transfer, name, None)
+    if kind not in ("router", "direct") or dispatch not in loadgen.DISPATCHES:
+        choices = ", ".join([*(f"{k}-{d}" for k in ("router", "direct") for d in loadgen.DISPATCHES), *PEER_ROUTER_MODES])
+        raise ValueError(f"mode {name!r}: choose from {choices}")
     return Mode(name, transfer, dispatch if kind == "router" else None, dispatch if kind == "direct" else None)
 
 
@@ -84,7 +91,7 @@ def target(plan: LocalPlan, m: Mode) -> loadgen.Target:
 def environment(plan: LocalPlan) -> dict[str, Any]:
     """Versions and machine, as far as this process can tell (vLLM's from its own /version)."""
     env: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for dist in ("vllm", "nixl", "nixl-cu13", "nixl-cu12", "torch"):
+    for dist in ("vllm", "nixl", "nixl-cu13", "nixl-cu12", "torch", "vllm-router"):
         try:
             env[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -132,6 +139,76 @@ async def _engine_counters(plan: LocalPlan) -> dict[str, Any]:
     return out
 
 
+# vLLM's own KV-transfer series (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py, 0.26.0): histograms
+# vllm:nixl_{xfer_time_seconds,post_time_seconds,bytes_transferred,num_descriptors} (their _sum and _count are
+# kept), counters vllm:nixl_num_{failed_transfers,failed_notifications,kv_expired_reqs}.
+KV_TRANSFER_PREFIX = "vllm:nixl_"
+
+
+def parse_series(text: str, prefix: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value summed over its label sets}, for the series named `prefix`...;
+    histogram buckets and `_created` stamps left out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        key, _, value = line.rpartition(" ")
+        name = key.split("{", 1)[0]
+        if name.endswith(("_bucket", "_created")):
+            continue
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def series_delta(before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per engine, what each series grew by between two scrapes (a series new in `after` counts from 0)."""
+    return {label: {name: value - before.get(label, {}).get(name, 0.0) for name, value in series.items()}
+            for label, series in after.items()}  # fmt: skip
+
+
+async def _kv_snapshot(session: aiohttp.ClientSession, plan: LocalPlan) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for e in plan.engines:
+        try:
+            async with session.get(e.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                out[e.label] = parse_series(await r.text(), KV_TRANSFER_PREFIX) if r.status == 200 else {}
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            out[e.label] = {}
+    return out
+
+
+# A peer router's own counters (vllm-router 0.1.17: vllm_router_pd_{prefill,decode}_requests_total{worker}, whose
+# worker label is the URL on its sequential path and host:port without the scheme on its concurrent push path).
+PEER_ROUTER_PREFIX = "vllm_router_pd_"
+
+
+async def _peer_router_counters(plan: LocalPlan) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        for r in plan.routers:
+            if r.metrics_port is None:
+                continue
+            try:
+                async with s.get(f"http://{r.host}:{r.metrics_port}/metrics") as resp:
+                    text = await resp.text() if resp.status == 200 else ""
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                text = ""
+            out[r.mode] = {key: float(value) for key, _, value in (line.rpartition(" ") for line in text.splitlines())
+                           if key.startswith(PEER_ROUTER_PREFIX) and "_bucket" not in key and _is_number(value)}
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 WARMUP_RETRY_SECONDS = 60.0
 
 
@@ -161,6 +238,7 @@ async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, resu
             for rate in sweep.rates:
                 n = loadgen.requests_per_cell(rate, sweep.cell_seconds, sweep.min_requests)
                 for m in modes:
+                    before = await _kv_snapshot(session, plan)
                     records = await loadgen.run_cell(
                         session, target(plan, m), mode=m.name, model=plan.served_model_name, prompt_tokens=prompt,
                         rate=rate, n=n, max_tokens=sweep.max_tokens,
@@ -169,7 +247,8 @@ async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, resu
                         drain_timeout=sweep.drain_timeout,
                     )  # fmt: skip
                     summary = loadgen.summarize(records)
-                    results["cells"].append(report.summary_dict(summary))
+                    kv = series_delta(before, await _kv_snapshot(session, plan))
+                    results["cells"].append({**report.summary_dict(summary), "kv_transfer": kv})
                     results["records"] += [r.as_dict() for r in records]
                     print(report.cell_line(summary), flush=True)
                     save()
@@ -224,6 +303,8 @@ def run_bench(
                 asyncio.run(_measure_group(running, modes, sweep, results, save))
             finally:
                 group["engine_counters"] = asyncio.run(_engine_counters(plan))
+                if any(r.metrics_port is not None for r in plan.routers):
+                    group["peer_router_counters"] = asyncio.run(_peer_router_counters(plan))
                 group["key_log_lines"] = running.key_log_lines()
                 save()
     return results

@@ -29,7 +29,7 @@ from disagg_operator.manifests import load_all
 from . import report
 from .bench import Sweep, mode, run_bench
 from .kube_env import UnresolvableEnv
-from .plan import LocalOptions, LocalRunError, describe, local_plan
+from .plan import PEER_ROUTER_MODES, ROUTER_MODES, LocalOptions, LocalRunError, describe, local_plan
 from .procs import StartupFailed, started
 
 EXIT_INVALID = 1
@@ -67,6 +67,8 @@ def add_local_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workdir", default=".localrun", help="logs and the router's static endpoints file")
     g.add_argument("--vllm", default="vllm", help="command that stands for `vllm` (e.g. 'python3 -m vllm.entrypoints.cli.main')")
     g.add_argument("--router-command", default=f"{sys.executable} -m disagg_connector.router", help="the router's command")
+    g.add_argument("--peer-router-command", default="vllm-router",
+                   help="vllm-project/router's command, for the vllmrouter-push/-pull modes (e.g. 'python3 -m vllm_router.launch_router')")
     g.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every /health")
     s = p.add_argument_group("local overrides (listed in the output)")
     s.add_argument("--transfer-mode", choices=("Push", "Pull"), help="spec.kvTransfer.mode for this run")
@@ -99,6 +101,7 @@ def options_from(a: argparse.Namespace, workdir: str | None = None) -> LocalOpti
         launcher=tuple(shlex.split(a.vllm)),
         router_command=tuple(shlex.split(a.router_command)),
         router_modes=tuple(getattr(a, "router_mode", None) or ()),
+        peer_router_command=tuple(shlex.split(a.peer_router_command)),
     )
 
 
@@ -159,6 +162,9 @@ def cmd_report(a: argparse.Namespace) -> int:
     if a.repeats:
         baseline = a.baseline or merged["sweep"]["modes"][0]
         sys.stdout.write("\n".join(report.repeats_table(runs, baseline)) + "\n")
+        kv = report.repeats_kv_table(runs)
+        if kv:
+            sys.stdout.write("\nvLLM's own KV-transfer metrics (/metrics vllm:nixl_*, per cell):\n\n" + "\n".join(kv) + "\n")
         return 0
     sys.stdout.write(report.markdown(merged, a.baseline))
     return 0
@@ -176,17 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="print the processes a local run would start")
     add_local_options(plan)
-    plan.add_argument("--router-mode", action="append", choices=("push", "push-sequential", "pull"), help="routers to plan (repeatable)")
+    plan.add_argument("--router-mode", action="append", choices=ROUTER_MODES + PEER_ROUTER_MODES, help="routers to plan (repeatable)")
     plan.set_defaults(func=cmd_plan)
     up = sub.add_parser("up", help="start the engines and the router, serve until Ctrl-C")
     add_local_options(up)
-    up.add_argument("--router-mode", action="append", choices=("push", "push-sequential", "pull"), help="routers to start (repeatable)")
+    up.add_argument("--router-mode", action="append", choices=ROUTER_MODES + PEER_ROUTER_MODES, help="routers to start (repeatable)")
     up.set_defaults(func=cmd_up)
     bench = sub.add_parser("bench", help="start, sweep prompt lengths x rates x modes, write results.json and results.md")
     add_local_options(bench)
     bench.add_argument("--modes", type=_modes, default=_modes("router-push,direct-push"),
                        help="comma-separated: router-push, router-push-sequential, router-pull, direct-push, "
-                       "direct-push-sequential, direct-pull (the first is the ratios' baseline)")
+                       "direct-push-sequential, direct-pull, vllmrouter-push, vllmrouter-pull (vllm-router, "
+                       "--peer-router-command, on the same engines; the first is the ratios' baseline)")
     bench.add_argument("--prompts", type=_csv(int), default=(1024, 4096, 16384), help="prompt lengths in tokens")
     bench.add_argument("--rates", type=_csv(float), default=(1.0, 4.0, 8.0), help="request rates per second")
     bench.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")

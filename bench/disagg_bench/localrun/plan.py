@@ -48,6 +48,10 @@ from .kube_env import DownwardValues, expand, resolve_env
 ENGINE_CONTAINER = "vllm"
 ROUTER_CONTAINER = "router"
 ROUTER_MODES = ("push", "push-sequential", "pull")
+# A peer's router in place of ours, on the same engines: vllm-project/router (`vllm-router`, PyPI), static URLs,
+# NIXL. It has no push switch: it dispatches sequentially and, from 0.1.17 on, switches a prefill URL to
+# concurrent push once that prefill's answer says `transfer_mode: "push"` (vLLM 0.33.0 says it; 0.26.0 does not).
+PEER_ROUTER_MODES = ("vllmrouter-push", "vllmrouter-pull")
 
 
 class LocalRunError(ValueError):
@@ -88,6 +92,9 @@ class LocalOptions:
     launcher: tuple[str, ...] = ("vllm",)
     router_command: tuple[str, ...] = (sys.executable, "-m", "disagg_connector.router")
     router_modes: tuple[str, ...] = ()  # () = the rendered router's own mode
+    peer_router_command: tuple[str, ...] = ("vllm-router",)  # for the PEER_ROUTER_MODES
+    # push-sequential: the router with the benchmark's dispatcher (the production router has no such mode)
+    baseline_router_command: tuple[str, ...] = (sys.executable, "-m", "disagg_bench.localrun.baseline_router")
 
 
 @dataclass(frozen=True)
@@ -171,6 +178,7 @@ class RouterLaunch:
     argv: tuple[str, ...]
     port: int
     host: str
+    metrics_port: int | None = None  # a peer router's Prometheus listener (ours serves /metrics on `port`)
 
     @property
     def url(self) -> str:
@@ -278,11 +286,13 @@ def _container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _deployments(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each role's workload: a Deployment, or a LeaderWorkerSet for an engine that spans pods."""
+    """Each role's workload: a Deployment, or a LeaderWorkerSet for an engine that spans pods (a gateway's endpoint
+    picker, of no role, runs only in a cluster)."""
     out = {}
     for obj in objects:
-        if obj["kind"] in ("Deployment", "LeaderWorkerSet"):
-            out[obj["metadata"]["labels"][contract.LABEL_ROLE]] = obj
+        role = obj["metadata"].get("labels", {}).get(contract.LABEL_ROLE)
+        if obj["kind"] in ("Deployment", "LeaderWorkerSet") and role:
+            out[role] = obj
     return out
 
 
@@ -392,9 +402,12 @@ def local_plan(
     ports = _Ports(options.port_base)
     router_modes = options.router_modes or (rendered.plan.mode.lower(),)
     for mode in router_modes:
-        if mode not in ROUTER_MODES:
-            raise LocalRunError(f"router mode {mode!r}: choose from {', '.join(ROUTER_MODES)}")
+        if mode not in ROUTER_MODES + PEER_ROUTER_MODES:
+            raise LocalRunError(f"router mode {mode!r}: choose from {', '.join(ROUTER_MODES + PEER_ROUTER_MODES)}")
+        if mode in PEER_ROUTER_MODES and mode.split("-")[1] != rendered.plan.mode.lower():
+            raise LocalRunError(f"router mode {mode!r} needs engines in {mode.split('-')[1]} mode; these are {rendered.plan.mode}")
     router_ports = {mode: ports.take() for mode in router_modes}
+    peer_metrics_ports = {mode: ports.take() for mode in router_modes if mode in PEER_ROUTER_MODES}
     secrets = dict(secrets or {})
 
     engines = []
@@ -454,6 +467,12 @@ def local_plan(
     router_container = _container(deployments["router"], ROUTER_CONTAINER)
     routers = []
     for mode, port in router_ports.items():
+        if mode in PEER_ROUTER_MODES:
+            argv = peer_router_argv(engines, options.host, port, peer_metrics_ports[mode])
+            routers.append(RouterLaunch(mode, (*options.peer_router_command, *argv), port, options.host, peer_metrics_ports[mode]))
+            overrides.append(Override(f"router ({mode})", shlex.join(options.peer_router_command),
+                                      "a peer's router in place of ours, on the same engines, under test"))
+            continue
         argv = list(router_container["args"])
         for flag in ("--namespace", "--selector"):
             argv = drop_flag(argv, flag)
@@ -463,7 +482,8 @@ def local_plan(
         if mode != rendered.plan.mode.lower():
             argv = set_flag(argv, "--mode", mode)
             overrides.append(Override("router --mode", mode, "dispatch mode under test"))
-        routers.append(RouterLaunch(mode, (*options.router_command, *argv), port, options.host))
+        command = options.baseline_router_command if mode == "push-sequential" else options.router_command
+        routers.append(RouterLaunch(mode, (*command, *argv), port, options.host))
 
     return LocalPlan(
         model=dm.metadata.name,
@@ -476,6 +496,21 @@ def local_plan(
         static_endpoints_path=static_path,
         overrides=tuple(overrides),
     )
+
+
+def peer_router_argv(engines: list[EngineLaunch], host: str, port: int, metrics_port: int) -> list[str]:
+    """vllm-router's P/D command line for these engines (static URLs; vllm-router 0.1.17's flags): NIXL, round
+    robin (its default, cache_aware, would favour engines by prompt prefix), its worker check every second instead of
+    30 (it opens its port only once every engine is healthy); everything else its defaults (concurrency limit 32768,
+    so its request queue stays unused here)."""
+    if any(e.pods > 1 for e in engines):
+        raise LocalRunError("vllm-router is planned for engines of one pod each (static URLs, one per engine)")
+    argv = ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+    for e in engines:
+        argv += ["--prefill", e.url] if e.role == "prefill" else ["--decode", e.url]
+    return argv + ["--host", host, "--port", str(port), "--policy", "round_robin",
+                   "--prometheus-host", host, "--prometheus-port", str(metrics_port),
+                   "--worker-startup-check-interval", "1", "--log-level", "info"]
 
 
 def describe(plan: LocalPlan) -> str:

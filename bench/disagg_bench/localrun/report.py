@@ -114,6 +114,48 @@ def split_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def kv_transfer_totals(cell: dict[str, Any]) -> dict[str, float]:
+    """A cell's vLLM KV-transfer series (bench.KV_TRANSFER_PREFIX), summed over its engines (in push the
+    prefill engine counts the WRITEs, in pull the decode engine the READs)."""
+    total: dict[str, float] = {}
+    for series in (cell.get("kv_transfer") or {}).values():
+        for name, value in series.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
+
+
+def _per(total: dict[str, float], name: str, scale: float, fmt: str) -> str:
+    n = total.get(f"{name}_count", 0.0)
+    return format(total.get(f"{name}_sum", 0.0) / n * scale, fmt) if n else "-"
+
+
+def peer_router_paths(counters: dict[str, float]) -> tuple[float, float]:
+    """vllm-router's prefill legs by dispatch path, from its `vllm_router_pd_prefill_requests_total{worker}`."""
+    legs = [(k, v) for k, v in counters.items() if k.startswith("vllm_router_pd_prefill_requests_total{")]
+    sequential = sum(v for k, v in legs if 'worker="http' in k)
+    return sequential, sum(v for _, v in legs) - sequential
+
+
+def kv_transfer_table(results: dict[str, Any]) -> list[str]:
+    """Per cell, what vLLM counted of its NIXL transfers during the cell (its /metrics, after - before)."""
+    rows = [(c, kv_transfer_totals(c)) for c in _cells(results)]
+    rows = [(c, t) for c, t in rows if t]  # engines that publish no vllm:nixl_* series (the simulator): no table
+    if not rows:
+        return []
+    lines = ["| prompt | rate/s | mode | requests ok | NIXL transfers | xfer time mean (ms) | post time mean (ms) | "
+             "MB per transfer | descriptors per transfer | failed transfers | failed notifications | expired KV |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c, t in rows:
+        lines.append(
+            f"| {c['prompt_tokens']} | {c['rate']:g} | {c['mode']} | {c['ok']} | {t.get('vllm:nixl_xfer_time_seconds_count', 0):.0f} | "
+            f"{_per(t, 'vllm:nixl_xfer_time_seconds', 1e3, '.1f')} | {_per(t, 'vllm:nixl_post_time_seconds', 1e3, '.1f')} | "
+            f"{_per(t, 'vllm:nixl_bytes_transferred', 1e-6, '.1f')} | {_per(t, 'vllm:nixl_num_descriptors', 1, '.0f')} | "
+            f"{t.get('vllm:nixl_num_failed_transfers_total', 0):.0f} | {t.get('vllm:nixl_num_failed_notifications_total', 0):.0f} | "
+            f"{t.get('vllm:nixl_num_kv_expired_reqs_total', 0):.0f} |"
+        )
+    return lines
+
+
 def repeats_table(runs: list[dict[str, Any]], baseline: str) -> list[str]:
     """The same sweep run several times: per cell, the median over the runs of each run's TTFT p50 and TPOT
     p50 (with the runs' spread), and the median TTFT's ratio to the baseline mode's."""
@@ -139,6 +181,39 @@ def repeats_table(runs: list[dict[str, Any]], baseline: str) -> list[str]:
                 spread = lambda v: f"{_ms(v[0])} ({_ms(v[1])}-{_ms(v[2])})" if v else "-"  # noqa: E731
                 lines.append(f"| {prompt} | {rate:g} | {m} | {len(cells[prompt, rate, m])} | {spread(ttft)} | "
                              f"{_ratio(ttft[0], base[0] if base else None)} | {spread(tpot)} |")
+    return lines
+
+
+def repeats_kv_table(runs: list[dict[str, Any]]) -> list[str]:
+    """The same sweep run several times: per cell, vLLM's NIXL transfers summed over the runs and the median over
+    the runs of each run's mean transfer and post time; empty when no run recorded `vllm:nixl_*` series."""
+    cells: dict[tuple[int, float, str], list[dict[str, float]]] = {}
+    for run in runs:
+        for c in run["cells"]:
+            totals = kv_transfer_totals(c)
+            if totals:
+                cells.setdefault((c["prompt_tokens"], c["rate"], c["mode"]), []).append(totals)
+    if not cells:
+        return []
+
+    def median_ms(totals: list[dict[str, float]], name: str) -> str:
+        values = [t[f"{name}_sum"] / t[f"{name}_count"] for t in totals if t.get(f"{name}_count")]
+        return f"{statistics.median(values) * 1e3:.1f}" if values else "-"
+
+    sweep = merge(runs)["sweep"]
+    lines = ["| prompt | rate/s | mode | runs | NIXL transfers (all runs) | xfer time mean, median of runs (ms) | "
+             "post time mean, median (ms) | failed transfers | expired KV |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for prompt in sweep["prompts"]:
+        for rate in sweep["rates"]:
+            for m in sweep["modes"]:
+                totals = cells.get((prompt, rate, m))
+                if not totals:
+                    continue
+                count = lambda name: sum(t.get(name, 0.0) for t in totals)  # noqa: E731
+                lines.append(f"| {prompt} | {rate:g} | {m} | {len(totals)} | {count('vllm:nixl_xfer_time_seconds_count'):.0f} | "
+                             f"{median_ms(totals, 'vllm:nixl_xfer_time_seconds')} | {median_ms(totals, 'vllm:nixl_post_time_seconds')} | "
+                             f"{count('vllm:nixl_num_failed_transfers_total'):.0f} | {count('vllm:nixl_num_kv_expired_reqs_total'):.0f} |")
     return lines
 
 
@@ -170,6 +245,16 @@ def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
     split = split_table(results)
     if split:
         out += ["", "## Where TTFT goes (direct dispatch: the client sees both legs)", ""] + split
+    kv = kv_transfer_table(results)
+    if kv:
+        out += ["", "## vLLM's own KV-transfer metrics per cell (/metrics `vllm:nixl_*`, after - before the cell, all engines)", ""] + kv
+    peers = [(mode, counters) for g in results.get("groups", []) for mode, counters in (g.get("peer_router_counters") or {}).items()]
+    for mode, counters in peers:
+        out += ["", f"## {mode}: the peer router's own counters at the end of its group", ""]
+        sequential, concurrent = peer_router_paths(counters)
+        out += [f"Prefill legs on its sequential path: {sequential:g}; on its concurrent push path: {concurrent:g} "
+                "(vllm-router 0.1.17 labels a worker by its URL on the first, by host:port on the second).", ""]
+        out += [f"- `{k}` {v:g}" for k, v in sorted(counters.items()) if k.endswith("_total") or "_total{" in k]
     errors = [(c["mode"], c["prompt_tokens"], c["rate"], c["errors"]) for c in _cells(results) if c["errors"]]
     if errors:
         out += ["", "## Failed or unfinished requests", ""] + [f"- {m} {p} x {r:g}/s: {e}" for m, p, r, e in errors]

@@ -32,7 +32,7 @@ def default_leg_timeout(lease_seconds: float) -> float:
     return lease_seconds * 2 / 3
 
 
-MODES = ("push", "pull", "push-sequential")
+MODES = ("push", "pull")
 
 
 @dataclass(frozen=True)
@@ -60,12 +60,6 @@ class RouterConfig:
     def default_mode(self) -> TransferMode:
         return "Pull" if self.mode == "pull" else "Push"
 
-    @property
-    def push_sequential(self) -> bool:
-        """Push revisions dispatched one leg after the other, as vLLM's 0.33-era demo proxy does: a
-        baseline for benchmarks (the legs' overlap is what push is for)."""
-        return self.mode == "push-sequential"
-
 
 def _default(name: str) -> Any:
     return {f.name: f.default for f in dataclasses.fields(RouterConfig)}[name]
@@ -83,8 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_default("mode"),
         help="protocol for engine pods without a disagg.dev/transfer-mode annotation (each revision follows "
         "its pods' annotation): push sends both legs concurrently (NixlPushConnector), pull prefill then "
-        "decode (NixlConnector); push-sequential: push, but every push revision's legs one after the other "
-        "(a benchmark baseline)",
+        "decode (NixlConnector)",
     )
     p.add_argument("--namespace", help="namespace of the P/D pods (default: the pod's own namespace)")
     p.add_argument("--selector", help="label selector of this model's P and D pods, e.g. disagg.dev/model=NAME")

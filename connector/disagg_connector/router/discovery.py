@@ -39,7 +39,6 @@ otherwise ``--kubeconfig`` / ``$KUBECONFIG`` / ``~/.kube/config``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -99,7 +98,7 @@ def pod_key(pod: Mapping[str, Any]) -> str:
     return str(meta.get("uid") or f"{meta.get('namespace', '')}/{meta.get('name', '')}")
 
 
-def backends_from_pod(pod: Mapping[str, Any], engine_id_override: str | None = None) -> list[Backend]:
+def backends_from_pod(pod: Mapping[str, Any]) -> list[Backend]:
     """The backends a pod contributes now: [] unless it is a Ready, not terminating P/D pod with an IP."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
@@ -119,11 +118,6 @@ def backends_from_pod(pod: Mapping[str, Any], engine_id_override: str | None = N
     if not identities:
         return []
     dp = identities[0].dp_size
-    if engine_id_override:
-        identities = [
-            dataclasses.replace(i, engine_id=contract.dp_engine_id(engine_id_override, i.dp_rank, dp))
-            for i in identities
-        ]
     if role == "decode":
         identities = identities[:1]
     created = _parse_time(meta.get("creationTimestamp"))
@@ -221,15 +215,15 @@ class EndpointTable:
         self.synced = False
 
     @staticmethod
-    def _entry(pod: Mapping[str, Any], override: str | None = None) -> _PodEntry:
+    def _entry(pod: Mapping[str, Any]) -> _PodEntry:
         meta = pod.get("metadata") or {}
         revision = (meta.get("labels") or {}).get(contract.LABEL_REVISION)
-        backends = backends_from_pod(pod, override)
+        backends = backends_from_pod(pod)
         return _PodEntry(revision, _parse_time(meta.get("creationTimestamp")), backends, _group(pod) if backends else None)
 
     def replace(self, pods: Iterable[Mapping[str, Any]]) -> None:
         """A full list (relist or static file): the new truth."""
-        self._pods = {pod_key(p): self._entry(p, p.get("_engine_id")) for p in pods}
+        self._pods = {pod_key(p): self._entry(p) for p in pods}
         self.synced = True
         self._changed()
 
@@ -290,19 +284,22 @@ def pods_from_static(doc: Any) -> list[dict[str, Any]]:
         endpoints:
           - {role: prefill, revision: r1, name: p0, uid: u0, host: 127.0.0.1, http_port: 8000,
              side_channel_port: 5600, tp_size: 1, pp_size: 1, dp_size: 1, ready: true,
-             created: "2024-01-01T00:00:00Z", engine_id: optional-override, mode: Push, draining: false,
+             created: "2024-01-01T00:00:00Z", mode: Push, draining: false,
              dp_size_local: 2, lws: m-decode-r1, group_index: 0, worker_index: 1}
 
-    ``uid`` defaults to the name; ``engine_id`` (optional) replaces ``contract.engine_id(name, uid)`` for
-    engines launched outside Kubernetes with an id of their own; ``mode`` and ``draining`` stand for the
-    pod annotations of the same meaning. An engine that spans entries (pods) names its ranks per entry,
-    ``dp_size_local``, and its group as LWS labels its pods: ``lws`` (the set's name), ``group_index``
-    (default 0) and ``worker_index`` (the entry's first rank is worker_index x dp_size_local).
+    ``uid`` defaults to the name. An engine's NIXL id is ``contract.engine_id(name, uid)``, as a pod's: start
+    the engine with that id (an entry naming an ``engine_id`` of its own is refused). ``mode`` and
+    ``draining`` stand for the pod annotations of the same meaning. An engine that spans entries (pods)
+    names its ranks per entry, ``dp_size_local``, and its group as LWS labels its pods: ``lws`` (the set's
+    name), ``group_index`` (default 0) and ``worker_index`` (the entry's first rank is worker_index x
+    dp_size_local).
     """
     entries = doc.get("endpoints", []) if isinstance(doc, Mapping) else (doc or [])
     pods = []
     for i, e in enumerate(entries):
         name = str(e["name"])
+        if "engine_id" in e:
+            raise ValueError(f"static entry {name}: no engine_id here; start the engine with contract.engine_id(name, uid)")
         annotations = {
             contract.ANNOTATION_TP_SIZE: str(e.get("tp_size", 1)),
             contract.ANNOTATION_PP_SIZE: str(e.get("pp_size", 1)),
@@ -335,8 +332,6 @@ def pods_from_static(doc: Any) -> list[dict[str, Any]]:
                 "conditions": [{"type": "Ready", "status": "True" if e.get("ready", True) else "False"}],
             },
         }
-        if e.get("engine_id"):
-            pod["_engine_id"] = str(e["engine_id"])
         pods.append(pod)
     return pods
 

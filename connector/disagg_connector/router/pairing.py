@@ -16,9 +16,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from disagg_connector.router.discovery import Backend, RevisionView, Snapshot
 
@@ -101,6 +100,22 @@ class Candidates:
         return min(len(self.prefill), len(self.decode)) if self.revision.mode is not None else 0
 
 
+class InFlight:
+    """One leg counted in flight on a backend while the ``with`` lasts (a class, not a generator: two of
+    them per request)."""
+
+    __slots__ = ("balancer", "backend")
+
+    def __init__(self, balancer: Balancer, backend: Backend) -> None:
+        self.balancer, self.backend = balancer, backend
+
+    def __enter__(self) -> None:
+        self.balancer.acquire(self.backend)
+
+    def __exit__(self, *exc: object) -> None:
+        self.balancer.release(self.backend)
+
+
 class Balancer:
     def __init__(self, ejections: Ejections | None = None) -> None:
         self.ejections = ejections if ejections is not None else Ejections()
@@ -123,13 +138,9 @@ class Balancer:
             del self.inflight[b.key]
             self.inflight_backends.pop(b.key, None)
 
-    @contextmanager
-    def track(self, b: Backend) -> Iterator[None]:
-        self.acquire(b)
-        try:
-            yield
-        finally:
-            self.release(b)
+    def track(self, b: Backend) -> InFlight:
+        """``with balancer.track(b):`` one leg in flight on ``b``."""
+        return InFlight(self, b)
 
     # --- what may serve ------------------------------------------------------------------------------
     def usable(self, b: Backend, exclude: frozenset[str] | set[str] = frozenset()) -> bool:

@@ -37,13 +37,13 @@ _KINDS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 class Router:
     """The parts of one router process and the state they share."""
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, dispatcher: type[Dispatcher] = Dispatcher) -> None:
         self.cfg = cfg
         self.table = EndpointTable(cfg.default_mode)
         self.balancer = Balancer()
         self.stats = RouterStats()
         self.metrics = RouterMetrics(self.summary)
-        self.dispatcher = Dispatcher(cfg, self.table, self.balancer, self.metrics, self.stats)
+        self.dispatcher = dispatcher(cfg, self.table, self.balancer, self.metrics, self.stats)
         self.prober = Prober(self.dispatcher.client, self.table, self.balancer.ejections, cfg.probe_interval)
         self.draining = False
         self.started = time.time()
@@ -141,8 +141,8 @@ class Router:
         return app
 
 
-async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None) -> None:
-    router = Router(cfg)
+async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, dispatcher: type[Dispatcher] = Dispatcher) -> None:
+    router = Router(cfg, dispatcher)
     metrics = router.metrics
     if cfg.static_endpoints:
         discovery: StaticDiscovery | KubernetesDiscovery = StaticDiscovery(

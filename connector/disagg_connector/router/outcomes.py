@@ -1,0 +1,64 @@
+"""What happened to requests, written once into both ledgers: the Prometheus metrics (:mod:`metrics`) and
+the per-revision outcome counts behind ``/health`` (:mod:`stats`). Dispatch and relay say what happened;
+this module knows which ledger counts what (``/health`` counts disaggregated dispatches only: a local
+request is neither a success nor a failure of a revision's KV transfer).
+"""
+
+from __future__ import annotations
+
+from disagg_connector.router.legs import Timeline
+from disagg_connector.router.metrics import RouterMetrics
+from disagg_connector.router.stats import RouterStats
+
+
+class OutcomeRecorder:
+    def __init__(self, metrics: RouterMetrics, stats: RouterStats) -> None:
+        self.metrics, self.stats = metrics, stats
+
+    def request_started(self) -> None:
+        self.metrics.in_flight.inc()
+
+    def request_ended(self, revision: str, flow: str, kind: str, status: int, seconds: float) -> None:
+        """The client's request answered (or abandoned): ``revision`` and ``flow`` of its last attempt,
+        empty when no attempt was made."""
+        m = self.metrics
+        m.in_flight.dec()
+        m.child(m.requests, revision, flow, kind, str(status)).inc()
+        m.child(m.e2e, revision, flow).observe(seconds)
+
+    def attempt(self, revision: str, flow: str, retry: bool) -> None:
+        """An attempt dispatched to a pair (``flow`` push|pull) or a decode alone (``local``) of ``revision``."""
+        if retry:
+            self.metrics.child(self.metrics.retries, revision).inc()
+        if flow == "local":
+            self.stats.local(revision)
+        else:
+            self.stats.dispatched(revision)
+
+    def failed(self, revision: str, flow: str, cause: str) -> None:
+        """An attempt or a stream failed (``cause``: the vocabulary of :mod:`contract.health`)."""
+        self.metrics.child(self.metrics.failures, revision, flow, cause).inc()
+        if revision and flow != "local":
+            self.stats.failed(revision, cause)
+
+    def first_chunk(self, revision: str, flow: str, seconds: float) -> None:
+        self.metrics.child(self.metrics.ttft, revision, flow).observe(seconds)
+
+    def per_token(self, revision: str, flow: str, seconds: float) -> None:
+        self.metrics.child(self.metrics.tpot, revision, flow).observe(seconds)
+
+    def answered(self, revision: str, flow: str, timeline: Timeline, prefill_failure: str | None) -> None:
+        """The client got its whole answer: the timings of its legs, and a success for its revision. A
+        push prefill leg that failed meanwhile (``prefill_failure``: its decode answered anyway, e.g. by
+        prefilling itself) counts against the revision's KV transfer instead."""
+        m = self.metrics
+        if timeline.prefill is not None:
+            m.child(m.prefill, revision, flow).observe(timeline.prefill)
+        if timeline.kv_wait is not None:
+            m.child(m.kv_wait, revision, flow).observe(timeline.kv_wait)
+        if flow == "local":
+            return
+        if prefill_failure is not None:
+            self.failed(revision, flow, prefill_failure)
+        else:
+            self.stats.succeeded(revision)
