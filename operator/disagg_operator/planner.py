@@ -242,20 +242,21 @@ def _pod_groups(rendered: Mapping[Key, Obj], observed: Observed, gone: set[Key])
     """The PodGroups of every LeaderWorkerSet this pass keeps, as many as the larger of its live and planned
     size: a group that comes has its PodGroup before its pods, one that leaves keeps it until its LWS has
     shrunk (and kube-controller-manager's protection finalizer keeps a deleted one while its pods run). An
-    LWS whose group 0 is in its revision's pair gets the others' only once that pair is bound: a pod whose
-    PodGroup does not exist yet waits outside the scheduling queue, so the first pair is never beaten to the
-    nodes by a second engine that would serve nothing without it."""
+    LWS whose group 0 is in its revision's pair gets the others' only once a pod of that revision is bound (the
+    pair, with the chart's policy; any pod, without it): a pod whose PodGroup does not exist yet waits outside
+    the scheduling queue, so the first pair is never beaten to the nodes by a second engine that would serve
+    nothing without it."""
     sizes = {k: _replicas(o) for k, o in observed.children.items() if o["kind"] == LWS_KIND and k not in gone}
     sources = {k: observed.children[k] for k in sizes}
     for k, o in rendered.items():
         if o["kind"] == LWS_KIND:
             sizes[k], sources[k] = max(sizes.get(k, 0), _replicas(o)), o
+    bound = {p.revision for p in observed.census.pods if (p.obj.get("spec") or {}).get("nodeName")}
     out: dict[Key, Obj] = {}
     for k, lws in sources.items():
-        pair = gang.pair_of(lws)
-        bound = pair is None or gang.initially_scheduled(observed.children.get((gang.POD_GROUP_KIND, pair)))
-        # (one made before stays: a pair is bound only once, and its groups' pods may already use theirs)
-        out |= {key_of(pg): pg for pg in gang.pod_groups(lws, sizes[k]) if bound or key_of(pg) in observed.children}
+        released = gang.pair_of(lws) is None or revision_of(lws) in bound
+        # (one made before stays: its group's pods may already use it)
+        out |= {key_of(pg): pg for pg in gang.pod_groups(lws, sizes[k]) if released or key_of(pg) in observed.children}
     return out
 
 

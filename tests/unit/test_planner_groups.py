@@ -13,7 +13,7 @@ from disagg_operator.state import Observed, RouterView
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
 from .test_planner import MARKED_AT, NOW, act, cond, router
-from .world import children, desired, live, pod, with_role_status
+from .world import children, desired, pod, with_role_status
 
 # Decode DP2 over two one-GPU pods (one LWS group per engine); prefill one pod per engine.
 GROUPS = {"decode": {"replicas": 2, "parallelism": {"data": 2, "expert": True}, "accelerator": {"count": 1}}}
@@ -194,11 +194,13 @@ def test_group_0_is_in_its_revisions_pair_with_the_first_prefill() -> None:
     message = cond(plan.status, "GangScheduled")["message"]
     assert "decode (2 pods) is one PodGroup" in message and "first prefill and decode engines are bound together" in message
 
-    waiting = {k: o for k, o in children(TWO, gangs=True).items() if k[0] != "PodGroup"}
-    pending = {("PodGroup", pair): live(next(o for o in TWO.rendered.objects if o["metadata"]["name"] == pair))}
-    assert not pod_groups_of(planner.plan(TWO, served(Observed({**waiting, **pending})), NOW))
-    bound = children(TWO, kinds=["PodGroup"], gangs=True)
-    then = pod_groups_of(planner.plan(TWO, served(Observed({**waiting, ("PodGroup", pair): bound[("PodGroup", pair)]})), NOW))
+    made = {k: o for k, o in children(TWO, gangs=True).items() if k[0] != "PodGroup" or k[1] == pair}
+    pending = tuple(group_pod(TWO.revision, g, w, ready=False) for g in range(2) for w in (0, 1))
+    assert not pod_groups_of(planner.plan(TWO, served(Observed(made, pending)), NOW))
+    # the pair bound (its pods have nodes): group 1 gets its PodGroup
+    on_nodes = tuple({**p, "spec": {"nodeName": "n"}} if p["metadata"]["name"].startswith(f"{lws['metadata']['name']}-0") else p
+                     for p in pending)  # fmt: skip
+    then = pod_groups_of(planner.plan(TWO, served(Observed(made, on_nodes)), NOW))
     assert [pg["metadata"]["name"] for pg in then] == [f"{lws['metadata']['name']}-1"]
 
 

@@ -41,12 +41,6 @@ def pair_of(lws: dict[str, Any]) -> str | None:
     return (lws["spec"]["leaderWorkerTemplate"]["workerTemplate"].get("metadata") or {}).get("labels", {}).get(contract.LABEL_POD_GROUP)
 
 
-def initially_scheduled(pod_group: dict[str, Any] | None) -> bool:
-    """The scheduler bound the group's quorum once (PodGroupInitiallyScheduled=True: terminal)."""
-    conditions = ((pod_group or {}).get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "PodGroupInitiallyScheduled" and c.get("status") == "True" for c in conditions)
-
-
 def pod_groups(lws: dict[str, Any], groups: int) -> list[dict[str, Any]]:
     """The PodGroups of groups 0 .. `groups`-1 of `lws` (rendered or observed; group 0 is in its revision's pair
     when its pods name one): all `size` pods of a group or none, at the priority of its pods (the scheduler
