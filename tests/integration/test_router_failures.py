@@ -161,6 +161,9 @@ def test_engine_that_answers_503_then_closes_is_ejected_and_readmitted(log_dir):
     lazy = h.launch_router(log_dir, static, "push", extra=["--probe-interval-seconds", "0"], name="router-lazy")
     try:
         h.wait_ready(P, D1, D2, probing, lazy)
+        # a probe that ran before the engines listened ejected them: wait for the routers to admit all three
+        for R in (probing, lazy):
+            h.wait_until(lambda: not any(b["ejected"] for b in R.health()["backends"]), 10, what="every backend admitted")
 
         def burst(R: h.Router, n: int) -> list[h.Reply]:
             async def go():
