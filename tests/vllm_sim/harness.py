@@ -27,26 +27,6 @@ HOST = "127.0.0.1"
 MODEL = "sim-model"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 # Below Linux's default ephemeral range (32768-60999): no outgoing connection is given a local port here, so a
 # block of consecutive ports that binds now stays free (a base from free_port() lies inside that range, and the
 # ports after it may be taken by any client socket a moment later).
@@ -70,6 +50,21 @@ def free_port_block(n: int) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError(f"no {n} consecutive free ports in {_BLOCK_RANGE}")
+
+
+def free_port() -> int:
+    """A port a process of ours binds a moment later: below the ephemeral range, so no client socket on this busy
+    machine is given it in between (a port from bind(0) was, under CI load: "address already in use")."""
+    return free_port_block(1)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports, each as free_port()."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    return ports
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
