@@ -256,9 +256,24 @@ def model_dashboard() -> gd.Dashboard:
                             query(f"sum by (revision, role) (max by (revision, role, backend) "
                                   f"(disagg_router_backend_ejected{{{ROUTER_REV}}}))", "ejected {{revision}} {{role}}")))
 
-    # Routing decisions and the prefix cache hit rate belong here, in a row of their own between "Pairs and
-    # backends" and "Router discovery", once the router exports them (issue 19: KV-aware routing). Their
-    # panels are added with their metrics, so that no panel waits on a series that does not exist yet.
+    d = d.with_row(gd.Row("Routing: policies, load and the prefix cache"))
+    d = d.with_panel(series("Picks by reason", "Engines picked per role and policy, by the reason the policy gives: "
+                            "cache_hit (the longest expected cached prefix), load, in_flight (this router's own counts "
+                            "decided: least-outstanding, or no data), only (one candidate).", "ops",
+                            query(f"sum by (role, policy, reason) ({rate('disagg_router_picks_total', ROUTER)})",
+                                  "{{role}} {{policy}} {{reason}}")))
+    d = d.with_panel(series("Expected prefix hit ratio", "Per prefill backend, of the prompt tokens sent, the share the "
+                            "router's prefix index expected cached there (vLLM's own: vllm:prefix_cache_hits_total over "
+                            "vllm:prefix_cache_queries_total).", "percentunit",
+                            query(f"sum by (backend) ({rate('disagg_router_prefix_expected_hit_tokens_total', ROUTER)})\n/\n"
+                                  f"sum by (backend) ({rate('disagg_router_prefix_prompt_tokens_total', ROUTER)})", "{{backend}}")))
+    d = d.with_panel(series("Load per backend", "Requests ahead of a new one as the policies see it: the engine's running "
+                            "and waiting at the router's last read of its /metrics plus the router's legs since.", "none",
+                            query(f"max by (role, backend) (disagg_router_backend_load{{{ROUTER_REV}}})", "{{role}} {{backend}}")))
+    d = d.with_panel(series("Prefix index and load reads", "Prompt chunks the prefix index holds per router replica, and "
+                            "its reads of the engines' /metrics by result.", "none",
+                            query(f"sum by (pod) (disagg_router_prefix_index_chunks{{{ROUTER}}})", "chunks {{pod}}"),
+                            query(f"sum by (result) ({rate('disagg_router_load_reads_total', ROUTER)})", "reads/s {{result}}")))
 
     d = d.with_row(gd.Row("Router discovery"))
     d = d.with_panel(series("Discovery", "Pod watch events applied, and discovery failures (the router keeps its last table).",

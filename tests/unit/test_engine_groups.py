@@ -262,7 +262,8 @@ def test_requests_through_the_router_use_the_ranks_of_every_pod_of_an_engine(tmp
     static = tmp_path / "endpoints.json"
     entries = [s.static_entry() for s in (*ps, *ds)]
     h.write_static(static, entries)
-    router = h.launch_router(tmp_path, static, mode)
+    # Least outstanding: the same prompt eight times would stay on one rank under prefix-and-load (its cache).
+    router = h.launch_router(tmp_path, static, mode, extra=("--prefill-policy", "least-outstanding"))
     try:
         h.wait_ready(*ps, *ds, router)
         h.wait_until(lambda: router.health()["revisions"]["r1"]["readyPairs"], what="a ready pair")

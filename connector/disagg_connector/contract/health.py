@@ -74,6 +74,23 @@ class Outcomes:
 
 
 @dataclass(frozen=True)
+class BackendRouting:
+    """What the router's policies see of one backend (docs/router.md, Policies)."""
+
+    load: float  # requests ahead of a new one: the engine's running + waiting at the last read + this router's legs since
+    read_age_seconds: float | None  # of the last read of the engine's /metrics (None: never read)
+    expected_hit_ratio: float | None = None  # prefill: of the prompt tokens sent, those the policy expected cached
+    reported_hit_ratio: float | None = None  # prefill: vLLM's own prefix cache hits / queries since the engine started
+    prefix_chunks: int = 0  # prefill: prompt chunks the prefix index believes the backend holds
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "load": self.load, "readAgeSeconds": self.read_age_seconds, "expectedHitRatio": self.expected_hit_ratio,
+            "reportedHitRatio": self.reported_hit_ratio, "prefixChunks": self.prefix_chunks,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
 class BackendHealth:
     """One schedulable target: a decode pod, or one data-parallel rank of a prefill pod (``backend``)."""
 
@@ -85,12 +102,16 @@ class BackendHealth:
     inflight: int
     draining: bool
     ejected: bool
+    routing: BackendRouting | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "pod": self.pod, "backend": self.backend, "role": self.role, "revision": self.revision, "mode": self.mode,
             "inflight": self.inflight, "draining": self.draining, "ejected": self.ejected,
         }  # fmt: skip
+        if self.routing is not None:
+            doc["routing"] = self.routing.to_json()
+        return doc
 
 
 @dataclass(frozen=True)
@@ -212,6 +233,23 @@ def _outcomes(obj: Any, where: str) -> Outcomes:
     return Outcomes(_get(obj, "requests", int, where), _get(obj, "succeeded", int, where), dict(failures))
 
 
+def _ratio(obj: Mapping[str, Any], key: str, where: str) -> float | None:
+    value = _get(obj, key, (int, float), where, optional=True)
+    return float(value) if value is not None else None
+
+
+def _routing(obj: Mapping[str, Any] | None, where: str) -> BackendRouting | None:
+    if obj is None:
+        return None
+    return BackendRouting(
+        load=float(_get(obj, "load", (int, float), where)),
+        read_age_seconds=_ratio(obj, "readAgeSeconds", where),
+        expected_hit_ratio=_ratio(obj, "expectedHitRatio", where),
+        reported_hit_ratio=_ratio(obj, "reportedHitRatio", where),
+        prefix_chunks=_get(obj, "prefixChunks", int, where, optional=True) or 0,
+    )
+
+
 def parse_health(doc: Any) -> RouterHealth:
     """The router's /health JSON (already decoded) -> :class:`RouterHealth`; HealthDocumentError if malformed."""
     if not isinstance(doc, Mapping):
@@ -237,6 +275,7 @@ def parse_health(doc: Any) -> RouterHealth:
                 inflight=_get(b, "inflight", int, where),
                 draining=_get(b, "draining", bool, where),
                 ejected=_get(b, "ejected", bool, where),
+                routing=_routing(_get(b, "routing", dict, where, optional=True), f"{where}.routing"),
             )
         )
     revisions = {}

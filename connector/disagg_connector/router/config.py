@@ -2,7 +2,7 @@
 
 Contract flags the operator renders (keep their names): ``--served-model-name``, ``--namespace``,
 ``--selector``, ``--port``, ``--leg-timeout-seconds``, ``--kv-lease-seconds``, ``--max-retries``,
-``--shutdown-grace-seconds``, ``--disaggregation-threshold-tokens``. ``--static-endpoints`` and ``--mode``
+``--shutdown-grace-seconds``, ``--disaggregation-threshold-tokens``, ``--prefill-policy``, ``--decode-policy``. ``--static-endpoints`` and ``--mode``
 are for a router without discovery (`disagg-localrun`, benchmarks): the operator renders neither, since every
 engine pod carries its revision's transfer mode.
 
@@ -33,6 +33,10 @@ def default_leg_timeout(lease_seconds: float) -> float:
 
 
 MODES = ("push", "pull")
+# How each role's engine is picked within a revision (docs/router.md, "Policies"; spec.router.prefillPolicy and
+# decodePolicy render them). least-outstanding is the router's own in-flight count alone, ties round robin.
+PREFILL_POLICIES = ("prefix-and-load", "least-outstanding")
+DECODE_POLICIES = ("least-loaded", "least-outstanding")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class RouterConfig:
     probe_interval: float = 5.0
     connect_timeout: float = 5.0
     static_poll_seconds: float = 0.5
+    prefill_policy: str = "prefix-and-load"  # one of PREFILL_POLICIES
+    decode_policy: str = "least-loaded"  # one of DECODE_POLICIES
+    load_scrape_interval: float = 1.0
+    prefix_index_tokens: int = 0  # 0: per backend, its KV cache size as vLLM reports it (vllm:cache_config_info)
     log_level: str = "INFO"
 
     @property
@@ -124,6 +132,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=_default("probe_interval"),
         help="GET /health of every backend this often; a failed probe ejects it until a probe succeeds (0: off)",
     )
+    p.add_argument(
+        "--prefill-policy",
+        choices=PREFILL_POLICIES,
+        default=_default("prefill_policy"),
+        help="prefix-and-load: the prefill engine whose prefix cache most likely holds the prompt's start, weighed "
+        "against its queue (vLLM's running and waiting requests, plus this router's legs since it last read them); "
+        "least-outstanding: fewest legs in flight from this router",
+    )
+    p.add_argument(
+        "--decode-policy",
+        choices=DECODE_POLICIES,
+        default=_default("decode_policy"),
+        help="least-loaded: fewest requests running and waiting per vLLM's /metrics plus this router's legs since "
+        "it last read them; least-outstanding: fewest legs in flight from this router",
+    )
+    p.add_argument(
+        "--load-scrape-interval-seconds",
+        type=float,
+        default=_default("load_scrape_interval"),
+        help="read every engine's /metrics this often for its load and prefix-cache counters (0: never; the "
+        "policies then use this router's own in-flight counts)",
+    )
+    p.add_argument(
+        "--prefix-index-tokens",
+        type=int,
+        default=_default("prefix_index_tokens"),
+        help="tokens of prompt prefix remembered per prefill engine (0: its KV cache size from vllm:cache_config_info, "
+        "or 1M tokens until it is known)",
+    )
     p.add_argument("--log-level", default=os.environ.get("DISAGG_ROUTER_LOG_LEVEL", _default("log_level")))
     return p
 
@@ -162,6 +199,10 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         parser.error("--disaggregation-threshold-tokens must be >= 0")
     if a.probe_interval_seconds < 0:
         parser.error("--probe-interval-seconds must be >= 0")
+    if a.load_scrape_interval_seconds < 0:
+        parser.error("--load-scrape-interval-seconds must be >= 0")
+    if a.prefix_index_tokens < 0:
+        parser.error("--prefix-index-tokens must be >= 0")
     return RouterConfig(
         served_model_name=a.served_model_name,
         mode=a.mode,
@@ -178,5 +219,9 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         shutdown_grace=a.shutdown_grace_seconds,
         disaggregation_threshold_tokens=a.disaggregation_threshold_tokens,
         probe_interval=a.probe_interval_seconds,
+        prefill_policy=a.prefill_policy,
+        decode_policy=a.decode_policy,
+        load_scrape_interval=a.load_scrape_interval_seconds,
+        prefix_index_tokens=a.prefix_index_tokens,
         log_level=a.log_level,
     )

@@ -10,12 +10,15 @@ with the ``transfer_id`` added unless P echoed one.
 **Per revision.** The revision (chosen in proportion to its ready pairs, see ``pairing``) decides the protocol
 from its pods' transfer-mode annotation:
 
-- Push (``NixlPushConnector``): pick P and D up front (least outstanding), send both legs *concurrently*;
+**Which engines.** Within the revision, P and D are picked by the role's policy (:mod:`policy`:
+``--prefill-policy``, ``--decode-policy``; the prompt's chunk keys for the prefix index are made once per request).
+
+- Push (``NixlPushConnector``): pick P and D up front, send both legs *concurrently*;
   the decode leg carries P's identity (:meth:`EngineIdentity.push_decode_params`) so D registers its blocks
   with P while P is still prefilling. ``remote_request_id`` is ``cmpl-<id>-0`` / ``chatcmpl-<id>``: P's
   internal id without its random suffix.
 - Pull (``NixlConnector``): prefill leg (``do_remote_decode``, max tokens 1, not streamed), then a decode
-  chosen by load *after* the prefill, within P's revision, with P's ``kv_transfer_params``.
+  picked *after* the prefill, within P's revision, with P's ``kv_transfer_params``.
 - A prompt shorter than ``--disaggregation-threshold-tokens`` goes to a decode engine alone (no
   ``kv_transfer_params``): it prefills locally, which costs less than a transfer for short prompts.
 
@@ -53,7 +56,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -65,6 +68,8 @@ from disagg_connector.router.legs import DecodeAnswer, LegFailure, LegRequest, L
 from disagg_connector.router.metrics import RouterMetrics
 from disagg_connector.router.outcomes import OutcomeRecorder
 from disagg_connector.router.pairing import Balancer, Candidates
+from disagg_connector.router.policy import Pick, Policies
+from disagg_connector.router.prefix import PromptKey, prompt_key
 from disagg_connector.router.relay import Opened, Relay
 from disagg_connector.router.stats import RouterStats
 
@@ -90,6 +95,14 @@ class RequestContext:
     excluded: set[str] = field(default_factory=set)  # keys of backends blamed for an earlier attempt
     revision: str = ""  # of the current (last) attempt
     flow: str = ""  # of the current attempt: "push" | "pull" | "local"
+    tokens: int = 0  # the prompt's estimated length
+    _key: PromptKey | None = None
+
+    def prompt_key(self) -> PromptKey:
+        """The prompt's chunk keys (prefix index), made at the first prefill pick, kept for retries."""
+        if self._key is None:
+            self._key = prompt_key(self.kind, self.body, self.tokens)
+        return self._key
 
 
 def _discard(resp: aiohttp.ClientResponse) -> None:
@@ -101,9 +114,10 @@ def _discard(resp: aiohttp.ClientResponse) -> None:
 
 class Dispatcher:
     def __init__(
-        self, cfg: RouterConfig, table: EndpointTable, balancer: Balancer, metrics: RouterMetrics, stats: RouterStats
+        self, cfg: RouterConfig, table: EndpointTable, balancer: Balancer, metrics: RouterMetrics, stats: RouterStats,
+        policies: Policies,
     ) -> None:
-        self.cfg, self.table, self.balancer = cfg, table, balancer
+        self.cfg, self.table, self.balancer, self.policies = cfg, table, balancer, policies
         self.outcomes = OutcomeRecorder(metrics, stats)
         self.relay = Relay(self.outcomes, balancer.ejections, cfg.leg_timeout)
         self.session: aiohttp.ClientSession | None = None
@@ -134,7 +148,8 @@ class Dispatcher:
     # --- the request --------------------------------------------------------------------------------
     async def handle(self, ctx: RequestContext) -> web.StreamResponse:
         threshold = self.cfg.disaggregation_threshold_tokens
-        local = bool(threshold) and estimate_prompt_tokens(ctx.kind, ctx.body) < threshold
+        ctx.tokens = estimate_prompt_tokens(ctx.kind, ctx.body)
+        local = bool(threshold) and ctx.tokens < threshold
         status = 500
         self.outcomes.request_started()
         try:
@@ -187,6 +202,9 @@ class Dispatcher:
         """Until the decode leg's first byte: the KV wait when streaming, the whole answer otherwise."""
         return (self.cfg.leg_timeout, "kv_wait_timeout") if ctx.stream else (self.cfg.request_timeout, "decode_timeout")
 
+    def _pick_decode(self, cands: Sequence[Backend]) -> Backend:
+        return self.outcomes.picked(self.policies.decode(cands))
+
     async def _open_decode(
         self, req: LegRequest, d: Backend, params: dict[str, Any] | None, tl: Timeline, deadline: float | None, cause: str,
         held: contextlib.ExitStack,
@@ -207,11 +225,11 @@ class Dispatcher:
         req = LegRequest(ctx.kind, ctx.path, ctx.body, ctx.stream, ctx.auth, xid, transfer_id)
         tl = Timeline(time.monotonic())
         if local:
-            d = self.balancer.least(chosen.decode, "decode")
+            d = self._pick_decode(chosen.decode)
             held.enter_context(self.balancer.track(d))
             answer = await self._open_decode(req, d, None, tl, *self._decode_deadline(ctx), held)
             return Opened(xid, rev.revision, ctx.flow, d, answer, tl)
-        p = self.balancer.least(chosen.prefill, "prefill")
+        p = self.outcomes.picked(self.policies.prefill(chosen.prefill, ctx.prompt_key()), ctx.tokens)
         if ctx.flow == "push":
             return await self.push_attempt(ctx, req, chosen, p, tl, held)
         return await self.sequential_attempt(ctx, req, rev, p, tl, held, lambda returned: pull_decode_params(transfer_id, returned))
@@ -220,7 +238,7 @@ class Dispatcher:
         self, ctx: RequestContext, req: LegRequest, chosen: Candidates, p: Backend, tl: Timeline, held: contextlib.ExitStack
     ) -> Opened:
         """A push revision's attempt: both legs at once, D chosen up front with P's identity."""
-        d = self.balancer.least(chosen.decode, "decode")
+        d = self._pick_decode(chosen.decode)
         params = p.identity.push_decode_params(engine_request_id(req.kind, req.xid), req.transfer_id)
         # The attempt keeps both legs' deadlines, so that when one passes the prefill is cancelled first.
         p_end = tl.start + self.cfg.leg_timeout
@@ -261,9 +279,10 @@ class Dispatcher:
         # P counts as in flight until D has its first token: in pull, D reads P's blocks only after P's leg ended.
         with self.balancer.track(p):
             returned = await self.legs.prefill(req, p, rev.mode, tl, self.cfg.leg_timeout)
-            d = self.balancer.choose_decode(self.table.snapshot(), p.revision, ctx.excluded)
-            if d is None:
+            usable = self.balancer.usable_decodes(self.table.snapshot(), p.revision, ctx.excluded)
+            if not usable:
                 raise LegFailure("no_backend", f"revision {p.revision} lost its decode engines", 503, ())
+            d = self._pick_decode(usable)
             held.enter_context(self.balancer.track(d))
             answer = await self._open_decode(req, d, decode_params(returned), tl, *self._decode_deadline(ctx), held)
         return Opened(req.xid, rev.revision, ctx.flow, d, answer, tl)

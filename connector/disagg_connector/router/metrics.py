@@ -6,7 +6,10 @@ after both its leg started and the prefill finished: in pull the whole decode le
 in push the part of it after the prefill), time to first token, time per output token (streamed answers:
 vLLM sends one SSE event per token unless its --stream-interval batches them) and end to end; failures by cause (the
 vocabulary of :mod:`health`). Per backend, read at scrape time from the balancer: in-flight legs,
-draining, ejected; per revision: ready pairs and traffic weight.
+draining, ejected, the load the policies see; per revision: ready pairs and traffic weight. Routing: the
+policies' picks by role, policy and reason; per prefill backend the prompt tokens sent and those the policy
+expected cached there (divide for the expected hit ratio; vLLM's own is ``vllm:prefix_cache_hits_total`` over
+``vllm:prefix_cache_queries_total``); the prefix index's size.
 """
 
 from __future__ import annotations
@@ -38,11 +41,19 @@ class _Backends(Collector):
         inflight = GaugeMetricFamily("disagg_router_backend_in_flight", "Legs in flight per backend", labels=labels)
         draining = GaugeMetricFamily("disagg_router_backend_draining", "1 while the backend's pod is marked draining", labels=labels)
         ejected = GaugeMetricFamily("disagg_router_backend_ejected", "1 while the backend is ejected (failed, being re-probed)", labels=labels)
+        load = GaugeMetricFamily(
+            "disagg_router_backend_load",
+            "Requests ahead of a new one as the policies see it: the engine's running and waiting at the last read of its "
+            "/metrics plus this router's legs since (this router's in-flight legs without a fresh read)",
+            labels=labels,
+        )  # fmt: skip
         for b in h.backends:
             values = [b.role, b.pod, b.backend, b.revision]
             inflight.add_metric(values, b.inflight)
             draining.add_metric(values, int(b.draining))
             ejected.add_metric(values, int(b.ejected))
+            if b.routing is not None:
+                load.add_metric(values, b.routing.load)
         pairs = GaugeMetricFamily("disagg_router_ready_pairs", "Usable prefill/decode pairs per revision", labels=["revision"])
         weight = GaugeMetricFamily("disagg_router_revision_weight", "Share of new requests per revision", labels=["revision"])
         ready = GaugeMetricFamily("disagg_router_ready_backends", "Usable backends per role and revision", labels=["role", "revision"])
@@ -51,7 +62,7 @@ class _Backends(Collector):
             weight.add_metric([name], r.weight)
             ready.add_metric(["prefill", name], r.prefill)
             ready.add_metric(["decode", name], r.decode)
-        yield from (inflight, draining, ejected, pairs, weight, ready)
+        yield from (inflight, draining, ejected, load, pairs, weight, ready)
 
 
 class RouterMetrics:
@@ -82,6 +93,21 @@ class RouterMetrics:
         self.in_flight = Gauge("disagg_router_requests_in_flight", "Client requests in progress", registry=r)
         self.discovery_errors = Counter("disagg_router_discovery_errors", "Discovery failures (the last table is kept)", registry=r)
         self.discovery_events = Counter("disagg_router_discovery_events", "Pod watch events applied", registry=r)
+        self.picks = Counter(
+            "disagg_router_picks", "Engines picked, by role, policy and the reason the policy gives (docs/router.md, Policies)",
+            ["role", "policy", "reason"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "disagg_router_prefix_prompt_tokens", "Prompt tokens (estimated) sent to each prefill backend", ["backend"], registry=r
+        )
+        self.expected_hit_tokens = Counter(
+            "disagg_router_prefix_expected_hit_tokens",
+            "Of those, the tokens the prefix index expected the backend to hold in its prefix cache", ["backend"], registry=r,
+        )  # fmt: skip
+        self.prefix_index_entries = Gauge(
+            "disagg_router_prefix_index_chunks", "Prompt chunks (64 tokens each, estimated) the prefix index holds over all backends", registry=r
+        )
+        self.load_reads = Counter("disagg_router_load_reads", "Reads of the engines' /metrics for their load, by result", ["result"], registry=r)
         r.register(_Backends(summary))
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 

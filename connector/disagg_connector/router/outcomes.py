@@ -6,8 +6,10 @@ request is neither a success nor a failure of a revision's KV transfer).
 
 from __future__ import annotations
 
+from disagg_connector.router.discovery import Backend
 from disagg_connector.router.legs import Timeline
 from disagg_connector.router.metrics import RouterMetrics
+from disagg_connector.router.policy import Pick
 from disagg_connector.router.stats import RouterStats
 
 
@@ -25,6 +27,17 @@ class OutcomeRecorder:
         m.in_flight.dec()
         m.child(m.requests, revision, flow, kind, str(status)).inc()
         m.child(m.e2e, revision, flow).observe(seconds)
+
+    def picked(self, pick: Pick, prompt_tokens: int | None = None) -> Backend:
+        """A policy's pick (why, per role and policy); for a prefill, the prefix it expects cached there."""
+        b = pick.backend
+        m = self.metrics
+        m.child(m.picks, b.role, pick.policy, pick.reason).inc()
+        if prompt_tokens is not None:
+            m.child(m.expected_hit_tokens, b.key).inc(pick.expected_hit_tokens)
+            m.child(m.prompt_tokens, b.key).inc(prompt_tokens)
+            self.stats.prefix_expected(b.key, pick.expected_hit_tokens, prompt_tokens)
+        return b
 
     def attempt(self, revision: str, flow: str, retry: bool) -> None:
         """An attempt dispatched to a pair (``flow`` push|pull) or a decode alone (``local``) of ``revision``."""

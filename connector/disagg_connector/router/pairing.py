@@ -6,8 +6,9 @@
   is at least one and its transfer mode is known. Revisions share new requests in proportion to their ready
   pairs (smooth weighted round robin: deterministic, and exact over any window of sum-of-weights requests),
   so during a rollout the old and the new revision serve side by side in the ratio of their capacity.
-- Within a revision: least outstanding requests (this router's own in-flight count per backend), ties
-  broken round-robin per role. A pair never spans two revisions.
+- Within a revision the role's policy picks (:mod:`policy`); :meth:`Balancer.least` is their common ground:
+  least outstanding requests (this router's own in-flight count per backend), ties broken round-robin per
+  role. A pair never spans two revisions.
 - Nothing usable means no pair: the caller answers 503 (or, on a retry, the failure it already has).
 """
 
@@ -198,8 +199,7 @@ class Balancer:
         c = self.pick(snap, exclude)
         return None if c is None else (self.least(c.prefill, "prefill"), self.least(c.decode, "decode"))
 
-    def choose_decode(self, snap: Snapshot, revision: str, exclude: frozenset[str] | set[str] = frozenset()) -> Backend | None:
-        """Pull: the decode is chosen after the prefill answered, by load, within the prefill's revision."""
+    def usable_decodes(self, snap: Snapshot, revision: str, exclude: frozenset[str] | set[str] = frozenset()) -> list[Backend]:
+        """Pull: the decode is chosen after the prefill answered, within the prefill's revision."""
         r = snap.revision(revision)
-        usable = [b for b in r.decode if self.usable(b, exclude)] if r is not None else []
-        return self.least(usable, "decode") if usable else None
+        return [b for b in r.decode if self.usable(b, exclude)] if r is not None else []

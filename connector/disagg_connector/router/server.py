@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -23,9 +24,13 @@ from aiohttp import web
 from disagg_connector.router.config import RouterConfig
 from disagg_connector.router.discovery import EndpointTable, KubernetesDiscovery, StaticDiscovery
 from disagg_connector.router.dispatch import Dispatcher, RequestContext, openai_error
-from disagg_connector.contract.health import TRANSFER_MODES, BackendHealth, RevisionHealth, RouterHealth
+from disagg_connector.contract.health import TRANSFER_MODES, BackendHealth, BackendRouting, RevisionHealth, RouterHealth
+from disagg_connector.router.discovery import Backend
+from disagg_connector.router.load import LoadBoard, LoadScraper
 from disagg_connector.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg_connector.router.pairing import Balancer
+from disagg_connector.router.policy import Policies
+from disagg_connector.router.prefix import CHUNK_TOKENS, PrefixIndex
 from disagg_connector.router.probe import Prober
 from disagg_connector.router.stats import RouterStats
 
@@ -43,8 +48,18 @@ class Router:
         self.balancer = Balancer()
         self.stats = RouterStats()
         self.metrics = RouterMetrics(self.summary)
-        self.dispatcher = dispatcher(cfg, self.table, self.balancer, self.metrics, self.stats)
+        self.board = LoadBoard(cfg.load_scrape_interval)
+        self.index = PrefixIndex()
+        self.policies = Policies(cfg.prefill_policy, cfg.decode_policy, self.balancer, self.board, self.index)
+        self.dispatcher = dispatcher(cfg, self.table, self.balancer, self.metrics, self.stats, self.policies)
         self.prober = Prober(self.dispatcher.client, self.table, self.balancer.ejections, cfg.probe_interval)
+        self.scraper = LoadScraper(self.dispatcher.client, lambda: self.table.snapshot().backends(), self.board)
+        self.scraper.on_read = lambda ok: self.metrics.child(self.metrics.load_reads, "ok" if ok else "failed").inc()
+        self.scraper.on_backends = self.index.keep_only
+        self.board.on_restart = self.index.forget  # a restarted engine starts with an empty prefix cache
+        if cfg.prefix_index_tokens:
+            self.index.default_backend_chunks = max(1, cfg.prefix_index_tokens // CHUNK_TOKENS)
+        self.metrics.prefix_index_entries.set_function(lambda: self.index.size)
         self.draining = False
         self.started = time.time()
 
@@ -59,7 +74,7 @@ class Router:
         backends = tuple(
             BackendHealth(
                 b.pod, b.key, b.role, b.revision, b.mode if b.mode in TRANSFER_MODES else None,  # type: ignore[arg-type]
-                balancer.inflight.get(b.key, 0), b.draining, b.key in balancer.ejections,
+                balancer.inflight.get(b.key, 0), b.draining, b.key in balancer.ejections, self._routing(b),
             )  # fmt: skip
             for b in listed
         )
@@ -83,6 +98,24 @@ class Router:
             )
         return RouterHealth(
             "draining" if self.draining else "ok", self.table.synced, self.cfg.default_mode, stats.window_seconds, backends, revisions
+        )
+
+    def _routing(self, b: Backend) -> BackendRouting:
+        board, stats = self.board, self.stats
+        reading = board.readings.get(b.key)
+        routing = BackendRouting(
+            load=board.load(b.key, self.balancer.inflight.get(b.key, 0)),
+            read_age_seconds=round(board.clock() - reading.at, 3) if reading is not None else None,
+        )
+        if b.role != "prefill":
+            return routing
+        sent = stats.prefix_tokens.get(b.key, 0)
+        queries = reading.counters.prefix_queries if reading is not None else 0.0
+        return dataclasses.replace(
+            routing,
+            expected_hit_ratio=round(stats.prefix_expected_hits[b.key] / sent, 4) if sent else None,
+            reported_hit_ratio=round(reading.counters.prefix_hits / queries, 4) if reading is not None and queries else None,
+            prefix_chunks=self.index.held(b.key),
         )
 
     # --- HTTP ---------------------------------------------------------------------------------------
@@ -157,6 +190,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, dispatche
     await router.dispatcher.start()
     await discovery.start()
     router.prober.start()
+    router.scraper.start()
     runner = web.AppRunner(router.app(), handler_cancellation=True, shutdown_timeout=cfg.shutdown_grace, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True)
@@ -166,12 +200,14 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, dispatche
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "disagg-router listening on %s:%d (model %s, default mode %s, leg deadline %gs, discovery %s)",
+        "disagg-router listening on %s:%d (model %s, default mode %s, leg deadline %gs, policies %s/%s, discovery %s)",
         cfg.host,
         cfg.port,
         cfg.served_model_name,
         cfg.mode,
         cfg.leg_timeout,
+        cfg.prefill_policy,
+        cfg.decode_policy,
         f"static file {cfg.static_endpoints}" if cfg.static_endpoints else f"pods {cfg.selector!r} in {cfg.namespace}",
     )
     if ready is not None:
@@ -181,6 +217,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, dispatche
     router.draining = True
     await runner.cleanup()  # closes the listener, waits for handlers up to shutdown_timeout, then cancels
     await router.prober.stop()
+    await router.scraper.stop()
     await discovery.stop()
     await router.dispatcher.close()
     log.info("stopped")

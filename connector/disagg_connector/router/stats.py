@@ -40,7 +40,14 @@ class RouterStats:
         self.window_seconds = window_seconds
         self.clock = clock
         self.revisions: dict[str, RevisionCounters] = {}
+        # per prefill backend: prompt tokens sent, and those the policy expected cached there
+        self.prefix_tokens: Counter[str] = Counter()
+        self.prefix_expected_hits: Counter[str] = Counter()
         self._bucket_seconds = window_seconds / _BUCKETS
+
+    def prefix_expected(self, backend: str, hit_tokens: int, prompt_tokens: int) -> None:
+        self.prefix_expected_hits[backend] += hit_tokens
+        self.prefix_tokens[backend] += prompt_tokens
 
     def _rev(self, revision: str) -> RevisionCounters:
         r = self.revisions.get(revision)
