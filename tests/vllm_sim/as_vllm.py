@@ -51,6 +51,9 @@ def _vllm_flags() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size-local", "-dpl", type=int)
     p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0)
     p.add_argument("--block-size", type=int)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    p.add_argument("--prefix-caching-hash-algo")
+    p.add_argument("--kv-events-config")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--kv-transfer-config", type=json.loads, required=True)
@@ -88,6 +91,12 @@ def sim_argv(argv: Sequence[str], env: dict[str, str], timing: dict[str, float])
         out += ["--push-registration-timeout", str(extra["push_registration_timeout"])]
     if a.block_size:
         out += ["--block-size", str(a.block_size)]
+    if a.enable_prefix_caching is False:
+        out.append("--no-enable-prefix-caching")
+    if a.prefix_caching_hash_algo:
+        out += ["--prefix-caching-hash-algo", a.prefix_caching_hash_algo]
+    if a.kv_events_config:
+        out += ["--kv-events-config", a.kv_events_config]
     if env.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0") not in ("", "0"):
         out.append("--disable-request-id-randomization")
     for name, value in timing.items():

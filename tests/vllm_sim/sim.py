@@ -71,9 +71,24 @@ Only a bidirectional turn-2 read checks the expiry first.
   handshake or transfer: 500 / error event under policy fail); ``{"unavailable": true}`` answers new
   requests 503 as a paused engine does; ``{"stall": true}`` hangs the engine loop.
 
+**Prefix cache** (``--enable-prefix-caching``, on by default as in vLLM; ``--no-enable-prefix-caching``):
+one cache per DP rank of ``--num-gpu-blocks`` blocks of ``--block-size`` tokens, with vLLM's rules and hashes
+(prefix_cache.py, which also says how prompts become token ids). A request takes its blocks when it is
+scheduled (P: when its prefill gets the accelerator; D: at the step boundary that schedules it, whatever its
+path) and computes only the tokens past its cached prefix; its prompt's full blocks are cached when its KV is
+there (P: the prefill is done; D: its first token, computed or received), its generated tokens' full blocks
+when it finishes. P holds a prefill's blocks until its lease ends, D has read them or P has written them.
+The KV transfer still moves the whole prompt (vLLM would move only what D lacks).
+``POST /reset_prefix_cache`` empties every rank's cache (``{"success": false}`` while blocks are held).
+
+**KV events** (``--kv-events-config '<json>'``, vLLM's KVEventsConfig): per DP rank a copy of vLLM 0.33.0's
+``ZmqEventPublisher`` (PUB at the endpoint, its port plus the global rank; ROUTER replay likewise), one
+``KVEventBatch`` per engine step that has events: BlockStored when blocks are cached, BlockRemoved when one is
+evicted, AllBlocksCleared on a reset.
+
 **Timing model** (every duration multiplied by ``--time-scale``):
 - P has one accelerator: prefills run one at a time, FIFO, ``prefill_base_ms + prefill_us_per_token *
-  prompt_tokens`` each.
+  tokens`` each, ``tokens`` being those past the prompt's cached prefix (at least one).
 - D runs an engine loop of steps of ``tpot_ms``; each step emits one token to every running request.
   Requests are scheduled (and push registrations sent) at step boundaries, and a request whose KV arrived
   joins the batch at the next boundary, ``kv_pickup_ms`` after it arrived (``pull_pickup_ms`` in pull, when
@@ -81,7 +96,7 @@ Only a bidirectional turn-2 read checks the expiry first.
   inline in D's loop stalls the step for everyone: pull's descriptor prep + transfer submission
   (vLLM's "post time"), ``descriptor_prep_us_per_block * blocks``
   (blocks of ``block_size`` tokens), and local (re)compute of a prompt, ``prefill_us_per_token *
-  prompt_tokens``. Push preps descriptors in P's background writer thread, which merges contiguous blocks
+  tokens`` (past its cached prefix). Push preps descriptors in P's background writer thread, which merges contiguous blocks
   into larger transfer regions (the AWS article): one region's prep, on the request's path, stalling nobody.
 - KV transfer: ``prompt_tokens * kv_bytes_per_token * 8 / (link_gbps * 1e9)`` seconds for P's background
   WRITE in push, the same over ``read_gbps`` (when given) for D's READ in pull. Each side-channel message
@@ -101,8 +116,11 @@ Running: a prefill computing, a request in D's batch. Waiting: everything else h
 not finished: queued for P's accelerator or D's next step, waiting for its remote KV (vLLM counts
 WAITING_FOR_REMOTE_KVS in this gauge), KV arrived but not yet in the batch. KV blocks in use (of
 ``--num-gpu-blocks`` per rank, ``BlockPool.get_usage``): those of every scheduled, unfinished request
-(prompt plus generated tokens), and those P still holds for a finished prefill: under its lease until D
-reads them (pull) or while it writes them (push).
+(prompt plus generated tokens; a block two requests share counts once), and those P still holds for a
+finished prefill: under its lease until D reads them (pull) or while it writes them (push); cached blocks
+nobody holds count as free. ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (tokens
+looked up / found cached, per rank) and ``vllm:cache_config_info`` (CacheConfig's fields as labels, plus
+``engine``) as vLLM's.
 
 Test hooks: ``GET /sim/stats`` (counters), ``GET /sim/events`` (ordered event log),
 ``GET /sim/body/{xid}`` (the exact bytes this engine sent for a request), ``POST /sim/control`` (faults),
@@ -117,9 +135,11 @@ import itertools
 import json
 import logging
 import math
+import queue
 import re
 import secrets
 import signal
+import threading
 import time
 import uuid
 from collections import Counter, deque
@@ -129,7 +149,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from disagg_connector.contract import kv_blocks
+from tests.vllm_sim import prefix_cache as pc
 
 log = logging.getLogger("vllm_sim")
 
@@ -211,6 +234,140 @@ class EngineDead(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM 0.33.0's ``--kv-events-config`` (``vllm/config/kv_events.py``), its fields and defaults."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # None: "zmq" when enabled, else "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @property
+    def publishes(self) -> bool:
+        """EventPublisherFactory.create: a ZMQ publisher only when enabled and not "null"."""
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+
+def parse_kv_events_config(text: str) -> KVEventsConfig:
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise argparse.ArgumentTypeError("--kv-events-config must be a JSON object")
+    known = set(KVEventsConfig.__dataclass_fields__)
+    if unknown := sorted(set(raw) - known):
+        raise argparse.ArgumentTypeError(f"--kv-events-config has unknown fields {unknown} (known: {sorted(known)})")
+    config = KVEventsConfig(**raw)
+    if config.publisher not in (None, "null", "zmq"):
+        raise argparse.ArgumentTypeError(f"Unknown event publisher '{config.publisher}'")
+    return config
+
+
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """ZmqEventPublisher.offset_endpoint_port: rank r's endpoint (vLLM passes the global DP rank,
+    ``parallel_config.data_parallel_index``): a tcp port plus r (0 stays 0), an inproc name plus ``_dp<r>``."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if "tcp" in endpoint:
+        if ":" in endpoint:
+            base, port = endpoint.rsplit(":", 1)
+            return endpoint if int(port) == 0 else f"{base}:{int(port) + data_parallel_rank}"
+        return endpoint
+    raise ValueError("Invalid endpoint: must contain 'inproc' or 'tcp'")
+
+
+def on_host(endpoint: str, bind_host: str | None) -> str:
+    """The simulator's ``--kv-events-host``: a wildcard tcp endpoint bound on one address instead, so that
+    simulated pods sharing a machine (each on its own loopback address) can use the same ports. vLLM binds
+    every interface (a pod has its own network namespace)."""
+    if bind_host is None or not endpoint.startswith("tcp://*:"):
+        return endpoint
+    return f"tcp://{bind_host}:{endpoint.removeprefix('tcp://*:')}"
+
+
+class KVEventPublisher:
+    """vLLM 0.33.0's ``ZmqEventPublisher`` for one DP rank (``vllm/distributed/kv_events.py``): a PUB socket
+    sends (topic, 8-byte big-endian seq, msgpack KVEventBatch) per batch from a thread fed by a queue; the last
+    ``buffer_steps`` payloads are kept for a ROUTER replay socket, which answers a request (empty frame, 8-byte
+    start seq) with every buffered batch from that seq on, then (empty, -1 as 8 bytes, empty)."""
+
+    END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int, bind_host: str | None = None) -> None:
+        import zmq  # only an engine that publishes needs pyzmq
+
+        self.endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank)
+        self.replay_endpoint = offset_endpoint_port(config.replay_endpoint, data_parallel_rank)
+        self.rank = data_parallel_rank
+        self._queue: queue.Queue[pc.KVEventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode()
+        ctx = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        assert self.endpoint is not None
+        if "*" in self.endpoint or "::" in self.endpoint or self.endpoint.startswith(("ipc://", "inproc://")):
+            self._pub.bind(on_host(self.endpoint, bind_host))
+        else:
+            self._pub.connect(self.endpoint)
+        self._replay = None
+        if self.replay_endpoint is not None:
+            self._replay = ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
+            self._replay.bind(on_host(self.replay_endpoint, bind_host))
+        self._running = True
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"zmq-publisher-dp{data_parallel_rank}")
+        self._thread.start()
+
+    def publish(self, batch: pc.KVEventBatch) -> None:
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            log.warning("KV event queue full (dp rank %d): batch dropped", self.rank)
+
+    def _run(self) -> None:
+        seqs = itertools.count()
+        while self._running or not self._queue.empty():
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                batch = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if batch is None:
+                break
+            seq = next(seqs)
+            payload = pc.encode_batch(batch)
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("Invalid replay request: %s", frames)
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", self.END_SEQ, b""))
+
+    def shutdown(self) -> None:
+        self._running = False
+        self._queue.put(None)
+        self._thread.join(timeout=1.0)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+
 @dataclass
 class Seq:
     xid: str
@@ -221,7 +378,10 @@ class Seq:
     max_tokens: int
     rank: int
     params: dict[str, Any] | None
+    token_ids: list[int] = field(default_factory=list)
     path: str = "local"  # local | push | pull | prefill
+    blocks: pc.Allocation | None = None  # its KV blocks on this rank, from scheduling until freed
+    kept: bool = False  # P: blocks held past the answer (lease, write), freed by whoever ends that
     q: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     emitted: int = 0
     done: bool = False
@@ -265,6 +425,55 @@ class _SchedulerGauges:
             yield family
 
 
+class _PrefixCacheMetrics:
+    """vLLM's prefix-cache counters (tokens) and ``vllm:cache_config_info`` (CacheConfig.metrics_info() as
+    labels plus ``engine``; the label set of 0.33.0), read at scrape time."""
+
+    COUNTERS = {
+        "vllm:prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.", "queries"),
+        "vllm:prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.", "hits"),
+    }
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def cache_config(self) -> dict[str, str]:
+        a = self.engine.a
+        return {**CACHE_CONFIG_INFO, "block_size": str(a.block_size), "num_gpu_blocks": str(a.num_gpu_blocks),
+                "enable_prefix_caching": str(a.enable_prefix_caching), "prefix_caching_hash_algo": a.prefix_caching_hash_algo}
+
+    def collect(self) -> Any:
+        model = self.engine.a.served_model_name
+        for name, (doc, attr) in self.COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["engine", "model_name"])
+            for rank, cache in sorted(self.engine.caches.items()):
+                family.add_metric([str(rank), model], float(getattr(cache.stats, attr)))
+            yield family
+        labels = self.cache_config()
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=[*labels, "engine"])
+        for rank in self.engine.ranks:
+            info.add_metric([*labels.values(), str(rank)], 1.0)
+        yield info
+
+
+# CacheConfig.metrics_info() of vLLM 0.33.0 (keys in its order; values of a default config). The simulator
+# sets block_size, num_gpu_blocks, enable_prefix_caching and prefix_caching_hash_algo from its flags.
+CACHE_CONFIG_INFO = {
+    "block_size": "16", "user_specified_block_size": "True", "kv_cache_layout": "None", "prefix_match_unit": "None",
+    "gpu_memory_utilization": "0.92", "cache_dtype": "auto", "is_attention_free": "False",
+    "num_gpu_blocks_override": "None", "sliding_window": "None", "enable_prefix_caching": "True",
+    "prefix_caching_hash_algo": "sha256", "prefix_cache_retention_interval": "0",
+    "kv_cache_dtype_skip_layers": "[]", "mamba_page_size_padded": "None", "skip_page_size_padded": "None",
+    "mamba_block_size": "None", "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "mamba_cache_mode": "none",
+    "enable_mamba_shared_prefix_checkpoint": "False", "replayssm_buffer_len": "16", "use_replayssm": "False",
+    "use_kda_recoverssm": "False", "num_gpu_blocks": "None", "num_cpu_blocks": "None",
+    "simple_cpu_offload_num_blocks": "None", "effective_attention_block_size": "None", "kv_cache_size_tokens": "None",
+    "kv_cache_max_concurrency": "None", "hash_block_size": "None", "cache_hit_alignment_tokens": "None",
+    "kv_sharing_fast_prefill": "False", "swa_bounded_replay": "True", "kv_cache_memory_bytes": "None",
+    "kv_offloading_size": "None", "kv_offloading_backend": "native", "_block_size_resolved": "True",
+}  # fmt: skip
+
+
 class Engine:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
@@ -300,8 +509,13 @@ class Engine:
         self.tasks: set[asyncio.Task[Any]] = set()
         self.inflight: dict[int, Seq] = {}  # id(seq) -> every request handed to the engine, until its answer is sent
         self.writing: dict[int, Seq] = {}  # id(seq) -> prefills whose KV P is writing (push)
+        self.caches = {r: pc.PrefixCache(a.num_gpu_blocks, a.block_size, a.enable_prefix_caching, a.prefix_caching_hash_algo)
+                       for r in self.ranks}
+        self.publishers: dict[int, KVEventPublisher] = {}  # by rank, with --kv-events-config (serve() starts them)
+        self.int_event_hashes = pc.int_event_hashes()
         self.registry = CollectorRegistry()
         self.registry.register(_SchedulerGauges(self))
+        self.registry.register(_PrefixCacheMetrics(self))
 
     # --- bookkeeping -------------------------------------------------------------------------------
     def engine_id(self, rank: int) -> str:
@@ -364,9 +578,41 @@ class Engine:
     def fail(self, seq: Seq, message: str) -> None:
         if not seq.done:
             seq.done = True
+            self.free_blocks(seq)
             seq.q.put_nowait(EngineDead(message))
             self.by_rid.pop(seq.rid, None)
             self.stop_heartbeat(seq)
+
+    # --- the prefix cache of each rank (prefix_cache.py) and its KV events ------------------------------
+    def take_blocks(self, seq: Seq) -> int:
+        """Schedule ``seq``'s prompt on its rank's cache (again, after a failed KV load); returns the tokens
+        it must compute: those past its cached prefix."""
+        cache = self.caches[seq.rank]
+        if seq.blocks is not None:
+            cache.free(seq.blocks)
+        seq.blocks = cache.allocate(seq.rid, seq.token_ids)
+        if seq.blocks.hit_tokens:
+            self.event("prefix_hit", xid=seq.xid, rid=seq.rid, rank=seq.rank, hit_tokens=seq.blocks.hit_tokens)
+        return seq.prompt_tokens - seq.blocks.hit_tokens
+
+    def free_blocks(self, seq: Seq, finished: bool = False) -> None:
+        """``seq`` is done with its blocks; a finished request first caches the blocks its generated tokens
+        filled (all but the last token's KV is computed)."""
+        if seq.blocks is None:
+            return
+        cache = self.caches[seq.rank]
+        if finished:
+            cache.commit(seq.blocks, [pc.generated_token_id(i, seq.wrong) for i in range(seq.emitted - 1)])
+        cache.free(seq.blocks)
+
+    def publish_events(self) -> None:
+        """End of an engine step: each rank's cache events as one KVEventBatch (vLLM publishes one per step
+        that has events); without --kv-events-config they are dropped, as vLLM does not collect them."""
+        for rank, cache in self.caches.items():
+            events = cache.take_events()
+            publisher = self.publishers.get(rank)
+            if events and publisher is not None:
+                publisher.publish(pc.wire_batch(events, rank, time.time(), self.int_event_hashes))
 
     # --- heartbeats (D) and leases (P) ----------------------------------------------------------------
     def track_heartbeat(self, seq: Seq) -> None:
@@ -410,6 +656,7 @@ class Engine:
                 seq = self.arrivals.popleft()
                 if not seq.done:
                     stall += self.schedule(seq)
+            self.publish_events()
             if self.dead:
                 return
             while self.ready:
@@ -430,15 +677,22 @@ class Engine:
             for seq in self.running:
                 if not seq.done:
                     self.emit(seq)
+            self.publish_events()
 
     def emit(self, seq: Seq) -> None:
         i = seq.emitted
         seq.emitted += 1
+        cache = self.caches[seq.rank]
         if i == 0:
             self.event("first_token", xid=seq.xid, rid=seq.rid)
+            if seq.blocks is not None:  # the prompt's KV is here (computed, or received): its blocks are cached
+                cache.commit(seq.blocks)
+        if seq.blocks is not None:
+            cache.grow(seq.blocks, seq.prompt_tokens + seq.emitted)
         seq.q.put_nowait(i)
         if seq.emitted >= seq.max_tokens:
             seq.done = True
+            self.free_blocks(seq, finished=True)
             seq.q.put_nowait(None)
 
     def make_ready(self, seq: Seq) -> None:
@@ -458,9 +712,10 @@ class Engine:
 
     def schedule(self, seq: Seq) -> float:
         """At a step boundary: allocate blocks and start what the request needs; returns inline work (s)."""
+        to_compute = self.take_blocks(seq)
         if seq.path == "local":
             self.ready.append(seq)
-            return self.t.prefill(seq.prompt_tokens)
+            return self.t.prefill(to_compute)
         if seq.path == "push":
             p = seq.params or {}
             try:  # read with [] by NixlPushScheduler (push_scheduler.py:177-189) and metadata.py:333-337
@@ -560,7 +815,7 @@ class Engine:
     # --- prefill side ------------------------------------------------------------------------------
     async def prefill(self, seq: Seq) -> None:
         async with self.compute:
-            cost = self.t.prefill(seq.prompt_tokens)
+            cost = self.t.prefill(self.take_blocks(seq))
             self.compute_until = time.monotonic() + cost
             self.event("prefill_start", xid=seq.xid, rid=seq.rid, rank=seq.rank)
             seq.computing = True
@@ -568,6 +823,10 @@ class Engine:
                 await asyncio.sleep(cost)
             finally:
                 seq.computing = False
+        if seq.blocks is not None:
+            self.caches[seq.rank].commit(seq.blocks)
+        self.publish_events()
+        seq.kept = True  # its blocks stay held until the lease ends or the write is done
         regs = self.regs[seq.rank]
         reg = next((regs.pop(k) for k, r in list(regs.items()) if self.matches(seq, r)), None)
         self.counters["prefills"] += 1
@@ -586,6 +845,7 @@ class Engine:
             now = time.monotonic()
             if now >= held.expiry:
                 del self.held[rank][rid]
+                self.free_blocks(held.seq)
                 self.counters["expired"] += 1
                 self.event("expired", rid=rid, rank=rank)
                 log.warning("Releasing expired KV blocks for request %s which were retrieved by 0 remote worker(s) before lease expired.", rid)
@@ -633,6 +893,7 @@ class Engine:
         finally:
             self.pushing -= 1
             self.writing.pop(id(seq), None)
+            self.free_blocks(seq)
 
     async def _push_write(self, seq: Seq, reg: dict[str, Any]) -> None:
         # the writer merges contiguous blocks into one transfer region: one descriptor's prep, not one per block
@@ -702,6 +963,7 @@ class Engine:
                 self.event("read_after_expiry", rid=rid, rank=rank)
                 log.error("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", rid)
                 return web.json_response({"ok": True, "valid": False})
+            self.free_blocks(held.seq)
             self.counters["reads"] += 1
             self.event("read_done", rid=held.seq.rid, rank=rank)
             return web.json_response({"ok": True, "valid": True})
@@ -738,7 +1000,19 @@ class Engine:
         app.router.add_get("/sim/events", self.get_events)
         app.router.add_get("/sim/body/{xid}", self.body)
         app.router.add_post("/sim/control", self.control)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's dev endpoint: every rank forgets its cached blocks (AllBlocksCleared), or nothing changes
+        where some rank has blocks held (``{"success": false}``, as BlockPool.reset_prefix_cache)."""
+        success = all(cache.in_use == 0 for cache in self.caches.values())
+        if success:
+            for cache in self.caches.values():
+                cache.reset()
+            self.publish_events()
+        log.info("Resetting prefix cache: %s", "done" if success else "blocks are still held")
+        return web.json_response({"success": success})
 
     async def control(self, request: web.Request) -> web.Response:
         """Test hook: ``{"die": why}`` kills the engine; ``{"fail_transfers": bool}`` makes every KV receive
@@ -764,9 +1038,8 @@ class Engine:
     def scheduler_gauges(self) -> tuple[dict[int, int], dict[int, int], dict[int, float]]:
         """Per DP rank of this pod (global): requests running, requests waiting, fraction of KV blocks in use
         (module docstring)."""
-        running, waiting, blocks = dict.fromkeys(self.ranks, 0), dict.fromkeys(self.ranks, 0), dict.fromkeys(self.ranks, 0)
+        running, waiting = dict.fromkeys(self.ranks, 0), dict.fromkeys(self.ranks, 0)
         in_batch = {id(s) for s in self.running}
-        queued = {id(s) for s in self.arrivals}  # not scheduled yet: no blocks
         for key, seq in self.inflight.items():
             if seq.done:
                 continue
@@ -774,13 +1047,7 @@ class Engine:
                 running[seq.rank] += 1
             else:
                 waiting[seq.rank] += 1
-            if seq.computing or (seq.path != "prefill" and key not in queued):
-                blocks[seq.rank] += self.t.blocks(seq.prompt_tokens + seq.emitted)
-        for rank, held in self.held.items():
-            blocks[rank] += sum(self.t.blocks(h.seq.prompt_tokens) for h in held.values())
-        for seq in self.writing.values():
-            blocks[seq.rank] += self.t.blocks(seq.prompt_tokens)
-        return running, waiting, {rank: min(1.0, b / self.a.num_gpu_blocks) for rank, b in blocks.items()}
+        return running, waiting, {rank: cache.usage for rank, cache in self.caches.items()}
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -811,7 +1078,7 @@ class Engine:
         data = self.bodies.get(request.match_info["xid"])
         return web.Response(body=data) if data is not None else web.Response(status=404)
 
-    def _parse(self, body: Any, kind: str) -> tuple[int, int] | web.Response:
+    def _parse(self, body: Any, kind: str) -> tuple[list[int], int] | web.Response:
         if not isinstance(body, dict):
             return error_response(400, "The request body must be a JSON object", "BadRequestError")
         if body.get("model") != self.a.served_model_name:
@@ -820,20 +1087,17 @@ class Engine:
             prompt = body.get("prompt")
             if prompt is None:
                 return error_response(400, "Field required: prompt", "BadRequestError")
-            if isinstance(prompt, list) and prompt and all(isinstance(x, int) for x in prompt):
-                n = len(prompt)
-            else:
-                n = sum(len(str(p).split()) for p in (prompt if isinstance(prompt, list) else [prompt]))
+            token_ids = pc.completion_token_ids(prompt)
             max_tokens = body.get("max_tokens", 16)
         else:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 return error_response(400, "Field required: messages", "BadRequestError")
-            n = sum(len(str(m.get("content", "")).split()) for m in msgs if isinstance(m, dict)) + 4
+            token_ids = pc.chat_token_ids(msgs)
             max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         if not isinstance(max_tokens, int) or max_tokens < 1:
             return error_response(400, "max_tokens must be at least 1", "BadRequestError")
-        return max(1, n), max_tokens
+        return token_ids or [pc.word_token_id("")], max_tokens  # an empty prompt still counts one token
 
     async def generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         if self.dead:
@@ -849,7 +1113,8 @@ class Engine:
         parsed = self._parse(body, kind)
         if isinstance(parsed, web.Response):
             return parsed
-        prompt_tokens, max_tokens = parsed
+        token_ids, max_tokens = parsed
+        prompt_tokens = len(token_ids)
         xid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         base = f"cmpl-{xid}-0" if kind == "completions" else f"chatcmpl-{xid}"
         rid = base if self.a.disable_request_id_randomization else f"{base}-{secrets.token_hex(4)}"
@@ -862,7 +1127,7 @@ class Engine:
         params = body.get("kv_transfer_params")
         params = params if isinstance(params, dict) else None
         stream = bool(body.get("stream", False))
-        seq = Seq(xid, rid, resp_id, kind, prompt_tokens, max_tokens, rank, params)
+        seq = Seq(xid, rid, resp_id, kind, prompt_tokens, max_tokens, rank, params, token_ids)
         self.inflight[id(seq)] = seq
         self.counters["requests"] += 1
         self.event(
@@ -902,6 +1167,8 @@ class Engine:
             raise
         finally:
             self.inflight.pop(id(seq), None)
+            if not seq.kept:
+                self.free_blocks(seq)
 
     def balance(self) -> int:
         """The rank of a request without X-data-parallel-rank: this pod's least busy, ties in turn."""
@@ -1041,6 +1308,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-size-local", type=int, default=None, help="ranks this pod serves (unset: all of --dp-size)")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="kv_lease_duration")
     p.add_argument("--num-gpu-blocks", type=int, default=65536, help="KV cache blocks per DP rank (vllm:kv_cache_usage_perc)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's automatic prefix caching (on by default, as in vLLM)")
+    p.add_argument("--prefix-caching-hash-algo", choices=kv_blocks.HASH_ALGOS, default="sha256",
+                   help="vLLM's block hash function (its default: sha256); the seed is PYTHONHASHSEED, as in vLLM")
+    p.add_argument("--kv-events-config", type=parse_kv_events_config, default=None,
+                   help="vLLM's KVEventsConfig as JSON: publish KV cache events over ZMQ")
+    p.add_argument("--kv-events-host", default=None,
+                   help="simulator only: bind the wildcard (tcp://*:port) KV event endpoints on this address")
     p.add_argument("--push-registration-timeout", type=float, default=480.0)
     p.add_argument("--kv-load-failure-policy", choices=("fail", "recompute"), default="fail")
     p.add_argument("--compat-hash", default="sim", help="stands for vLLM's NIXL compatibility hash (one per revision)")
@@ -1083,6 +1358,8 @@ async def serve(a: argparse.Namespace) -> int:
         await r.setup()
         await web.TCPSite(r, a.host, a.side_channel_port + rank, reuse_address=True).start()
         engine.side_runners.append(r)
+    if a.kv_events_config is not None and a.kv_events_config.publishes:
+        engine.publishers = {rank: KVEventPublisher(a.kv_events_config, rank, a.kv_events_host) for rank in engine.ranks}
     loop_task = asyncio.create_task(engine.loop())
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, engine.stop.set)
@@ -1093,6 +1370,8 @@ async def serve(a: argparse.Namespace) -> int:
     for r in (main, *engine.side_runners):
         await r.cleanup()
     await engine.session.close()
+    for publisher in engine.publishers.values():
+        publisher.shutdown()
     if engine.dead:
         log.error("API server exits: the engine is dead (%s)", engine.dead)
     return 1 if engine.dead else 0
