@@ -20,6 +20,13 @@
 #                                    #   and vllm-router 0.1.17, push and pull, on the same engines, one GPU,
 #                                    #   1k/4k/16k x 2/8 per s, with vLLM's KV-transfer metrics per cell
 #                                    #   (SHAPE=qwen3-8b: the 8B shape, hack/gpu/qwen3-8b-h200.yaml)
+#   hack/gpu/run.sh issue19-routing  # call after unpack-a1, unpack-a3 (same machine), carry .gpu/a2: issue 19's routing
+#                                    #   comparison on one GPU shared by 2 prefill + 1 decode engines (prefix caching
+#                                    #   on, push): our router with --prefill-policy least-outstanding and
+#                                    #   prefix-and-load, vllm-router with cache_aware, on the same engines, the
+#                                    #   multi-turn workload at two session rates, then the no-reuse workload at one
+#                                    #   cell (fresh engines); vLLM's prefix-cache counters per engine and cell
+#                                    #   (SHAPE=qwen3-8b: the 8B shape, hack/gpu/qwen3-8b-2p1d.yaml)
 #   hack/gpu/run.sh issue18-dp2      # one GPU (after unpack-a1): prefill and decode each data parallel over two
 #                                    #   "pods" (one process each, as LWS would start them, hack/gpu/qwen3-0.6b-dp2.yaml),
 #                                    #   push through the router; per-rank requests and NIXL handshakes (dp.json/.md);
@@ -32,7 +39,7 @@
 # runs out of time (each cell is saved as it completes). REHEARSAL=1 runs the same command lines on a CPU
 # machine with the simulator in place of vLLM (tests/vllm_sim/as_vllm.py) and a short sweep.
 set -u
-stage=${1:?usage: hack/gpu/run.sh unpack-a1|unpack-a3|push|pull-1gpu|issue20-1gpu|issue20-peers|issue12-push|issue12-pull|issue18-dp2}
+stage=${1:?usage: hack/gpu/run.sh unpack-a1|unpack-a3|push|pull-1gpu|issue20-1gpu|issue20-peers|issue19-routing|issue12-push|issue12-pull|issue18-dp2}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$REPO"
 SITE=${SITE:-/tmp/site}
@@ -166,6 +173,41 @@ case "$stage" in
       bench "issue20-peers${SHAPE:+-${SHAPE#qwen3-}}${REP:+-r$REP}" $ONE_GPU --peer-router-command "$PEER_ROUTER" \
       --modes "${MODES:-router-push,vllmrouter-push,router-pull,vllmrouter-pull}" --prompts "${PROMPTS:-1024,4096,16384}" \
       --rates "${RATES:-2,8}" --cell-seconds 5 --min-requests 8 --drain-timeout 20
+    ;;
+  issue19-routing)
+    # Issue 19: KV-aware routing on real engines. Three routers that differ only in the prefill policy on the same
+    # engines (2 prefill + 1 decode sharing the GPU, prefix caching on, push), in one run: ours with least-outstanding
+    # (the baseline: today's pick) and with prefix-and-load, and vllm-router with cache_aware (its prefix tree; decode
+    # round robin). Multi-turn conversations (a shared 2048-token system prompt, 4 turns of 256 user tokens and
+    # 64-token answers resent as history, 1 s mean think time); every cell records each engine's
+    # vllm:prefix_cache_{hits,queries}_total and vllm:request_success_total before and after (the hit ratio and
+    # the prefill engines' shares). Session rates, from bench/results/h200-issue20-peers.md: one shared GPU
+    # prefills 16k x 2/s (33k tokens/s) at 0.27 s (0.6B) but not 16k x 8/s (131k/s, TTFT 2.4 s); the 8B does
+    # 4k x 2/s (8k/s, 0.37 s) but not 16k x 2/s (33k/s, 2.2 s). A turn averages 2784 prompt tokens; at the
+    # least-outstanding baseline's hit ratio (~0.65) about 1000 of them are computed. 0.6B at 4 and 8 sessions/s
+    # (16 and 32 turns/s): 16k and 32k computed tokens/s, busy but below the 33k/s seen unsaturated; 8B at 1 and 2
+    # sessions/s (4 and 8 turns/s): 4k and 8k tokens/s, at and below the 8k/s seen unsaturated.
+    # Then the no-reuse workload (random 2048-token prompts, nothing to reuse) at one cell on fresh engines, both
+    # of our policies, at the lower session rate's turns per second (16/s 0.6B, 4/s 8B): prefix-and-load must cost
+    # nothing where there is nothing to gain.
+    # KV per engine: 24 GiB (0.6B: 219k tokens; the decode holds ~50 streams of ~2.8k at 8 sessions/s), 16 GiB (8B).
+    prepare
+    peers_ready
+    if [ "${SHAPE:-qwen3-0.6b}" = qwen3-8b ]; then
+      MODEL19=hack/gpu/qwen3-8b-2p1d.yaml RATES19=${RATES:-1,2} NOREUSE19=4 ENGINES19="--kv-cache-memory-bytes 17179869184 --gpu-memory-utilization 0.27"
+    else
+      MODEL19=hack/gpu/qwen3-0.6b-2p1d.yaml RATES19=${RATES:-4,8} NOREUSE19=16 ENGINES19="--kv-cache-memory-bytes 25769803776 --gpu-memory-utilization 0.22"
+    fi
+    name19="issue19-routing${SHAPE:+-${SHAPE#qwen3-}}${REP:+-r$REP}"
+    MODEL_YAML=$MODEL19 BUDGET=${BUDGET:-270} bench "$name19" --gpus 0 --colocate $ENGINES19 --peer-router-command "$PEER_ROUTER" \
+      --workload multi-turn --modes "${MODES:-router-push:least-outstanding,router-push:prefix-and-load,vllmrouter-push:cache_aware}" \
+      --system-tokens 2048 --turns 4 --user-tokens 256 --max-tokens 64 --think-time 1 --rates "$RATES19" \
+      --cell-seconds 8 --min-requests 12 --drain-timeout 20
+    # QUICK's --prompts would replace the cell's prompt length: rehearse it at the same 2048 tokens
+    QUICK=${QUICK:+--cell-seconds 2 --min-requests 4 --drain-timeout 10} MODEL_YAML=$MODEL19 BUDGET=${BUDGET_NOREUSE:-150} \
+      bench "$name19-noreuse" --gpus 0 --colocate $ENGINES19 \
+      --modes "${NOREUSE_MODES:-router-push:least-outstanding,router-push:prefix-and-load}" --prompts 2048 --rates "$NOREUSE19" --max-tokens 64 \
+      --cell-seconds 5 --min-requests 16 --drain-timeout 20
     ;;
   issue12-push)
     prepare

@@ -119,3 +119,44 @@ def test_bench_runs_vllm_router_as_a_peer_on_the_same_engines(tmp_path: Path) ->
     sequential, concurrent = peer_router_paths(groups["Push"]["peer_router_counters"]["vllmrouter-push"])
     assert sequential == 1 and concurrent == 4, (sequential, concurrent)
     assert peer_router_paths(groups["Pull"]["peer_router_counters"]["vllmrouter-pull"]) == (5, 0)
+
+
+def test_multi_turn_sessions_compare_prefill_policies_by_the_engines_own_prefix_hits(tmp_path: Path) -> None:
+    """Issue 19: conversations on two prefill engines with prefix caching, through two routers that differ only in
+    the prefill policy, on the same engines; each cell has every engine's prefix-cache counters, and the KV-aware
+    policy finds more of each conversation's history cached than least-outstanding's blind pick."""
+    model = tmp_path / "dm.yaml"
+    spec = {"engine": {"enablePrefixCaching": True, "blockSize": 16}, "prefill": {"replicas": 2}, "router": {"prefillPolicy": "PrefixAndLoad"}}
+    model.write_text(json.dumps(dm(spec, name="turns")))
+    out = tmp_path / "out"
+    modes = ("router-push:least-outstanding", "router-push:prefix-and-load")
+    cmd = [
+        sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), "--gpus", "0,1,2",
+        "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port_block(64)),
+        "--workload", "multi-turn", "--modes", ",".join(modes), "--system-tokens", "512", "--turns", "4", "--user-tokens", "128",
+        "--think-time", "0.2", "--rates", "4", "--cell-seconds", "2", "--min-requests", "8", "--max-tokens", "8",
+        "--load-format", "dummy", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["sweep"]["workload"] == "multi-turn" and [g["modes"] for g in results["groups"]] == [list(modes)]
+    cells = {c["mode"]: c for c in results["cells"]}
+    assert set(cells) == set(modes)
+    for c in cells.values():
+        assert (c["ok"], c["sent"], c["sessions"]) == (32, 32, 8), c["errors"]  # 8 sessions x 4 turns
+    turns = [r for r in results["records"] if r["mode"] == modes[0]]
+    assert sorted({r["turn"] for r in turns}) == [0, 1, 2, 3]
+    assert all(r["usage_prompt_tokens"] == r["sent_prompt_tokens"] == 512 + r["turn"] * 136 + 128 for r in turns)
+    assert all(r["request_id"] for r in turns)  # the router's X-Request-Id, per request
+    from disagg_bench.localrun.report import routing
+
+    figures = {m: routing(c) for m, c in cells.items()}
+    for m, f in figures.items():
+        assert f is not None and 0 < f.hit_ratio <= 1, (m, f)  # the engines' own vllm:prefix_cache_* counters
+        assert set(f.shares) == {"prefill-0", "prefill-1"} and sum(f.shares.values()) == pytest.approx(1.0)
+    md = (out / "results.md").read_text()
+    assert "## Routing" in md and "*one engine holding everything*" in md
+    # the KV-aware policy finds more of each conversation cached than the blind pick
+    lo, pal = figures[modes[0]], figures[modes[1]]
+    assert lo is not None and pal is not None and pal.hit_ratio > lo.hit_ratio, (pal, lo)

@@ -270,9 +270,10 @@ def model_dashboard() -> gd.Dashboard:
     d = d.with_panel(series("Load per backend", "Requests ahead of a new one as the policies see it: the engine's running "
                             "and waiting at the router's last read of its /metrics plus the router's legs since.", "none",
                             query(f"max by (role, backend) (disagg_router_backend_load{{{ROUTER_REV}}})", "{{role}} {{backend}}")))
-    d = d.with_panel(series("Prefix index and load reads", "Prompt chunks the prefix index holds per router replica, and "
-                            "its reads of the engines' /metrics by result.", "none",
+    d = d.with_panel(series("Indexes and load reads", "Prompt chunks the prefix index holds and KV blocks the KV-event "
+                            "index holds per router replica, and its reads of the engines' /metrics by result.", "none",
                             query(f"sum by (pod) (disagg_router_prefix_index_chunks{{{ROUTER}}})", "chunks {{pod}}"),
+                            query(f"sum by (pod) (disagg_router_kv_index_blocks{{{ROUTER}}})", "KV blocks {{pod}}"),
                             query(f"sum by (result) ({rate('disagg_router_load_reads_total', ROUTER)})", "reads/s {{result}}")))
 
     d = d.with_row(gd.Row("Router discovery"))

@@ -28,6 +28,8 @@ def test_defaults_are_sensible() -> None:
     assert spec.network.network_policy.enabled
     assert spec.network.placement.zone == "Required" and spec.network.placement.spine == "Preferred"
     assert not spec.network.efa.privileged
+    assert (spec.router.prefill_policy, spec.router.decode_policy) == ("PrefixAndLoad", "LeastLoaded")
+    assert spec.engine.enable_prefix_caching and spec.publishes_kv_events
 
 
 # (case id, spec patch, expected field path, a phrase of the message)

@@ -62,3 +62,12 @@ def test_cel_rules_and_columns_present() -> None:
     assert {c["name"] for c in version["additionalPrinterColumns"]} >= {"Mode", "Ready", "Prefill", "Decode", "Age"}
     assert version["subresources"] == {"status": {}}
     assert build_crd()["spec"]["names"]["shortNames"] == ["dm", "dmodel"]
+
+
+def test_router_policies_replace_decode_selection() -> None:
+    """The API server prunes the removed decodeSelection from an old manifest; the policies are enums with defaults."""
+    router = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["router"]
+    props = router["properties"]
+    assert "decodeSelection" not in props and not router.get("x-kubernetes-preserve-unknown-fields")
+    assert (props["prefillPolicy"]["enum"], props["prefillPolicy"]["default"]) == (["PrefixAndLoad", "LeastOutstanding"], "PrefixAndLoad")
+    assert (props["decodePolicy"]["enum"], props["decodePolicy"]["default"]) == (["LeastLoaded", "LeastOutstanding"], "LeastLoaded")

@@ -423,3 +423,109 @@ def test_peer_router_counters_tell_its_sequential_and_concurrent_legs_apart() ->
         "groups": [{"transfer_mode": "Push", "modes": ["vllmrouter-push"], "backend": "UCX", "revision": "r", "plan": "p",
                     "overrides": [], "peer_router_counters": {"vllmrouter-push": counters}}]}
     assert "Prefill legs on its sequential path: 1; on its concurrent push path: 41" in report.markdown(results)
+
+
+# --- routing comparisons: modes that differ only in the prefill policy (issue 19) ---------------------------
+def test_a_router_mode_names_its_prefill_policy() -> None:
+    m = mode("router-push:prefix-and-load")
+    assert (m.transfer_mode, m.router_mode, m.direct_dispatch) == ("Push", "push:prefix-and-load", None)
+    assert mode("router-pull:least-outstanding").router_mode == "pull:least-outstanding"
+    peer = mode("vllmrouter-push:cache_aware")
+    assert (peer.transfer_mode, peer.router_mode) == ("Push", "vllmrouter-push:cache_aware")
+    for bad, phrase in (("router-push:teleport", "prefill policy"), ("direct-push:prefix-and-load", "only a router mode"),
+                        ("vllmrouter-push:prefix-and-load", "vllm-router's prefill policy")):
+        with pytest.raises(ValueError, match=phrase):
+            mode(bad)
+
+
+def test_routers_that_differ_in_policy_run_side_by_side_on_the_same_engines() -> None:
+    doc = load_example(MINIMAL)
+    modes = ("push:least-outstanding", "push:prefix-and-load", "vllmrouter-push:cache_aware")
+    plan = local_plan(doc, local_options(doc, router_modes=modes, peer_router_command=("vllm-router",)), new_uid=_uids())
+    lo, pal, peer = (plan.router(m) for m in modes)
+    assert flag_value(lo.argv, "--prefill-policy") == "least-outstanding" and _values(lo.argv, "--prefill-policy") == ["least-outstanding"]
+    assert flag_value(pal.argv, "--prefill-policy") == "prefix-and-load"
+    assert "--mode" not in lo.argv  # the engines' own transfer mode
+    assert _values(peer.argv, "--policy") == ["round_robin"] and _values(peer.argv, "--prefill-policy") == ["cache_aware"]
+    assert len({lo.port, pal.port, peer.port, peer.metrics_port}) == 4
+    assert router_args(list(lo.argv[3:])).prefill_policy == "least-outstanding"  # our router's own parser takes it
+    assert "router (push:prefix-and-load) --prefill-policy = prefix-and-load" in describe(plan)
+    with pytest.raises(LocalRunError, match="unknown prefill policy"):
+        local_plan(doc, local_options(doc, router_modes=("push:teleport",)), new_uid=_uids())
+
+
+def test_engines_that_publish_kv_events_get_their_own_event_ports() -> None:
+    doc = dm({"prefill": {"replicas": 2}, "engine": {"enablePrefixCaching": True}}, name="events")
+    plan = local_plan(doc, local_options(doc, gpus=("0", "1", "2")), new_uid=_uids())
+    configs = [json.loads(flag_value(e.argv, "--kv-events-config") or "{}") for e in plan.engines]
+    if not any(configs):
+        pytest.fail("the rendered engines publish no KV events (spec.router.prefillPolicy PrefixAndLoad renders them)")
+    ports = [p for e in plan.engines for p in (e.http_port, e.side_channel_port)]
+    for e, config in zip(plan.engines, configs):
+        pub, replay = int(config["endpoint"].rsplit(":", 1)[1]), int(config["replay_endpoint"].rsplit(":", 1)[1])
+        assert config["endpoint"].startswith("tcp://*:")  # as rendered, only the port is local
+        assert (e.annotations[contract.ANNOTATION_KV_EVENTS_PORT], e.annotations[contract.ANNOTATION_KV_EVENTS_REPLAY_PORT]) == (str(pub), str(replay))
+        entry = e.static_entry(plan.revision)
+        assert (entry["kv_events_port"], entry["kv_events_replay_port"]) == (pub, replay)
+        assert entry["kv_block_size"] == e.identities()[0].kv_block_size and entry["kv_hash_seed"] == e.identities()[0].kv_hash_seed
+        ports += [pub, replay]
+    assert len(ports) == len(set(ports))
+
+
+def _routing_cell(mode_name: str, ttft: float, hits: tuple[float, float], queries: tuple[float, float],
+                  served: tuple[float, float]) -> dict[str, Any]:  # fmt: skip
+    series = {f"prefill-{i}": {report.HITS: hits[i], report.QUERIES: queries[i], report.SERVED: served[i]} for i in range(2)}
+    series["decode-0"] = {report.HITS: 999.0, report.QUERIES: 1000.0, report.SERVED: sum(served)}  # not a prefill: left out
+    return {"prompt_tokens": 2048, "rate": 2.0, "mode": mode_name, "ttft": {"p50": ttft, "p90": 2 * ttft},
+            "tpot": {"p50": 0.01}, "e2e": {"p50": 1.0}, "engine_series": series,
+            "engine_roles": {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode"}}
+
+
+def test_routing_figures_pool_the_prefill_engines_and_measure_imbalance() -> None:
+    r = report.routing(_routing_cell("m", 0.2, hits=(600.0, 200.0), queries=(800.0, 400.0), served=(30.0, 10.0)))
+    assert r is not None
+    assert r.hit_ratio == pytest.approx(800 / 1200) and r.engine_hit_ratios == {"prefill-0": 0.75, "prefill-1": 0.5}
+    assert r.shares == {"prefill-0": 0.75, "prefill-1": 0.25} and r.imbalance == pytest.approx(1.5)
+    sim = {"engine_series": {"prefill-0": {"sim:prefills": 5.0}, "prefill-1": {"sim:prefills": 5.0}},
+           "engine_roles": {"prefill-0": "prefill", "prefill-1": "prefill"}}
+    r = report.routing(sim)  # the simulator without vLLM's request counter: its own prefill count
+    assert r is not None and r.imbalance == 1.0 and math.isnan(r.hit_ratio)
+    assert report.routing({"kv_transfer": {}}) is None  # results of older runs
+
+
+def test_the_routing_table_takes_medians_of_repetitions_and_ratios_to_the_baseline() -> None:
+    def run(lo_ttft: float, pal_ttft: float) -> dict[str, Any]:
+        return {"command": "x", "started": "t", "groups": [{"plan": "vllm serve m --block-size 128 ..."}], "warmup": [],
+                "sweep": {"modes": ["router-push:least-outstanding", "router-push:prefix-and-load"], "prompts": [2048], "rates": [2.0],
+                          "workload": "multi-turn", "turns": 4, "user_tokens": 256, "max_tokens": 128, "think_time": 1.0,
+                          "cell_seconds": 10, "min_requests": 8},
+                "cells": [_routing_cell("router-push:least-outstanding", lo_ttft, (500.0, 500.0), (1000.0, 1000.0), (10.0, 10.0)),
+                          _routing_cell("router-push:prefix-and-load", pal_ttft, (900.0, 800.0), (1000.0, 1000.0), (12.0, 8.0))]}
+    lines = report.routing_table([run(0.2, 0.1), run(0.4, 0.1), run(0.3, 0.3)], "router-push:least-outstanding")
+    lo, pal, ideal = lines[2:]
+    assert lo.startswith("| 2048 | 2 | router-push:least-outstanding | 3 | 0.50 | 0.50 / 0.50 | 0.50 / 0.50 | 1.00 | 300 | 600 |"), lo
+    assert pal.startswith("| 2048 | 2 | router-push:prefix-and-load | 3 | 0.85 | 0.90 / 0.80 | 0.60 / 0.40 | 1.20 | 100 | 200 |"), pal
+    assert pal.endswith("| 0.33 |")  # 100 / 300 ms
+    from disagg_bench.localrun.loadgen import MultiTurnWorkload
+
+    expected = MultiTurnWorkload(2.0, 20, 4, 2048, 256, 128, 1.0).ideal_hit_ratio(128)
+    assert f"| *one engine holding everything* | | {expected:.2f} |" in ideal
+
+
+def test_every_mode_and_cell_draws_its_own_seed() -> None:
+    from disagg_bench.localrun.bench import seed_of
+
+    # prompts from a mode's seed must differ from every other mode's: engines shared by the modes keep a prefix cache
+    seeds = {seed_of(0, 2048, rate, m) for rate in (4.0, 8.0) for m in ("router-push:least-outstanding", "router-push:prefix-and-load")}
+    assert len(seeds) == 4 and seed_of(0, 2048, 4.0) != seed_of(0, 2048, 8.0) != seed_of(1, 2048, 8.0)
+    assert seed_of(0, 2048, 4.0, "m") == seed_of(0, 2048, 4.0, "m")
+
+
+@pytest.mark.parametrize(("args", "phrase"), [(["--turns", "0"], "at least one session of at least one turn"),
+                                              (["--rates", "0"], "must be positive")])
+def test_a_multi_turn_shape_that_cannot_run_is_refused_before_anything_starts(args: list[str], phrase: str,
+                                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from disagg_bench.localrun.cli import EXIT_USAGE, main
+
+    assert main(["bench", "-f", "/nonexistent.yaml", "--workload", "multi-turn", *args]) == EXIT_USAGE
+    assert phrase in capsys.readouterr().err

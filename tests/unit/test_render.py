@@ -197,7 +197,8 @@ def test_engines_pre_stop_waits_for_idle_within_the_grace_period() -> None:
 
 
 def test_network_policy_lets_only_router_reach_http() -> None:
-    (policy,) = by_kind(render(parse(dm())).objects, "NetworkPolicy")
+    # Without KV events (prefill policy LeastOutstanding) the router's rule is vLLM's HTTP port alone.
+    (policy,) = by_kind(render(parse(dm({"router": {"prefillPolicy": "LeastOutstanding"}}))).objects, "NetworkPolicy")
     http_rules = [r for r in policy["spec"]["ingress"] if r.get("ports") == [{"protocol": "TCP", "port": 8000}]]
     (rule,) = http_rules
     assert rule["from"][0]["podSelector"]["matchExpressions"][0]["values"] == ["router"]
@@ -223,7 +224,10 @@ def test_each_role_has_a_scale_target_and_autoscaling_an_hpa_on_it() -> None:
 def test_data_parallel_ports_and_identity() -> None:
     objects = render(parse(dm({"decode": {"parallelism": {"data": 4}, "accelerator": {"count": 4}}}))).objects
     container = engine_container(objects, "decode")
-    assert [p["containerPort"] for p in container["ports"]] == [8000, 5600, 5601, 5602, 5603]
+    ranks = range(4)
+    assert [p["containerPort"] for p in container["ports"]] == [
+        8000, *(5600 + r for r in ranks), *(contract.KV_EVENTS_PORT + r for r in ranks),
+        *(contract.KV_EVENTS_REPLAY_PORT + r for r in ranks)]  # fmt: skip
     (deploy,) = [d for d in by_kind(objects, "Deployment") if d["metadata"]["labels"].get(contract.LABEL_ROLE) == "decode"]
     annotations = deploy["spec"]["template"]["metadata"]["annotations"]
     identities = contract.identities_from_pod("m-decode-x", "u", "10.0.0.1", annotations)

@@ -165,11 +165,34 @@ def test_a_repeated_prefix_goes_back_to_the_engine_that_holds_it_while_loads_are
     ps = [backend("p0"), backend("p1")]
     shared = text_prompt(400)
     first = policies.prefill(ps, key(shared))
-    for b in ps:
-        read(board, b)
-    again = [policies.prefill(ps, key({"prompt": shared["prompt"] + f" turn{i}"})) for i in range(3)]
+    again = []
+    for i in range(3):
+        for b in ps:
+            read(board, b)  # each turn finished before the next: both engines idle at the read
+        again.append(policies.prefill(ps, key({"prompt": shared["prompt"] + f" turn{i}"})))
     assert {p.backend.pod for p in again} == {first.backend.pod} and {p.reason for p in again} == {"cache_hit"}
     assert all(p.expected_hit_tokens >= 0.9 * key(shared).tokens for p in again)
+
+
+def test_no_engine_idles_while_the_one_holding_the_prefix_queues() -> None:
+    policies, board, _, _ = make()
+    ps = [backend("p0"), backend("p1")]
+    shared = text_prompt(2000)  # a long shared system prompt: a hit worth many requests of queue
+    holder = policies.prefill(ps, key(shared)).backend
+    other = next(b for b in ps if b is not holder)
+    read(board, holder, running=1)
+    read(board, other)
+    assert policies.prefill(ps, key({"prompt": shared["prompt"] + " a"})).backend is holder  # one ahead: within the slack
+    pick = policies.prefill(ps, key({"prompt": shared["prompt"] + " b"}))  # two ahead of an idle engine: out
+    assert pick.backend is other and pick.reason == "load"
+    assert policies.index.match(key(shared).chunks, [other.key])  # and now the other holds the prefix too
+    second = text_prompt(2000, start=50_000)
+    policies.index.insert(holder.key, key(second).chunks)
+    read(board, holder, running=10)
+    read(board, other, running=8)  # busy both: half the least busy one's load is the slack
+    assert policies.prefill(ps, key({"prompt": second["prompt"] + " c"})).backend is holder
+    read(board, holder, running=13)  # 13 > 8 + 4
+    assert policies.prefill(ps, key({"prompt": second["prompt"] + " d"})).backend is other
 
 
 def test_a_hit_is_worth_nothing_behind_a_long_queue() -> None:

@@ -86,7 +86,7 @@ def local_command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
 def test_examples_parse_with_vllm(version: str) -> None:
     items = [i for path in EXAMPLES for i in command_lines(load_example(path))]
     assert len(items) == 2 * len(EXAMPLES)
-    local = [load_example(p) for p in (*EXAMPLES, REPO / "hack" / "gpu" / "qwen3-0.6b-h200.yaml")
+    local = [load_example(p) for p in (*EXAMPLES, REPO / "hack" / "gpu" / "qwen3-0.6b-h200.yaml", REPO / "hack" / "gpu" / "qwen3-0.6b-2p1d.yaml")
              if not p.stem.startswith("trn2")]  # Trainium: no local run
     judge(items + [i for obj in local for i in local_command_lines(obj)], version)
 

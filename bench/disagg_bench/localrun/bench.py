@@ -5,13 +5,21 @@ A mode is a transfer mode of the engines plus a dispatcher: the router in one of
 (`direct-push`, `direct-push-sequential`, `direct-pull`: the router's protocol without the router, the
 baseline for the router's own cost, and the split of TTFT into its legs), or a peer's router on the same
 engines (`vllmrouter-push`, `vllmrouter-pull`: vllm-project/router, whose own dispatch decides sequential or
-concurrent). Modes of one transfer mode share one set of engines; the engines are restarted for the other.
+concurrent). A router mode may name a prefill policy after a colon: `router-push:prefix-and-load` (our
+router's `--prefill-policy`), `vllmrouter-push:cache_aware` (vllm-router's `--prefill-policy`); modes that differ
+only there compare routing on the same engines. Modes of one transfer mode share one set of engines; the
+engines are restarted for the other.
 Within a (prompt, rate) cell every mode gets the same arrival times; the results are written after every
 cell, so a run cut short keeps what it measured.
 
 Each cell also records what vLLM itself counted of the KV transfers during it: every engine's `vllm:nixl_*`
 series (NIXL transfers, their time, post time, bytes, descriptors, failures, expired leases), scraped from
-/metrics before and after the cell, as the difference.
+/metrics before and after the cell, as the difference; and, for routing, every engine's prefix-cache counters
+(`vllm:prefix_cache_hits_total`, `vllm:prefix_cache_queries_total`) and requests served
+(`vllm:request_success_total`; the simulator's prefill count where it has no such series), the same way.
+
+`--workload multi-turn` replaces the independent prompts by conversations (loadgen.multi_turn_sessions): the
+prompt axis is then the system prompt's tokens and the rate axis sessions per second.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import hashlib
 import json
 import math
 import platform
@@ -35,7 +44,7 @@ from typing import Any, Callable, Mapping
 import aiohttp
 
 from . import loadgen, report
-from .plan import PEER_ROUTER_MODES, LocalOptions, LocalPlan, describe, local_plan
+from .plan import PEER_POLICIES, PEER_ROUTER_MODES, PREFILL_POLICIES, LocalOptions, LocalPlan, describe, local_plan, split_policy
 from .procs import Running, started
 
 
@@ -43,19 +52,25 @@ from .procs import Running, started
 class Mode:
     name: str
     transfer_mode: str  # Push | Pull
-    router_mode: str | None
+    router_mode: str | None  # the plan's router mode: dispatch[:prefill policy], or a peer's mode[:policy]
     direct_dispatch: str | None
 
 
 def mode(name: str) -> Mode:
-    kind, _, dispatch = name.partition("-")
+    base, policy = split_policy(name)
+    kind, _, dispatch = base.partition("-")
     transfer = "Pull" if dispatch == "pull" else "Push"
-    if name in PEER_ROUTER_MODES:
+    if base in PEER_ROUTER_MODES:
+        if policy is not None and policy not in PEER_POLICIES:
+            raise ValueError(f"mode {name!r}: vllm-router's prefill policy is one of {', '.join(PEER_POLICIES)}")
         return Mode(name, transfer, name, None)
     if kind not in ("router", "direct") or dispatch not in loadgen.DISPATCHES:
         choices = ", ".join([*(f"{k}-{d}" for k in ("router", "direct") for d in loadgen.DISPATCHES), *PEER_ROUTER_MODES])
-        raise ValueError(f"mode {name!r}: choose from {choices}")
-    return Mode(name, transfer, dispatch if kind == "router" else None, dispatch if kind == "direct" else None)
+        raise ValueError(f"mode {name!r}: choose from {choices} (a router mode may add :POLICY)")
+    if policy is not None and (kind != "router" or policy not in PREFILL_POLICIES):
+        raise ValueError(f"mode {name!r}: only a router mode takes a prefill policy, one of {', '.join(PREFILL_POLICIES)}")
+    router = dispatch + (f":{policy}" if policy else "")
+    return Mode(name, transfer, router if kind == "router" else None, dispatch if kind == "direct" else None)
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,17 @@ class Sweep:
     min_requests: int = 16
     drain_timeout: float = 60.0
     seed: int = 0
+    workload: str = "no-reuse"  # | multi-turn: prompts = system prompt tokens, rates = sessions per second
+    turns: int = 4
+    user_tokens: int = 256
+    think_time: float = 1.0
+
+    def multi_turn(self, system_tokens: int, session_rate: float) -> loadgen.MultiTurnWorkload:
+        """A multi-turn cell; sessions like requests in the no-reuse cells (`cell_seconds` of arrivals, at
+        least `min_requests`)."""
+        sessions = loadgen.requests_per_cell(session_rate, self.cell_seconds, self.min_requests)
+        return loadgen.MultiTurnWorkload(session_rate, sessions, self.turns, system_tokens, self.user_tokens,
+                                         self.max_tokens, self.think_time)
 
     def groups(self) -> list[tuple[str, list[Mode]]]:
         """Modes by engine transfer mode, in the order given."""
@@ -77,8 +103,11 @@ class Sweep:
         return list(out.items())
 
 
-def _seed(*parts: Any) -> int:
-    return int.from_bytes(json.dumps(parts).encode(), "little") % (2**63)
+def seed_of(*parts: Any) -> int:
+    """A generator seed for these parts, different for any difference in them. (Until issue 19 this was the JSON's
+    bytes read little-endian modulo 2**63: only its first 8 bytes counted, so every mode of a cell drew the same
+    prompts, which a prefix cache then served from the previous mode's run.)"""
+    return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:8], "little")
 
 
 def target(plan: LocalPlan, m: Mode) -> loadgen.Target:
@@ -145,7 +174,13 @@ async def _engine_counters(plan: LocalPlan) -> dict[str, Any]:
 KV_TRANSFER_PREFIX = "vllm:nixl_"
 
 
-def parse_series(text: str, prefix: str) -> dict[str, float]:
+# For routing: each engine's prefix-cache counters (tokens queried and found cached, vLLM's v1/metrics/loggers.py) and
+# the requests it finished (a prefill engine: its prefill legs), and the simulator's own count of prefills.
+ROUTING_SERIES = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total")
+SIM_PREFILLS = "sim:prefills"
+
+
+def parse_series(text: str, prefix: str | tuple[str, ...]) -> dict[str, float]:
     """Prometheus text -> {metric name: value summed over its label sets}, for the series named `prefix`...;
     histogram buckets and `_created` stamps left out."""
     out: dict[str, float] = {}
@@ -169,15 +204,29 @@ def series_delta(before: Mapping[str, Mapping[str, float]], after: Mapping[str, 
             for label, series in after.items()}  # fmt: skip
 
 
-async def _kv_snapshot(session: aiohttp.ClientSession, plan: LocalPlan) -> dict[str, dict[str, float]]:
+async def _engine_snapshot(session: aiohttp.ClientSession, plan: LocalPlan) -> dict[str, dict[str, float]]:
+    """Per engine: its vllm:nixl_* series, the ROUTING_SERIES and (the simulator) its prefill count."""
     out: dict[str, dict[str, float]] = {}
+    timeout = aiohttp.ClientTimeout(total=10)
     for e in plan.engines:
+        out[e.label] = {}
         try:
-            async with session.get(e.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-                out[e.label] = parse_series(await r.text(), KV_TRANSFER_PREFIX) if r.status == 200 else {}
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-            out[e.label] = {}
+            async with session.get(e.url + "/metrics", timeout=timeout) as r:
+                if r.status == 200:
+                    out[e.label] = parse_series(await r.text(), (KV_TRANSFER_PREFIX, *ROUTING_SERIES))
+            async with session.get(e.url + "/sim/stats", timeout=timeout) as r:
+                if r.status == 200:  # real vLLM: 404
+                    out[e.label][SIM_PREFILLS] = float(((await r.json(content_type=None)).get("counters") or {}).get("prefills", 0))
+        except (aiohttp.ClientError, OSError, ValueError, asyncio.TimeoutError):
+            pass
     return out
+
+
+def split_cell_series(delta: Mapping[str, Mapping[str, float]]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """A cell's per-engine deltas as (the vllm:nixl_* series: `kv_transfer`, the routing series: `engine_series`)."""
+    kv = {label: {k: v for k, v in series.items() if k.startswith(KV_TRANSFER_PREFIX)} for label, series in delta.items()}
+    routing = {label: {k: v for k, v in series.items() if not k.startswith(KV_TRANSFER_PREFIX)} for label, series in delta.items()}
+    return kv, routing
 
 
 # A peer router's own counters (vllm-router 0.1.17: vllm_router_pd_{prefill,decode}_requests_total{worker}, whose
@@ -230,7 +279,7 @@ async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, resu
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         for m in modes:  # warm-up: one request per prompt length, one after the other (kept apart)
             for prompt in sweep.prompts:
-                rng = random.Random(_seed(sweep.seed, "warmup", m.name, prompt))
+                rng = random.Random(seed_of(sweep.seed, "warmup", m.name, prompt))
                 body = loadgen.completion_body(plan.served_model_name, loadgen.random_prompt(prompt, rng), sweep.max_tokens)
                 results["warmup"].append((await _warm_up(session, target(plan, m), m.name, prompt, body)).as_dict())
         save()
@@ -238,17 +287,25 @@ async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, resu
             for rate in sweep.rates:
                 n = loadgen.requests_per_cell(rate, sweep.cell_seconds, sweep.min_requests)
                 for m in modes:
-                    before = await _kv_snapshot(session, plan)
-                    records = await loadgen.run_cell(
-                        session, target(plan, m), mode=m.name, model=plan.served_model_name, prompt_tokens=prompt,
-                        rate=rate, n=n, max_tokens=sweep.max_tokens,
-                        arrival_rng=random.Random(_seed(sweep.seed, prompt, rate)),
-                        prompt_rng=random.Random(_seed(sweep.seed, prompt, rate, m.name)),
-                        drain_timeout=sweep.drain_timeout,
-                    )  # fmt: skip
-                    summary = loadgen.summarize(records)
-                    kv = series_delta(before, await _kv_snapshot(session, plan))
-                    results["cells"].append({**report.summary_dict(summary), "kv_transfer": kv})
+                    before = await _engine_snapshot(session, plan)
+                    if sweep.workload == "multi-turn":  # same arrivals and think times for every mode, own words
+                        sessions = loadgen.multi_turn_sessions(sweep.multi_turn(prompt, rate), seed_of(sweep.seed, prompt, rate),
+                                                               seed_of(sweep.seed, prompt, rate, m.name))
+                        records = await loadgen.run_sessions(
+                            session, target(plan, m), sessions, mode=m.name, model=plan.served_model_name, cell_tokens=prompt,
+                            rate=rate, max_tokens=sweep.max_tokens, drain_timeout=sweep.drain_timeout)  # fmt: skip
+                    else:
+                        records = await loadgen.run_cell(
+                            session, target(plan, m), mode=m.name, model=plan.served_model_name, prompt_tokens=prompt,
+                            rate=rate, n=n, max_tokens=sweep.max_tokens,
+                            arrival_rng=random.Random(seed_of(sweep.seed, prompt, rate)),
+                            prompt_rng=random.Random(seed_of(sweep.seed, prompt, rate, m.name)),
+                            drain_timeout=sweep.drain_timeout,
+                        )  # fmt: skip
+                    summary = loadgen.summarize(records, sweep.workload)
+                    kv, routing = split_cell_series(series_delta(before, await _engine_snapshot(session, plan)))
+                    results["cells"].append({**report.summary_dict(summary), "kv_transfer": kv, "engine_series": routing,
+                                             "engine_roles": {e.label: e.role for e in plan.engines}})
                     results["records"] += [r.as_dict() for r in records]
                     print(report.cell_line(summary), flush=True)
                     save()

@@ -3,6 +3,8 @@
     disagg-localrun plan  -f dm.yaml [options]        # what would run: command lines, env, ports, GPUs
     disagg-localrun up    -f dm.yaml [options]        # start, wait until healthy, serve until Ctrl-C
     disagg-localrun bench -f dm.yaml [options] --modes router-push,direct-push --prompts 1024,4096 --rates 1,4
+    disagg-localrun bench -f dm.yaml [options] --workload multi-turn --modes router-push:least-outstanding,router-push:prefix-and-load \
+        --system-tokens 2048 --rates 2,4 --turns 4 --user-tokens 256 --think-time 1   # conversations, rates in sessions/s
     disagg-localrun report a/results.json b/results.json --baseline router-pull   # one table of several runs
     disagg-localrun report r1/results.json r2/results.json r3/results.json --repeats   # medians of repetitions
 
@@ -29,7 +31,7 @@ from disagg_operator.manifests import load_all
 from . import report
 from .bench import Sweep, mode, run_bench
 from .kube_env import UnresolvableEnv
-from .plan import PEER_ROUTER_MODES, ROUTER_MODES, LocalOptions, LocalRunError, describe, local_plan
+from .plan import PEER_POLICIES, PEER_ROUTER_MODES, PREFILL_POLICIES, ROUTER_MODES, LocalOptions, LocalRunError, describe, local_plan
 from .procs import StartupFailed, started
 
 EXIT_INVALID = 1
@@ -138,10 +140,20 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    multi_turn = a.workload == "multi-turn"
     sweep = Sweep(
-        prompts=a.prompts, rates=a.rates, modes=tuple(a.modes), max_tokens=a.max_tokens, cell_seconds=a.cell_seconds,
-        min_requests=a.min_requests, drain_timeout=a.drain_timeout, seed=a.seed,
+        prompts=a.system_tokens if multi_turn else a.prompts, rates=a.rates, modes=tuple(a.modes), max_tokens=a.max_tokens,
+        cell_seconds=a.cell_seconds, min_requests=a.min_requests, drain_timeout=a.drain_timeout, seed=a.seed,
+        workload=a.workload, turns=a.turns, user_tokens=a.user_tokens, think_time=a.think_time,
     )  # fmt: skip
+    if multi_turn:  # a shape that cannot run is refused before any engine starts
+        try:
+            for rate in sweep.rates:
+                if rate <= 0:
+                    raise ValueError("--rates (sessions per second) must be positive")
+                sweep.multi_turn(sweep.prompts[0], rate)
+        except ValueError as e:
+            raise LocalRunError(f"--workload multi-turn: {e}") from None
     out = Path(a.out)
     run_bench(read_model(a.filename), options_from(a, str(out)), sweep, out, a.startup_timeout, ["disagg-localrun", *sys.argv[1:]],
               secrets=os.environ)
@@ -162,6 +174,9 @@ def cmd_report(a: argparse.Namespace) -> int:
     if a.repeats:
         baseline = a.baseline or merged["sweep"]["modes"][0]
         sys.stdout.write("\n".join(report.repeats_table(runs, baseline)) + "\n")
+        routes = report.routing_table(runs, baseline)
+        if routes:
+            sys.stdout.write("\nRouting (prefill prefix hit ratio and shares, medians of runs):\n\n" + "\n".join(routes) + "\n")
         kv = report.repeats_kv_table(runs)
         if kv:
             sys.stdout.write("\nvLLM's own KV-transfer metrics (/metrics vllm:nixl_*, per cell):\n\n" + "\n".join(kv) + "\n")
@@ -177,23 +192,29 @@ def _modes(text: str) -> list[Any]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+_ROUTER_MODES_HELP = (", ".join(ROUTER_MODES + PEER_ROUTER_MODES) + f", each optionally :POLICY (ours: {', '.join(PREFILL_POLICIES)}; "
+                      f"vllm-router's: {', '.join(PEER_POLICIES)})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg-localrun", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="print the processes a local run would start")
     add_local_options(plan)
-    plan.add_argument("--router-mode", action="append", choices=ROUTER_MODES + PEER_ROUTER_MODES, help="routers to plan (repeatable)")
+    plan.add_argument("--router-mode", action="append", help=f"routers to plan (repeatable): {_ROUTER_MODES_HELP}")
     plan.set_defaults(func=cmd_plan)
     up = sub.add_parser("up", help="start the engines and the router, serve until Ctrl-C")
     add_local_options(up)
-    up.add_argument("--router-mode", action="append", choices=ROUTER_MODES + PEER_ROUTER_MODES, help="routers to start (repeatable)")
+    up.add_argument("--router-mode", action="append", help=f"routers to start (repeatable): {_ROUTER_MODES_HELP}")
     up.set_defaults(func=cmd_up)
     bench = sub.add_parser("bench", help="start, sweep prompt lengths x rates x modes, write results.json and results.md")
     add_local_options(bench)
     bench.add_argument("--modes", type=_modes, default=_modes("router-push,direct-push"),
                        help="comma-separated: router-push, router-push-sequential, router-pull, direct-push, "
                        "direct-push-sequential, direct-pull, vllmrouter-push, vllmrouter-pull (vllm-router, "
-                       "--peer-router-command, on the same engines; the first is the ratios' baseline)")
+                       "--peer-router-command, on the same engines; the first is the ratios' baseline); a router mode "
+                       f"may name its prefill policy: router-push:POLICY ({', '.join(PREFILL_POLICIES)}), "
+                       "vllmrouter-push:cache_aware")
     bench.add_argument("--prompts", type=_csv(int), default=(1024, 4096, 16384), help="prompt lengths in tokens")
     bench.add_argument("--rates", type=_csv(float), default=(1.0, 4.0, 8.0), help="request rates per second")
     bench.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
@@ -201,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--min-requests", type=int, default=16, help="at least this many requests per cell")
     bench.add_argument("--drain-timeout", type=float, default=60.0, help="after a cell's last arrival, cancel what is still running after this")
     bench.add_argument("--seed", type=int, default=0)
+    w = bench.add_argument_group("workload")
+    w.add_argument("--workload", choices=("no-reuse", "multi-turn"), default="no-reuse",
+                   help="no-reuse: independent random prompts (--prompts); multi-turn: conversations sharing a system "
+                   "prompt, each turn resending the history (--rates are then sessions per second, --min-requests sessions)")
+    w.add_argument("--system-tokens", type=_csv(int), default=(2048,), help="multi-turn: the shared system prompt's tokens (one cell each)")
+    w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
+    w.add_argument("--user-tokens", type=int, default=256, help="multi-turn: tokens of each user message")
+    w.add_argument("--think-time", type=float, default=1.0, help="multi-turn: mean seconds between an answer and the next turn (exponential)")
     bench.add_argument("--out", default=".localrun/bench", help="results and logs folder")
     bench.set_defaults(func=cmd_bench)
     rep = sub.add_parser("report", help="one markdown report of several results.json (e.g. push and pull runs)")

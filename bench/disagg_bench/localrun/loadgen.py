@@ -9,6 +9,18 @@ Direct dispatch (the client sends both legs itself, no router) also records when
 and when the decode leg was sent, so TTFT splits into the prefill leg and what follows it (KV wait plus
 the first decode step).
 
+Two workloads:
+- no-reuse (`run_cell`): independent random prompts of one length, Poisson arrivals; no two requests share a
+  prefix, so a prefix cache never hits (the routing-neutral baseline);
+- multi-turn (`multi_turn_sessions`, `run_sessions`): conversations. Sessions arrive as a Poisson process;
+  every session's prompts start with the run's one system prompt; turn k sends the system prompt, the whole
+  history (each earlier user message and answer) and a new user message; the next turn follows the answer
+  after an exponential think time. The answer in the history is filler of exactly max_tokens words, not the
+  text the server returned: the prompts are then fixed by the seed alone, so every routing mode of a cell is
+  sent token sequences of the same lengths, and their counts are known without a tokenizer. A prefill
+  engine never holds the answer's KV anyway (the decode engine generated it), so what it can reuse, the
+  previous turn's prompt, is the same either way.
+
 Percentiles interpolate linearly between order statistics (numpy's default), over successful requests.
 """
 
@@ -96,6 +108,11 @@ class RequestRecord:
     error: str | None = None
     prefill_done: float = math.nan  # direct dispatch only
     decode_sent: float = math.nan  # direct dispatch only
+    session: int | None = None  # multi-turn: the conversation and its turn (0 first)
+    turn: int | None = None
+    sent_prompt_tokens: int | None = None  # words sent (= tokens with the test tokenizer); multi-turn only
+    request_id: str | None = None  # the router's X-Request-Id
+    server_timing: str | None = None  # the router's Server-Timing (prefill, kv_wait, first_token in ms)
 
     @property
     def ok(self) -> bool:
@@ -152,6 +169,8 @@ class CellSummary:
     prefill_leg: Stats
     after_prefill: Stats
     errors: dict[str, int] = field(default_factory=dict)
+    workload: str = "no-reuse"
+    sessions: int = 0  # multi-turn: conversations in the cell
 
     @property
     def key(self) -> tuple[int, float, str]:
@@ -162,7 +181,7 @@ def _finite(values: Iterable[float]) -> list[float]:
     return [v for v in values if not math.isnan(v)]
 
 
-def summarize(records: Sequence[RequestRecord]) -> CellSummary:
+def summarize(records: Sequence[RequestRecord], workload: str = "no-reuse") -> CellSummary:
     first = records[0]
     good = [r for r in records if r.ok]
     unfinished = [r for r in records if r.error == "unfinished"]
@@ -191,6 +210,8 @@ def summarize(records: Sequence[RequestRecord]) -> CellSummary:
         prefill_leg=Stats.of(_finite(r.prefill_leg for r in good)),
         after_prefill=Stats.of(_finite(r.after_prefill for r in good)),
         errors=errors,
+        workload=workload,
+        sessions=len({r.session for r in records if r.session is not None}),
     )
 
 
@@ -269,6 +290,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord) -> None
 async def _stream_post(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str], rec: RequestRecord) -> None:
     async with session.post(url, json=body, headers=headers) as resp:
         rec.status = resp.status
+        rec.request_id = resp.headers.get("X-Request-Id")
+        rec.server_timing = resp.headers.get("Server-Timing")
         if resp.status != 200:
             rec.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
             return
@@ -360,3 +383,142 @@ async def run_cell(
         if math.isnan(rec.start) or (rec.error is None and math.isnan(rec.end)):
             rec.error = "unfinished"
     return records
+
+
+# --- multi-turn conversations ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MultiTurnWorkload:
+    """The shape of a multi-turn cell: sessions per second (Poisson), turns per session, the shared system
+    prompt's and each user message's tokens, the answer's tokens (the request's max_tokens), the mean think
+    time between an answer and the next turn (exponential)."""
+
+    session_rate: float
+    sessions: int
+    turns: int
+    system_tokens: int
+    user_tokens: int
+    answer_tokens: int
+    think_time: float
+
+    def __post_init__(self) -> None:
+        if self.turns < 1 or self.sessions < 1:
+            raise ValueError("a multi-turn cell needs at least one session of at least one turn")
+        if min(self.system_tokens, self.user_tokens, self.answer_tokens) < 0 or self.think_time < 0:
+            raise ValueError("token counts and think time cannot be negative")
+
+    def prompt_tokens(self, turn: int) -> int:
+        """Tokens of turn `turn`'s prompt: system + every earlier (user + answer) + this user message."""
+        return self.system_tokens + turn * (self.user_tokens + self.answer_tokens) + self.user_tokens
+
+    def ideal_hit_ratio(self, block_size: int = 1) -> float:
+        """The prefix hit ratio of one engine that holds everything and never evicts: turn 0 reuses the system
+        prompt (but the first session's), turn k the whole prompt of turn k-1; only full blocks hit, as in
+        vLLM, and never the prompt's last token. Over all prompts of the cell."""
+        def cached(reusable: int, prompt: int) -> int:
+            return min(reusable, prompt - 1) // block_size * block_size
+
+        hits = queries = 0
+        for s in range(self.sessions):
+            for k in range(self.turns):
+                prompt = self.prompt_tokens(k)
+                reusable = self.prompt_tokens(k - 1) if k else (self.system_tokens if s else 0)
+                hits += cached(reusable, prompt)
+                queries += prompt
+        return hits / queries if queries else math.nan
+
+
+@dataclass(frozen=True)
+class Turn:
+    session: int
+    turn: int
+    prompt: str
+    prompt_tokens: int
+    think_before: float  # seconds between the previous turn's answer and this turn (0 for the first)
+
+
+@dataclass(frozen=True)
+class Session:
+    index: int
+    arrival: float  # seconds from the cell's start
+    turns: tuple[Turn, ...]
+
+
+def _words(tokens: int, rng: random.Random) -> list[str]:
+    return [f"w{rng.choice(WORD_IDS)}" for _ in range(tokens)]
+
+
+def multi_turn_sessions(w: MultiTurnWorkload, timing_seed: int, content_seed: int) -> list[Session]:
+    """The sessions of one cell. Arrivals and think times come from `timing_seed` (give every mode of a cell
+    the same), the words from `content_seed` (give each mode its own: engines shared by the modes of a run
+    would otherwise hold the previous mode's conversations in their prefix caches). Each session draws from
+    its own generator, so a session's content does not depend on how many there are."""
+    arrivals = poisson_arrivals(w.session_rate, w.sessions, random.Random(f"{timing_seed}/arrivals"))
+    system = _words(w.system_tokens, random.Random(f"{content_seed}/system"))
+    sessions = []
+    for i, arrival in enumerate(arrivals):
+        timing, content = random.Random(f"{timing_seed}/session/{i}"), random.Random(f"{content_seed}/session/{i}")
+        history, turns = list(system), []
+        for k in range(w.turns):
+            think = timing.expovariate(1 / w.think_time) if k and w.think_time > 0 else 0.0
+            history += _words(w.user_tokens, content)
+            turns.append(Turn(i, k, " ".join(history), len(history), think))
+            history += _words(w.answer_tokens, content)  # stands for the answer (see the module's docstring)
+        sessions.append(Session(i, arrival, tuple(turns)))
+    return sessions
+
+
+def session_records(sessions: Sequence[Session], mode: str, cell_tokens: int, rate: float) -> list[list[RequestRecord]]:
+    """One record per turn, per session; `scheduled` is the turn's nominal time (arrival plus the think times
+    before it; later turns also wait for the answers before them)."""
+    out, index = [], 0
+    for s in sessions:
+        recs, nominal = [], s.arrival
+        for t in s.turns:
+            nominal += t.think_before
+            recs.append(RequestRecord(mode, cell_tokens, rate, index, nominal, session=s.index, turn=t.turn,
+                                      sent_prompt_tokens=t.prompt_tokens))
+            index += 1
+        out.append(recs)
+    return out
+
+
+def session_deadline(sessions: Sequence[Session], drain_timeout: float) -> float:
+    """Seconds from the cell's start after which turns still running (or not yet sent) are cancelled: the
+    last session's nominal end (arrival plus its think times) plus `drain_timeout`."""
+    return max(s.arrival + sum(t.think_before for t in s.turns) for s in sessions) + drain_timeout
+
+
+async def run_sessions(
+    session: aiohttp.ClientSession,
+    target: Target,
+    sessions: Sequence[Session],
+    *,
+    mode: str,
+    model: str,
+    cell_tokens: int,
+    rate: float,
+    max_tokens: int,
+    drain_timeout: float,
+) -> list[RequestRecord]:
+    """Every session's turns in order, each after the previous turn's answer and its think time; sessions
+    start at their arrivals. A failed turn does not end its session (the next prompt does not depend on the
+    answer). Turns not answered by the deadline (`session_deadline`) are cancelled and recorded unfinished."""
+    records = session_records(sessions, mode, cell_tokens, rate)
+    t0 = time.perf_counter()
+
+    async def converse(s: Session, recs: list[RequestRecord]) -> None:
+        await asyncio.sleep(max(0.0, t0 + s.arrival - time.perf_counter()))
+        for t, rec in zip(s.turns, recs):
+            await asyncio.sleep(t.think_before)
+            await send(session, target, completion_body(model, t.prompt, max_tokens), rec)
+
+    tasks = [asyncio.create_task(converse(s, r)) for s, r in zip(sessions, records)]
+    done, pending = await asyncio.wait(tasks, timeout=session_deadline(sessions, drain_timeout))
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    flat = [rec for recs in records for rec in recs]
+    for rec in flat:
+        if math.isnan(rec.start) or (rec.error is None and math.isnan(rec.end)):
+            rec.error = "unfinished"
+    return flat

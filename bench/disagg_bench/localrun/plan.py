@@ -7,6 +7,9 @@ IP -> the local host), with these local values in place of the pod's:
 
 - `--port` and `VLLM_NIXL_SIDE_CHANNEL_PORT`: distinct per engine (pods each have their own IP, local
   processes share one), `--host` the local host;
+- where the engines publish KV cache events, the ports of `--kv-events-config`'s publisher and replay
+  endpoints (and the pod's annotations that name them), distinct per engine for the same reason, with room for
+  every data-parallel rank (vLLM adds the global rank to both);
 - `CUDA_VISIBLE_DEVICES`: the engine's slice of the GPUs given (accelerator.count each).
 
 An engine that spans pods (parallelism.data more than one pod's accelerators hold: one LeaderWorkerSet
@@ -52,6 +55,17 @@ ROUTER_MODES = ("push", "push-sequential", "pull")
 # NIXL. It has no push switch: it dispatches sequentially and, from 0.1.17 on, switches a prefill URL to
 # concurrent push once that prefill's answer says `transfer_mode: "push"` (vLLM 0.33.0 says it; 0.26.0 does not).
 PEER_ROUTER_MODES = ("vllmrouter-push", "vllmrouter-pull")
+# A router mode may name the prefill policy after a colon ("push:prefix-and-load", "vllmrouter-push:cache_aware"),
+# so that routers differing only in policy run side by side on the same engines. Ours: `--prefill-policy`
+# (issue 19); vllm-router's: its `--prefill-policy` (0.1.17's choices; the decode keeps round robin).
+PREFILL_POLICIES = ("prefix-and-load", "least-outstanding")
+PEER_POLICIES = ("round_robin", "cache_aware", "power_of_two", "random", "consistent_hash", "sticky_least_loaded")
+
+
+def split_policy(mode: str) -> tuple[str, str | None]:
+    """"push:prefix-and-load" -> ("push", "prefix-and-load"); "push" -> ("push", None)."""
+    base, sep, policy = mode.partition(":")
+    return base, (policy if sep else None)
 
 
 class LocalRunError(ValueError):
@@ -163,7 +177,15 @@ class EngineLaunch:
             "pp_size": ident.pp_size,
             "dp_size": int(self.annotations.get(contract.ANNOTATION_DP_SIZE, "1")),
             "mode": self.annotations[contract.ANNOTATION_TRANSFER_MODE],  # the router follows it, as for pods
+            **self._kv_events_entry(),
         }
+
+    def _kv_events_entry(self) -> dict[str, Any]:
+        """Where this engine publishes KV events and how it hashes blocks (static entry keys; none without events)."""
+        keys = {"kv_events_port": contract.ANNOTATION_KV_EVENTS_PORT, "kv_events_replay_port": contract.ANNOTATION_KV_EVENTS_REPLAY_PORT,
+                "kv_hash_seed": contract.ANNOTATION_KV_HASH_SEED, "kv_block_size": contract.ANNOTATION_KV_BLOCK_SIZE}
+        return {key: (self.annotations[a] if key == "kv_hash_seed" else int(self.annotations[a]))
+                for key, a in keys.items() if a in self.annotations}
 
     def command_line(self) -> str:
         """The engine as a shell line: its env (the rendered container's and the local values; Secret values
@@ -275,6 +297,22 @@ def _engine_overrides(options: LocalOptions) -> tuple[list[tuple[str, str | None
         overrides.append(Override("engine model", options.model_path, "local model folder instead of the spec's model reference"))
     overrides += [Override("engine env", f"{k}={v}", "local option") for k, v in options.env]
     return flags, overrides
+
+
+def kv_events_config_on(config: str | None, port: int, replay_port: int) -> str:
+    """vLLM's --kv-events-config JSON with its publisher and replay endpoints moved to these ports (same hosts)."""
+    if config is None:
+        raise LocalRunError("the engine's pod says it publishes KV events, but its command line has no --kv-events-config")
+    doc = json.loads(config)
+
+    def moved(endpoint: str, to: int) -> str:
+        address, sep, _ = endpoint.rpartition(":")
+        return f"{address}{sep}{to}" if sep else endpoint
+
+    doc["endpoint"] = moved(doc["endpoint"], port)
+    if doc.get("replay_endpoint"):
+        doc["replay_endpoint"] = moved(doc["replay_endpoint"], replay_port)
+    return json.dumps(doc, separators=(",", ":"))
 
 
 # --- the plan ------------------------------------------------------------------------------------------
@@ -402,12 +440,15 @@ def local_plan(
     ports = _Ports(options.port_base)
     router_modes = options.router_modes or (rendered.plan.mode.lower(),)
     for mode in router_modes:
-        if mode not in ROUTER_MODES + PEER_ROUTER_MODES:
+        base, policy = split_policy(mode)
+        if base not in ROUTER_MODES + PEER_ROUTER_MODES:
             raise LocalRunError(f"router mode {mode!r}: choose from {', '.join(ROUTER_MODES + PEER_ROUTER_MODES)}")
-        if mode in PEER_ROUTER_MODES and mode.split("-")[1] != rendered.plan.mode.lower():
-            raise LocalRunError(f"router mode {mode!r} needs engines in {mode.split('-')[1]} mode; these are {rendered.plan.mode}")
+        if policy is not None and policy not in (PEER_POLICIES if base in PEER_ROUTER_MODES else PREFILL_POLICIES):
+            raise LocalRunError(f"router mode {mode!r}: unknown prefill policy {policy!r}")
+        if base in PEER_ROUTER_MODES and base.split("-")[1] != rendered.plan.mode.lower():
+            raise LocalRunError(f"router mode {mode!r} needs engines in {base.split('-')[1]} mode; these are {rendered.plan.mode}")
     router_ports = {mode: ports.take() for mode in router_modes}
-    peer_metrics_ports = {mode: ports.take() for mode in router_modes if mode in PEER_ROUTER_MODES}
+    peer_metrics_ports = {mode: ports.take() for mode in router_modes if split_policy(mode)[0] in PEER_ROUTER_MODES}
     secrets = dict(secrets or {})
 
     engines = []
@@ -433,6 +474,11 @@ def local_plan(
                 side_port = ports.take(role_spec.parallelism.data)
                 annotations = {**template_annotations, contract.ANNOTATION_HTTP_PORT: str(http_port),
                                contract.ANNOTATION_SIDE_CHANNEL_PORT: str(side_port)}
+                events_ports: tuple[int, int] | None = None
+                if contract.ANNOTATION_KV_EVENTS_PORT in annotations:  # the engines publish KV events
+                    events_ports = (ports.take(role_spec.parallelism.data), ports.take(role_spec.parallelism.data))
+                    annotations[contract.ANNOTATION_KV_EVENTS_PORT] = str(events_ports[0])
+                    annotations[contract.ANNOTATION_KV_EVENTS_REPLAY_PORT] = str(events_ports[1])
                 entries = container.get("env", [])
                 # LWS adds its env to every container of the group's pods (before the template's own entries)
                 lws_env = {contract.LWS_LEADER_ADDRESS_ENV: options.host, contract.LWS_WORKER_INDEX_ENV: str(pod),
@@ -457,6 +503,8 @@ def local_plan(
                 argv = set_flag(argv, "--host", options.host)
                 if rpc_port is not None:
                     argv = set_flag(argv, "--data-parallel-rpc-port", str(rpc_port))
+                if events_ports is not None:
+                    argv = set_flag(argv, "--kv-events-config", kv_events_config_on(flag_value(argv, "--kv-events-config"), *events_ports))
                 for flag, value in flags:
                     argv = set_flag(argv, flag, value)
                 argv = [*shell, *options.launcher, *argv[1:], *options.extra_args]
@@ -467,8 +515,9 @@ def local_plan(
     router_container = _container(deployments["router"], ROUTER_CONTAINER)
     routers = []
     for mode, port in router_ports.items():
-        if mode in PEER_ROUTER_MODES:
-            argv = peer_router_argv(engines, options.host, port, peer_metrics_ports[mode])
+        dispatch, policy = split_policy(mode)
+        if dispatch in PEER_ROUTER_MODES:
+            argv = peer_router_argv(engines, options.host, port, peer_metrics_ports[mode], policy)
             routers.append(RouterLaunch(mode, (*options.peer_router_command, *argv), port, options.host, peer_metrics_ports[mode]))
             overrides.append(Override(f"router ({mode})", shlex.join(options.peer_router_command),
                                       "a peer's router in place of ours, on the same engines, under test"))
@@ -479,10 +528,13 @@ def local_plan(
         argv = set_flag(argv, "--static-endpoints", static_path)
         argv = set_flag(argv, "--port", str(port))
         argv = set_flag(argv, "--host", options.host)
-        if mode != rendered.plan.mode.lower():
-            argv = set_flag(argv, "--mode", mode)
-            overrides.append(Override("router --mode", mode, "dispatch mode under test"))
-        command = options.baseline_router_command if mode == "push-sequential" else options.router_command
+        if dispatch != rendered.plan.mode.lower():
+            argv = set_flag(argv, "--mode", dispatch)
+            overrides.append(Override("router --mode", dispatch, "dispatch mode under test"))
+        if policy is not None:
+            argv = set_flag(argv, "--prefill-policy", policy)
+            overrides.append(Override(f"router ({mode}) --prefill-policy", policy, "routing policy under test"))
+        command = options.baseline_router_command if dispatch == "push-sequential" else options.router_command
         routers.append(RouterLaunch(mode, (*command, *argv), port, options.host))
 
     return LocalPlan(
@@ -498,17 +550,19 @@ def local_plan(
     )
 
 
-def peer_router_argv(engines: list[EngineLaunch], host: str, port: int, metrics_port: int) -> list[str]:
+def peer_router_argv(engines: list[EngineLaunch], host: str, port: int, metrics_port: int, prefill_policy: str | None = None) -> list[str]:
     """vllm-router's P/D command line for these engines (static URLs; vllm-router 0.1.17's flags): NIXL, round
-    robin (its default, cache_aware, would favour engines by prompt prefix), its worker check every second instead of
-    30 (it opens its port only once every engine is healthy); everything else its defaults (concurrency limit 32768,
-    so its request queue stays unused here)."""
+    robin (its default, cache_aware, would favour engines by prompt prefix) unless `prefill_policy` names the
+    prefill's (the decode's stays round robin), its worker check every second instead of 30 (it opens its port
+    only once every engine is healthy); everything else its defaults (concurrency limit 32768, so its request
+    queue stays unused here; cache_aware's thresholds: cache 0.3, balance abs 64 / rel 1.5)."""
     if any(e.pods > 1 for e in engines):
         raise LocalRunError("vllm-router is planned for engines of one pod each (static URLs, one per engine)")
     argv = ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
     for e in engines:
         argv += ["--prefill", e.url] if e.role == "prefill" else ["--decode", e.url]
-    return argv + ["--host", host, "--port", str(port), "--policy", "round_robin",
+    policy = ["--policy", "round_robin"] + (["--prefill-policy", prefill_policy] if prefill_policy else [])
+    return argv + ["--host", host, "--port", str(port), *policy,
                    "--prometheus-host", host, "--prometheus-port", str(metrics_port),
                    "--worker-startup-check-interval", "1", "--log-level", "info"]
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 from .loadgen import CellSummary
@@ -217,6 +219,113 @@ def repeats_kv_table(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+# --- routing: prefix-cache hits and how the prefill engines shared the work --------------------------------
+HITS, QUERIES, SERVED = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"
+SIM_PREFILLS = "sim:prefills"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One cell's routing figures, from every prefill engine's counters (after - before the cell)."""
+
+    hit_ratio: float  # pooled over the prefill engines: sum of hits / sum of queries (tokens)
+    engine_hit_ratios: dict[str, float]  # per prefill engine
+    shares: dict[str, float]  # each prefill engine's share of the cell's prefill requests
+
+    @property
+    def imbalance(self) -> float:
+        """The busiest prefill engine's share times the number of engines: 1 = even, N = all on one."""
+        return max(self.shares.values()) * len(self.shares) if self.shares else math.nan
+
+
+def routing(cell: dict[str, Any]) -> Routing | None:
+    """A cell's routing figures, or None when it recorded no engine series. Requests served per engine: vLLM's
+    `vllm:request_success_total`, or the simulator's prefill count where vLLM's series is absent."""
+    series, roles = cell.get("engine_series") or {}, cell.get("engine_roles") or {}
+    prefill = sorted(label for label in series if roles.get(label) == "prefill")
+    if not prefill:
+        return None
+    hits = {label: series[label].get(HITS, 0.0) for label in prefill}
+    queries = {label: series[label].get(QUERIES, 0.0) for label in prefill}
+    served = {label: series[label].get(SERVED) if SERVED in series[label] else series[label].get(SIM_PREFILLS, 0.0)
+              for label in prefill}  # fmt: skip
+    total_served, total_queries = sum(served.values()), sum(queries.values())
+    return Routing(
+        hit_ratio=sum(hits.values()) / total_queries if total_queries else math.nan,
+        engine_hit_ratios={label: hits[label] / queries[label] if queries[label] else math.nan for label in prefill},
+        shares={label: served[label] / total_served for label in prefill} if total_served else {},
+    )
+
+
+def ideal_hit_ratio(results: dict[str, Any], system_tokens: int, rate: float) -> float | None:
+    """A multi-turn cell's hit ratio on one engine holding everything (loadgen.MultiTurnWorkload), with the block
+    size of the engines' command line; None for other workloads."""
+    from .loadgen import MultiTurnWorkload, requests_per_cell
+
+    sweep = results["sweep"]
+    if sweep.get("workload") != "multi-turn":
+        return None
+    plan = next((g["plan"] for g in results.get("groups", []) if g.get("plan")), "")
+    block = re.search(r"--block-size[ =](\d+)", plan)
+    w = MultiTurnWorkload(rate, requests_per_cell(rate, sweep["cell_seconds"], sweep["min_requests"]), sweep["turns"],
+                          system_tokens, sweep["user_tokens"], sweep["max_tokens"], sweep["think_time"])
+    return w.ideal_hit_ratio(int(block.group(1)) if block else 1)
+
+
+def _ratio_fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+
+
+def routing_table(runs: list[dict[str, Any]], baseline: str) -> list[str]:
+    """One row per (prompt, rate, mode): the prefill prefix hit ratio (pooled, and per engine), the prefill
+    engines' shares of the requests and their imbalance, TTFT p50/p90, TPOT p50, e2e p50 and TTFT p50 over the
+    baseline mode's. Several runs of one sweep (repetitions): the median over the runs of each run's figure.
+    Empty when no cell recorded engine series."""
+    cells: dict[tuple[int, float, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        for c in run["cells"]:
+            if routing(c) is not None:
+                cells.setdefault((c["prompt_tokens"], c["rate"], c["mode"]), []).append(c)
+    if not cells:
+        return []
+
+    def med(values: list[float | None]) -> float:
+        xs = [v for v in values if v is not None and not math.isnan(v)]
+        return statistics.median(xs) if xs else math.nan
+
+    def figure(key: tuple[int, float, str], pick: Any) -> float:
+        return med([pick(c) for c in cells.get(key, [])])
+
+    merged = merge(runs)
+    sweep = merged["sweep"]
+    multi = sweep.get("workload") == "multi-turn"
+    axis = "system prompt" if multi else "prompt"
+    lines = [f"| {axis} | rate/s | mode | runs | prefill hit ratio | per engine | prefill share per engine | imbalance | "
+             f"TTFT p50 | p90 | TPOT p50 | e2e p50 | TTFT p50 / {baseline} |",
+             "|---:|---:|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for prompt in sweep["prompts"]:
+        for rate in sweep["rates"]:
+            ideal = ideal_hit_ratio(merged, prompt, rate)
+            base = figure((prompt, rate, baseline), lambda c: c["ttft"]["p50"])
+            for m in sweep["modes"]:
+                key = (prompt, rate, m)
+                if key not in cells:
+                    continue
+                figs = [routing(c) for c in cells[key]]
+                labels = sorted({label for f in figs if f for label in f.shares} | {label for f in figs if f for label in f.engine_hit_ratios})
+                per_engine = " / ".join(_ratio_fmt(med([f.engine_hit_ratios.get(label) for f in figs if f])) for label in labels)
+                shares = " / ".join(_ratio_fmt(med([f.shares.get(label) for f in figs if f])) for label in labels)
+                ttft = figure(key, lambda c: c["ttft"]["p50"])
+                lines.append(
+                    f"| {prompt} | {rate:g} | {m} | {len(cells[key])} | {_ratio_fmt(med([f.hit_ratio for f in figs if f]))} | "
+                    f"{per_engine} | {shares} | {_ratio_fmt(med([f.imbalance for f in figs if f]))} | {_ms(ttft)} | "
+                    f"{_ms(figure(key, lambda c: c['ttft']['p90']))} | {_ms(figure(key, lambda c: c['tpot']['p50']))} | "
+                    f"{_ms(figure(key, lambda c: c['e2e']['p50']))} | {_ratio(ttft, base)} |")
+            if ideal is not None:
+                lines.append(f"| {prompt} | {rate:g} | *one engine holding everything* | | {ideal:.2f} | | | | | | | | |")
+    return lines
+
+
 def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
     sweep = results["sweep"]
     baseline = baseline or sweep["modes"][0]
@@ -227,6 +336,10 @@ def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
         f"Command: `{results['command']}`  ",
         f"Started {results['started']}; {sweep['max_tokens']} output tokens; Poisson arrivals, "
         f"{sweep['cell_seconds']:g} s of arrivals per cell (at least {sweep['min_requests']} requests); seed {sweep['seed']}.  ",
+        *([f"Workload multi-turn: sessions arrive at the rate (sessions/s), {sweep['turns']} turns each, the prompt column is "
+           f"the shared system prompt's tokens, {sweep['user_tokens']} tokens per user message, answers of {sweep['max_tokens']} "
+           f"tokens resent as history, think time {sweep['think_time']:g} s mean (exponential).  "]
+          if sweep.get("workload") == "multi-turn" else []),
         "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "gpus") + ("  " if env else ""),
     ]
     if env.get("gpus"):
@@ -242,6 +355,12 @@ def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
     ratios = ratio_table(results, baseline)
     if ratios:
         out += ["", f"## Ratio to {baseline} (< 1: faster)", ""] + ratios
+    routes = routing_table([results], baseline)
+    if routes:
+        out += ["", "## Routing: prefill prefix-cache hits (vLLM's `vllm:prefix_cache_{hits,queries}_total`, tokens) and each "
+                "prefill engine's share of the requests, per cell", "", *routes, "",
+                "Imbalance: the busiest prefill engine's share times the number of prefill engines (1 = even). Per-engine "
+                "columns in engine order (prefill-0 / prefill-1 / ...)."]
     split = split_table(results)
     if split:
         out += ["", "## Where TTFT goes (direct dispatch: the client sees both legs)", ""] + split

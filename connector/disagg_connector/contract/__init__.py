@@ -69,6 +69,14 @@ ANNOTATION_HTTP_PORT = f"{API_GROUP}/http-port"
 ANNOTATION_TRANSFER_MODE = f"{API_GROUP}/transfer-mode"
 # The vLLM release the engine runs (spec.engine.vllmVersion): what its NIXL protocol answers differ in.
 ANNOTATION_VLLM_VERSION = f"{API_GROUP}/vllm-version"
+# KV cache events (docs/vllm-protocol.md, "KV events"), on engine pods only where the engines publish them: the
+# ports of vLLM's ZMQ publisher and of its replay socket (each + the global data-parallel rank), the seed vLLM's
+# block hashes start from (PYTHONHASHSEED) and the block size they are computed over, all that a router needs to
+# subscribe and to hash a prompt as the engine does.
+ANNOTATION_KV_EVENTS_PORT = f"{API_GROUP}/kv-events-port"
+ANNOTATION_KV_EVENTS_REPLAY_PORT = f"{API_GROUP}/kv-events-replay-port"
+ANNOTATION_KV_HASH_SEED = f"{API_GROUP}/kv-hash-seed"
+ANNOTATION_KV_BLOCK_SIZE = f"{API_GROUP}/kv-block-size"
 # Set by the operator on a P or D pod it is about to remove (value: RFC 3339 time it was marked). The
 # router sends such a pod no new request and reports its in-flight count; the operator deletes the pod
 # once every router reports zero, or once the leg deadline plus the KV lease has passed since the mark.
@@ -84,6 +92,18 @@ HTTP_PORT_NAME = "http"
 NIXL_SIDE_CHANNEL_PORT = 5600
 NIXL_PORT_NAME = "nixl"
 ROUTER_PORT = 8000
+# vLLM's KV event publisher (ZMQ PUB) and its replay socket (ZMQ ROUTER), one each per engine core at base + its
+# global data-parallel rank. With NIXL's default 5600 and at most MAX_DATA_PARALLEL_SIZE ranks the three ranges
+# [5600, 5664), [5700, 5764), [5800, 5864) are disjoint and clear of HTTP_PORT and DATA_PARALLEL_RPC_PORT
+# (tests/unit/test_kv_events_render.py); admission refuses a moved side channel that overlaps them.
+KV_EVENTS_PORT = 5700
+KV_EVENTS_REPLAY_PORT = 5800
+KV_EVENTS_PORT_NAME, KV_EVENTS_REPLAY_PORT_NAME = "kv-events", "kv-replay"
+KV_EVENTS_TOPIC = "kv-events"
+# The block hash both vLLM releases offer whose bytes another language can reproduce (CBOR, not pickle).
+KV_HASH_ALGO = "sha256_cbor"
+# The most data-parallel ranks the API admits for one engine (spec.<role>.parallelism.data).
+MAX_DATA_PARALLEL_SIZE = 64
 # GAIE's endpoint picker protocol: ext-proc gRPC on 9002, its gRPC health service on 9003, metrics on 9090.
 LWEPP_GRPC_PORT, LWEPP_HEALTH_PORT, LWEPP_METRICS_PORT = 9002, 9003, 9090
 
@@ -272,6 +292,24 @@ def side_channel_port(base_port: int, dp_rank: int) -> int:
     return base_port + dp_rank
 
 
+def kv_events_port(base_port: int, dp_rank: int) -> int:
+    """vLLM offsets its KV event endpoints by the engine core's global data-parallel rank (offset_endpoint_port,
+    given parallel_config.data_parallel_index, which is the global rank in 0.26.0 and 0.33.0), as NIXL's port."""
+    return base_port + dp_rank
+
+
+def kv_hash_seed(model_name: str) -> str:
+    """PYTHONHASHSEED of a model's engines: vLLM's first block hash (NONE_HASH) is hash_fn(PYTHONHASHSEED), so
+    every engine of the model and the router must share it. Deterministic, an integer in [0, 2**32) as Python
+    requires of PYTHONHASHSEED."""
+    return str(int.from_bytes(hashlib.sha256(model_name.encode()).digest()[:4], "big"))
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """A ZMQ tcp:// endpoint; an IPv6 host in brackets."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 @dataclass(frozen=True)
 class EngineIdentity:
     """What a router must know of a prefill engine before it dispatches a push decode leg."""
@@ -285,6 +323,12 @@ class EngineIdentity:
     http_port: int = HTTP_PORT
     dp_size: int = 1  # the engine's
     dp_start_rank: int = 0  # the first rank this pod serves
+    # Where this rank publishes its KV cache events and answers replay requests, the seed and block size its
+    # block hashes use: None when the engine publishes no events (contract.ANNOTATION_KV_EVENTS_PORT absent).
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_hash_seed: str | None = None
+    kv_block_size: int | None = None
 
     @property
     def dp_local_index(self) -> int:
@@ -330,6 +374,13 @@ def identities_from_pod(
     base_port = int(annotations.get(ANNOTATION_SIDE_CHANNEL_PORT, str(NIXL_SIDE_CHANNEL_PORT)))
     http_port = int(annotations.get(ANNOTATION_HTTP_PORT, str(HTTP_PORT)))
     base = engine_id(name, uid)
+    events_port = _optional_int(annotations, ANNOTATION_KV_EVENTS_PORT)
+    replay_port = _optional_int(annotations, ANNOTATION_KV_EVENTS_REPLAY_PORT)
+    block_size = _optional_int(annotations, ANNOTATION_KV_BLOCK_SIZE)
+
+    def endpoint(port: int | None, rank: int) -> str | None:
+        return None if port is None else tcp_endpoint(pod_ip, kv_events_port(port, rank))
+
     return [
         EngineIdentity(
             engine_id=dp_engine_id(base, rank, dp),
@@ -341,9 +392,18 @@ def identities_from_pod(
             http_port=http_port,
             dp_size=dp,
             dp_start_rank=start,
+            kv_events_endpoint=endpoint(events_port, rank),
+            kv_events_replay_endpoint=endpoint(replay_port, rank),
+            kv_hash_seed=annotations.get(ANNOTATION_KV_HASH_SEED) or None,
+            kv_block_size=block_size,
         )
         for rank in range(start, start + local)
     ]
+
+
+def _optional_int(annotations: Mapping[str, str], key: str) -> int | None:
+    value = annotations.get(key)
+    return int(value) if value else None
 
 
 # --- engines that span pods --------------------------------------------------------------------------

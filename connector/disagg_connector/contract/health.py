@@ -82,11 +82,12 @@ class BackendRouting:
     expected_hit_ratio: float | None = None  # prefill: of the prompt tokens sent, those the policy expected cached
     reported_hit_ratio: float | None = None  # prefill: vLLM's own prefix cache hits / queries since the engine started
     prefix_chunks: int = 0  # prefill: prompt chunks the prefix index believes the backend holds
+    kv_blocks: int | None = None  # prefill: KV blocks its KV events say it holds (None: its events are not followed)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "load": self.load, "readAgeSeconds": self.read_age_seconds, "expectedHitRatio": self.expected_hit_ratio,
-            "reportedHitRatio": self.reported_hit_ratio, "prefixChunks": self.prefix_chunks,
+            "reportedHitRatio": self.reported_hit_ratio, "prefixChunks": self.prefix_chunks, "kvBlocks": self.kv_blocks,
         }  # fmt: skip
 
 
@@ -247,6 +248,7 @@ def _routing(obj: Mapping[str, Any] | None, where: str) -> BackendRouting | None
         expected_hit_ratio=_ratio(obj, "expectedHitRatio", where),
         reported_hit_ratio=_ratio(obj, "reportedHitRatio", where),
         prefix_chunks=_get(obj, "prefixChunks", int, where, optional=True) or 0,
+        kv_blocks=_get(obj, "kvBlocks", int, where, optional=True),
     )
 
 

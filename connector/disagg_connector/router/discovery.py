@@ -276,6 +276,14 @@ class EndpointTable:
 
 
 # --- static file ------------------------------------------------------------------------------------
+_KV_EVENT_FIELDS = (
+    ("kv_events_port", contract.ANNOTATION_KV_EVENTS_PORT),
+    ("kv_events_replay_port", contract.ANNOTATION_KV_EVENTS_REPLAY_PORT),
+    ("kv_hash_seed", contract.ANNOTATION_KV_HASH_SEED),
+    ("kv_block_size", contract.ANNOTATION_KV_BLOCK_SIZE),
+)
+
+
 def pods_from_static(doc: Any) -> list[dict[str, Any]]:
     """Static entries -> pod dicts, so the static mode runs the same code as the watch.
 
@@ -285,14 +293,16 @@ def pods_from_static(doc: Any) -> list[dict[str, Any]]:
           - {role: prefill, revision: r1, name: p0, uid: u0, host: 127.0.0.1, http_port: 8000,
              side_channel_port: 5600, tp_size: 1, pp_size: 1, dp_size: 1, ready: true,
              created: "2024-01-01T00:00:00Z", mode: Push, draining: false,
-             dp_size_local: 2, lws: m-decode-r1, group_index: 0, worker_index: 1}
+             dp_size_local: 2, lws: m-decode-r1, group_index: 0, worker_index: 1,
+             kv_events_port: 5700, kv_events_replay_port: 5800, kv_hash_seed: "42", kv_block_size: 16}
 
     ``uid`` defaults to the name. An engine's NIXL id is ``contract.engine_id(name, uid)``, as a pod's: start
     the engine with that id (an entry naming an ``engine_id`` of its own is refused). ``mode`` and
     ``draining`` stand for the pod annotations of the same meaning. An engine that spans entries (pods)
     names its ranks per entry, ``dp_size_local``, and its group as LWS labels its pods: ``lws`` (the set's
     name), ``group_index`` (default 0) and ``worker_index`` (the entry's first rank is worker_index x
-    dp_size_local).
+    dp_size_local). ``kv_events_port``, ``kv_events_replay_port`` (bases, + the global DP rank as vLLM offsets
+    them), ``kv_hash_seed`` and ``kv_block_size`` stand for the KV-event annotations (contract.py).
     """
     entries = doc.get("endpoints", []) if isinstance(doc, Mapping) else (doc or [])
     pods = []
@@ -313,6 +323,9 @@ def pods_from_static(doc: Any) -> list[dict[str, Any]]:
             annotations[contract.ANNOTATION_DRAINING] = "static"
         if e.get("dp_size_local"):
             annotations[contract.ANNOTATION_DP_SIZE_LOCAL] = str(e["dp_size_local"])
+        for field_name, annotation in _KV_EVENT_FIELDS:
+            if e.get(field_name) is not None:
+                annotations[annotation] = str(e[field_name])
         labels = {contract.LABEL_ROLE: e["role"], contract.LABEL_REVISION: str(e.get("revision", "static"))}
         if e.get("lws"):
             labels[contract.LWS_NAME_LABEL] = str(e["lws"])

@@ -9,7 +9,7 @@ vocabulary of :mod:`health`). Per backend, read at scrape time from the balancer
 draining, ejected, the load the policies see; per revision: ready pairs and traffic weight. Routing: the
 policies' picks by role, policy and reason; per prefill backend the prompt tokens sent and those the policy
 expected cached there (divide for the expected hit ratio; vLLM's own is ``vllm:prefix_cache_hits_total`` over
-``vllm:prefix_cache_queries_total``); the prefix index's size.
+``vllm:prefix_cache_queries_total``); the sizes of the prefix index and of the KV-event index.
 """
 
 from __future__ import annotations
@@ -106,6 +106,9 @@ class RouterMetrics:
         )  # fmt: skip
         self.prefix_index_entries = Gauge(
             "disagg_router_prefix_index_chunks", "Prompt chunks (64 tokens each, estimated) the prefix index holds over all backends", registry=r
+        )
+        self.kv_index_blocks = Gauge(
+            "disagg_router_kv_index_blocks", "(backend, block) pairs the KV-event index holds over all backends", registry=r
         )
         self.load_reads = Counter("disagg_router_load_reads", "Reads of the engines' /metrics for their load, by result", ["result"], registry=r)
         r.register(_Backends(summary))

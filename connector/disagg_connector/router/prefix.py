@@ -42,6 +42,7 @@ class PromptKey:
 
     chunks: tuple[int, ...]
     tokens: int  # the prompt's estimated length in tokens
+    token_ids: tuple[int, ...] | None = None  # a token-id prompt's ids: matched exactly against KV events
 
     @property
     def tokens_per_chunk(self) -> float:
@@ -89,7 +90,9 @@ def chunk_keys(data: bytes | Sequence[int]) -> tuple[int, ...]:
 
 def prompt_key(kind: str, body: dict[str, Any], tokens: int) -> PromptKey:
     data = prompt_bytes(kind, body)
-    return PromptKey(chunk_keys(data) if data is not None else (), tokens)
+    if data is None:
+        return PromptKey((), tokens)
+    return PromptKey(chunk_keys(data), tokens, tuple(data) if isinstance(data, list) else None)
 
 
 class PrefixIndex:

@@ -25,7 +25,9 @@ from disagg_connector.router.config import RouterConfig
 from disagg_connector.router.discovery import EndpointTable, KubernetesDiscovery, StaticDiscovery
 from disagg_connector.router.dispatch import Dispatcher, RequestContext, openai_error
 from disagg_connector.contract.health import TRANSFER_MODES, BackendHealth, BackendRouting, RevisionHealth, RouterHealth
+from disagg_connector import contract
 from disagg_connector.router.discovery import Backend
+from disagg_connector.router.kv_events import KvEventSubscriber, KvIndex
 from disagg_connector.router.load import LoadBoard, LoadScraper
 from disagg_connector.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg_connector.router.pairing import Balancer
@@ -50,16 +52,40 @@ class Router:
         self.metrics = RouterMetrics(self.summary)
         self.board = LoadBoard(cfg.load_scrape_interval)
         self.index = PrefixIndex()
-        self.policies = Policies(cfg.prefill_policy, cfg.decode_policy, self.balancer, self.board, self.index)
+        self.kv_index = KvIndex()
+        self.kv_events = KvEventSubscriber(self.kv_index, topic=contract.KV_EVENTS_TOPIC)
+        self.policies = Policies(cfg.prefill_policy, cfg.decode_policy, self.balancer, self.board, self.index, self.kv_index)
         self.dispatcher = dispatcher(cfg, self.table, self.balancer, self.metrics, self.stats, self.policies)
         self.prober = Prober(self.dispatcher.client, self.table, self.balancer.ejections, cfg.probe_interval)
         self.scraper = LoadScraper(self.dispatcher.client, lambda: self.table.snapshot().backends(), self.board)
         self.scraper.on_read = lambda ok: self.metrics.child(self.metrics.load_reads, "ok" if ok else "failed").inc()
-        self.scraper.on_backends = self.index.keep_only
-        self.board.on_restart = self.index.forget  # a restarted engine starts with an empty prefix cache
+        self.scraper.on_backends = self.current_backends
+        self.board.on_restart = self.engine_restarted
         if cfg.prefix_index_tokens:
             self.index.default_backend_chunks = max(1, cfg.prefix_index_tokens // CHUNK_TOKENS)
         self.metrics.prefix_index_entries.set_function(lambda: self.index.size)
+        self.metrics.kv_index_blocks.set_function(lambda: self.kv_index.size)
+
+    def engine_restarted(self, key: str) -> None:
+        """A restarted engine starts with an empty prefix cache (its KV-event sequence may not say so: a new
+        publisher that already published more batches than the old one looks like a gap or nothing)."""
+        self.index.forget(key)
+        self.kv_index.reset(key)
+
+    def current_backends(self, keep: set[str]) -> None:
+        """What is kept per backend follows discovery: the prefix index forgets those that left, and the KV
+        events of the prefill backends whose pods publish them are followed (only where the policy reads them)."""
+        self.index.keep_only(keep)
+        follow = {}
+        if self.cfg.prefill_policy == "prefix-and-load":
+            for b in self.table.snapshot().backends():
+                if b.role == "prefill" and b.key in keep and b.identity.kv_events_endpoint:
+                    follow[b.key] = b.identity
+        for key in [k for k in self.kv_events.followed() if k not in follow]:
+            self.kv_events.remove(key)
+        for key, ident in follow.items():
+            assert ident.kv_events_endpoint is not None
+            self.kv_events.add(key, ident.kv_events_endpoint, ident.kv_events_replay_endpoint)
         self.draining = False
         self.started = time.time()
 
@@ -116,6 +142,7 @@ class Router:
             expected_hit_ratio=round(stats.prefix_expected_hits[b.key] / sent, 4) if sent else None,
             reported_hit_ratio=round(reading.counters.prefix_hits / queries, 4) if reading is not None and queries else None,
             prefix_chunks=self.index.held(b.key),
+            kv_blocks=self.kv_index.held(b.key) if b.key in self.kv_events.followed() else None,
         )
 
     # --- HTTP ---------------------------------------------------------------------------------------
@@ -191,6 +218,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, dispatche
     await discovery.start()
     router.prober.start()
     router.scraper.start()
+    router.kv_events.start()
     runner = web.AppRunner(router.app(), handler_cancellation=True, shutdown_timeout=cfg.shutdown_grace, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True)
@@ -218,6 +246,7 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, dispatche
     await runner.cleanup()  # closes the listener, waits for handlers up to shutdown_timeout, then cancels
     await router.prober.stop()
     await router.scraper.stop()
+    await router.kv_events.stop()
     await discovery.stop()
     await router.dispatcher.close()
     log.info("stopped")

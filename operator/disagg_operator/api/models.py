@@ -167,6 +167,9 @@ MANAGED_FLAGS = (
     "--dtype",
     "--kv-cache-dtype",
     "--enable-sleep-mode",
+    # KV cache events and the block hash they carry (docs/vllm-protocol.md, "KV events")
+    "--kv-events-config",
+    "--prefix-caching-hash-algo",
 )
 MANAGED_ENV = (
     "VLLM_NIXL_SIDE_CHANNEL_HOST",
@@ -174,6 +177,7 @@ MANAGED_ENV = (
     contract.ENV_POD_NAME,
     contract.ENV_POD_UID,
     contract.ENV_POD_IP,
+    "PYTHONHASHSEED",  # the seed of vLLM's block hashes, shared by a model's engines and its router
 )
 
 
@@ -209,7 +213,8 @@ _NO_MANAGED_ENV = CelRule(
     rule=f"self.env.all(e, !(e.name in {_cel_list(MANAGED_ENV)}))",
     message=(
         "env must not set variables the operator manages (" + ", ".join(MANAGED_ENV) + "): "
-        "the NIXL side channel is wired from the pod IP and spec.kvTransfer.sideChannelPort"
+        "the NIXL side channel is wired from the pod IP and spec.kvTransfer.sideChannelPort, PYTHONHASHSEED "
+        "from the model (the seed of the block hashes its router matches prompts with)"
     ),
     field_path=".env",
 )
@@ -441,7 +446,7 @@ class Parallelism(ApiModel):
     pipeline: Annotated[int, Field(ge=1, le=64)] = Field(
         default=1, description="vLLM --pipeline-parallel-size. Above 1 on decode needs pull mode."
     )
-    data: Annotated[int, Field(ge=1, le=64)] = Field(
+    data: Annotated[int, Field(ge=1, le=contract.MAX_DATA_PARALLEL_SIZE)] = Field(
         default=1,
         description="vLLM --data-parallel-size: engine cores of one engine, each with its own NIXL port "
         "(kvTransfer.sideChannelPort + rank). When they are more than one pod's accelerators hold "
@@ -721,10 +726,19 @@ class RouterSpec(ApiModel):
         "bench/results/router-bench.txt: below 256 tokens that cuts their TTFT by about 40% and "
         "slows the decode's other streams by under 5%. 0 disaggregates every request.",
     )
-    decode_selection: Literal["LeastOutstanding"] = Field(
-        default="LeastOutstanding",
-        description="How the router picks prefill and decode within a revision: fewest requests in "
-        "flight from this router, ties round robin (the only policy).",
+    prefill_policy: Literal["PrefixAndLoad", "LeastOutstanding"] = Field(
+        default="PrefixAndLoad",
+        description="How the router picks a prefill engine within a revision. PrefixAndLoad: the engine with the "
+        "best expected prefix-cache hit for the prompt against its load (requests running and waiting from "
+        "vLLM's /metrics plus this router's in flight); the engines then publish vLLM's KV cache events to "
+        "the router (when engine.enablePrefixCaching is true; without it the pick is by load alone). "
+        "LeastOutstanding: fewest requests in flight from this router, ties round robin.",
+    )
+    decode_policy: Literal["LeastLoaded", "LeastOutstanding"] = Field(
+        default="LeastLoaded",
+        description="How the router picks a decode engine within a revision. LeastLoaded: fewest requests "
+        "running and waiting per vLLM's /metrics plus this router's in flight. LeastOutstanding: fewest "
+        "requests in flight from this router, ties round robin.",
     )
     resources: ResourceRequirements = _sub(
         ResourceRequirements, "Router container resources. Empty: requests cpu 500m, memory 512Mi; limit memory 1Gi."
@@ -938,6 +952,8 @@ _CEL_DEFAULT_VLLM_VERSION = (
     f"'{DEFAULT_VLLM_VERSION['nvidia']}')"
 )
 _CEL_VLLM_VERSION = f"(has(self.engine.vllmVersion) ? self.engine.vllmVersion : {_CEL_DEFAULT_VLLM_VERSION})"
+# Whether the engines publish vLLM's KV cache events (DisaggregatedModelSpec.publishes_kv_events), in CEL.
+_CEL_PUBLISHES_KV_EVENTS = "(self.router.prefillPolicy == 'PrefixAndLoad' && self.engine.enablePrefixCaching)"
 _PUSH_INCOMPATIBLE = "mode Push cannot {what}: set spec.kvTransfer.mode to Pull (or Auto, which picks pull) {fix}"
 
 SPEC_RULES = (
@@ -1044,6 +1060,18 @@ SPEC_RULES = (
         field_path=".kvTransfer.sideChannelPort",
     ),
     CelRule(
+        rule=f"!{_CEL_PUBLISHES_KV_EVENTS} || " + " && ".join(
+            f"(self.kvTransfer.sideChannelPort + self.{role}.parallelism.data <= {base} || "
+            f"self.kvTransfer.sideChannelPort >= {base} + self.{role}.parallelism.data)"
+            for base in (contract.KV_EVENTS_PORT, contract.KV_EVENTS_REPLAY_PORT)
+            for role in contract.ENGINE_ROLES
+        ),
+        message="the NIXL side-channel ports (sideChannelPort + data-parallel rank) overlap the KV event ports "
+        f"({contract.KV_EVENTS_PORT} and {contract.KV_EVENTS_REPLAY_PORT} + rank, published for "
+        "router.prefillPolicy PrefixAndLoad): move spec.kvTransfer.sideChannelPort",
+        field_path=".kvTransfer.sideChannelPort",
+    ),
+    CelRule(
         rule=(
             "self.prefill.efa.count == 0 || !has(self.network.efa.hugepages) || "
             "self.network.efa.hugepages == '0' || "
@@ -1075,6 +1103,12 @@ class DisaggregatedModelSpec(ApiModel):
         description="Routing from Gateway API inference gateways: an InferencePool of the router pods and an "
         "HTTPRoute from these Gateways (docs/gateway.md). Unset: the router's Service only.",
     )
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """The engines publish vLLM's KV cache events to the router: its prefill policy matches prompts against
+        them, and with prefix caching on there are cached blocks to report (docs/vllm-protocol.md, "KV events")."""
+        return self.router.prefill_policy == "PrefixAndLoad" and self.engine.enable_prefix_caching
 
 
 # --- status -----------------------------------------------------------------------------------------

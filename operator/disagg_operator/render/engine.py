@@ -84,6 +84,14 @@ def _ports(dm: DisaggregatedModel, role: RoleSpec) -> list[dict[str, Any]]:
         name = contract.NIXL_PORT_NAME if rank == 0 else f"{contract.NIXL_PORT_NAME}-dp{rank}"
         port = contract.side_channel_port(base, rank)
         ports.append({"name": name, "containerPort": port, "protocol": "TCP"})
+    if dm.spec.publishes_kv_events:
+        for name, base in ((contract.KV_EVENTS_PORT_NAME, contract.KV_EVENTS_PORT),
+                           (contract.KV_EVENTS_REPLAY_PORT_NAME, contract.KV_EVENTS_REPLAY_PORT)):  # fmt: skip
+            ports += [
+                {"name": name if rank == 0 else f"{name}-dp{rank}",
+                 "containerPort": contract.kv_events_port(base, rank), "protocol": "TCP"}
+                for rank in range(role.parallelism.data)
+            ]  # fmt: skip
     return ports
 
 
@@ -171,7 +179,8 @@ def _volumes(dm: DisaggregatedModel) -> tuple[list[dict[str, Any]], list[dict[st
 
 def identity_annotations(dm: DisaggregatedModel, role: RoleSpec, plan: TransferPlan) -> dict[str, str]:
     """What the router reads from a pod to address its engine (engine_id comes from name and UID; a pod of
-    an engine that spans pods also says how many ranks it serves, its first from its LWS worker index)."""
+    an engine that spans pods also says how many ranks it serves, its first from its LWS worker index) and, where
+    the engines publish them, to follow its KV cache events."""
     par = role.parallelism
     spans = {contract.ANNOTATION_DP_SIZE_LOCAL: str(role.shape.ranks_per_pod)} if role.shape.spans_pods else {}
     return {
@@ -183,6 +192,21 @@ def identity_annotations(dm: DisaggregatedModel, role: RoleSpec, plan: TransferP
         contract.ANNOTATION_HTTP_PORT: str(contract.HTTP_PORT),
         contract.ANNOTATION_TRANSFER_MODE: plan.mode,
         contract.ANNOTATION_VLLM_VERSION: plan.vllm_version,
+        **kv_events_annotations(dm),
+    }
+
+
+def kv_events_annotations(dm: DisaggregatedModel) -> dict[str, str]:
+    """What a router needs to follow an engine's KV cache: where it publishes its events (each port + the global
+    data-parallel rank) and how it hashes blocks. Nothing where the engines publish none."""
+    spec = dm.spec
+    if not spec.publishes_kv_events:
+        return {}
+    return {
+        contract.ANNOTATION_KV_EVENTS_PORT: str(contract.KV_EVENTS_PORT),
+        contract.ANNOTATION_KV_EVENTS_REPLAY_PORT: str(contract.KV_EVENTS_REPLAY_PORT),
+        contract.ANNOTATION_KV_HASH_SEED: contract.kv_hash_seed(spec.model.name),
+        contract.ANNOTATION_KV_BLOCK_SIZE: str(spec.engine.block_size),
     }
 
 

@@ -1,4 +1,5 @@
-"""NetworkPolicy of the engines: P and D reach each other for NIXL, only the router reaches vLLM's HTTP."""
+"""NetworkPolicy of the engines: P and D reach each other for NIXL, only the router reaches vLLM's HTTP and KV
+cache event ports."""
 
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ def _side_channel_ports(dm: DisaggregatedModel) -> dict[str, Any]:
     return port
 
 
+def _kv_events_ports(dm: DisaggregatedModel) -> list[dict[str, Any]]:
+    """The publisher and replay ports of every data-parallel rank, where the engines publish KV events."""
+    if not dm.spec.publishes_kv_events:
+        return []
+    ranks = max(dm.spec.prefill.parallelism.data, dm.spec.decode.parallelism.data)
+    ports = []
+    for base in (contract.KV_EVENTS_PORT, contract.KV_EVENTS_REPLAY_PORT):
+        port: dict[str, Any] = {"protocol": "TCP", "port": base}
+        if ranks > 1:
+            port["endPort"] = contract.kv_events_port(base, ranks - 1)
+        ports.append(port)
+    return ports
+
+
 def engines_network_policy(dm: DisaggregatedModel, plan: TransferPlan) -> dict[str, Any]:
     model = dm.metadata.name
     engines = list(contract.ENGINE_ROLES)
@@ -40,7 +55,7 @@ def engines_network_policy(dm: DisaggregatedModel, plan: TransferPlan) -> dict[s
     http = [{"protocol": "TCP", "port": contract.HTTP_PORT}]
     ingress = [
         peers,
-        {"from": [_pods(model, ["router"])], "ports": http},
+        {"from": [_pods(model, ["router"])], "ports": http + _kv_events_ports(dm)},
     ]
     metrics_from = dm.spec.network.network_policy.metrics_from
     if metrics_from:

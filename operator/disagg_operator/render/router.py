@@ -20,6 +20,9 @@ DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {
 SHUTDOWN_MARGIN_SECONDS = 15
 # The router stops accepting at SIGTERM; this keeps it listening until Service endpoints drop it.
 PRE_STOP_SECONDS = 5
+# The API's policy names as the router's flags spell them (disagg-router --prefill-policy, --decode-policy).
+PREFILL_POLICY_FLAGS = {"PrefixAndLoad": "prefix-and-load", "LeastOutstanding": "least-outstanding"}
+DECODE_POLICY_FLAGS = {"LeastLoaded": "least-loaded", "LeastOutstanding": "least-outstanding"}
 
 
 def router_args(dm: DisaggregatedModel) -> list[str]:
@@ -35,6 +38,8 @@ def router_args(dm: DisaggregatedModel) -> list[str]:
         "--kv-lease-seconds", str(dm.spec.kv_transfer.lease_seconds),
         "--max-retries", str(router.max_retries),
         "--disaggregation-threshold-tokens", str(router.disaggregation_threshold_tokens),
+        "--prefill-policy", PREFILL_POLICY_FLAGS[router.prefill_policy],
+        "--decode-policy", DECODE_POLICY_FLAGS[router.decode_policy],
         # A stopping router lets its streams end (aiohttp returns as soon as they have), as a retiring engine does.
         "--shutdown-grace-seconds", str(dm.spec.rollout.drain_timeout_seconds),
     ]  # fmt: skip

@@ -4,7 +4,8 @@ Facts from docs/vllm-protocol.md: P and D run the same connector class (the
 compatibility hash includes the transfer mode), kv_role is kv_producer on P and kv_consumer on D, the
 engine_id is explicit so a router can address P before dispatch, VLLM_NIXL_SIDE_CHANNEL_HOST is both the
 bind and the advertised address (so it must be the pod IP), and the NIXL backend list comes only from
-kv_connector_extra_config (no env var overrides it).
+kv_connector_extra_config (no env var overrides it). Where the router's prefill policy reads them, every engine
+publishes vLLM's KV cache events and hashes its blocks reproducibly (docs/vllm-protocol.md, "KV events").
 """
 
 from __future__ import annotations
@@ -63,6 +64,29 @@ def kv_transfer_config(spec: DisaggregatedModelSpec, role: contract.Role, plan: 
     }
 
 
+def kv_events_config() -> dict[str, Any]:
+    """vLLM's --kv-events-config: a ZMQ publisher and its replay socket on every interface of the pod, at the
+    contract's ports (vLLM adds each engine core's data-parallel rank to both)."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{contract.KV_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{contract.KV_EVENTS_REPLAY_PORT}",
+        "topic": contract.KV_EVENTS_TOPIC,
+    }
+
+
+def kv_events_args(spec: DisaggregatedModelSpec) -> list[str]:
+    """The flags of an engine that publishes KV events: the publisher, and block hashes another process can
+    reproduce (sha256 over CBOR; both releases default to sha256 over pickle). The same on 0.26.0 and 0.33.0."""
+    if not spec.publishes_kv_events:
+        return []
+    return [
+        "--kv-events-config", json.dumps(kv_events_config(), separators=(",", ":")),
+        "--prefix-caching-hash-algo", contract.KV_HASH_ALGO,
+    ]  # fmt: skip
+
+
 def serve_command(spec: DisaggregatedModelSpec, role: contract.Role, plan: TransferPlan) -> list[str]:
     """The full container command line, `vllm serve <model> ...`, before $(VAR) expansion."""
     role_spec: RoleSpec = getattr(spec, role)
@@ -95,6 +119,7 @@ def serve_command(spec: DisaggregatedModelSpec, role: contract.Role, plan: Trans
         argv += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     config = kv_transfer_config(spec, role, plan)
     argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
+    argv += kv_events_args(spec)
     if role_spec.shape.spans_pods:
         argv += data_parallel_args(role_spec.shape)
     return argv + list(engine.extra_args) + list(role_spec.extra_args)
@@ -139,6 +164,9 @@ def engine_env(spec: DisaggregatedModelSpec, role: contract.Role, plan: Transfer
         {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": f"$({contract.ENV_POD_IP})"},
         {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(spec.kv_transfer.side_channel_port)},
     ]
+    if spec.publishes_kv_events:
+        # vLLM's first block hash is hash_fn(PYTHONHASHSEED); unset, 0.26.0 draws it at random per process.
+        env.append({"name": "PYTHONHASHSEED", "value": contract.kv_hash_seed(spec.model.name)})
     if role_spec.efa.count > 0:
         env += [{"name": k, "value": v} for k, v in EFA_ENV.items()]
         huge = "0" if spec.network.efa.hugepages == "0" else "1"
