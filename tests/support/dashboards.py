@@ -268,7 +268,7 @@ def model_dashboard() -> gd.Dashboard:
                             query(f"sum by (backend) ({rate('disagg_router_prefix_expected_hit_tokens_total', ROUTER)})\n/\n"
                                   f"sum by (backend) ({rate('disagg_router_prefix_prompt_tokens_total', ROUTER)})", "{{backend}}")))
     d = d.with_panel(series("Load per backend", "Requests ahead of a new one as the policies see it: the engine's running "
-                            "and waiting at the router's last read of its /metrics plus the router's legs since.", "none",
+                            "and waiting at the router's last read of its /metrics plus the router's legs since then still in flight.", "none",
                             query(f"max by (role, backend) (disagg_router_backend_load{{{ROUTER_REV}}})", "{{role}} {{backend}}")))
     d = d.with_panel(series("Indexes and load reads", "Prompt chunks the prefix index holds and KV blocks the KV-event "
                             "index holds per router replica, and its reads of the engines' /metrics by result.", "none",

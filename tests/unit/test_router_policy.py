@@ -83,6 +83,7 @@ def test_load_is_the_last_read_plus_the_legs_sent_since_and_in_flight_counts_onc
     board.dispatched(b.key)
     board.dispatched(b.key)
     assert board.load(b.key, inflight=9) == 6.0  # plus what this router sent since the read
+    assert board.load(b.key, inflight=1) == 5.0  # of which one is still in flight: the other finished
     clock.now += 3.5  # more than three intervals: the read no longer says what the engine does
     assert board.load(b.key, inflight=9) == 9.0
 
@@ -182,7 +183,9 @@ def test_no_engine_idles_while_the_one_holding_the_prefix_queues() -> None:
     other = next(b for b in ps if b is not holder)
     read(board, holder, running=1)
     read(board, other)
-    assert policies.prefill(ps, key({"prompt": shared["prompt"] + " a"})).backend is holder  # one ahead: within the slack
+    first = policies.prefill(ps, key({"prompt": shared["prompt"] + " a"}))
+    assert first.backend is holder  # one ahead: within the slack
+    policies.balancer.acquire(first.backend)  # and that leg stays in flight
     pick = policies.prefill(ps, key({"prompt": shared["prompt"] + " b"}))  # two ahead of an idle engine: out
     assert pick.backend is other and pick.reason == "load"
     assert policies.index.match(key(shared).chunks, [other.key])  # and now the other holds the prefix too
@@ -222,7 +225,10 @@ def test_decode_least_loaded_follows_the_engines_numbers_and_falls_back_without_
     assert [policies.decode(ds).backend.pod for _ in range(2)] == ["d0", "d1"]  # no reading: round robin
     read(board, ds[0], running=12)
     read(board, ds[1], running=3)
-    picks = [policies.decode(ds) for _ in range(11)]
+    picks = []
+    for _ in range(11):
+        picks.append(policies.decode(ds))
+        balancer.acquire(picks[-1].backend)  # each leg stays in flight
     # d1 until the legs sent since the read make it as busy as d0 (3 + 9 = 12), then both in turn
     assert [p.backend.pod for p in picks[:9]] == ["d1"] * 9 and {p.backend.pod for p in picks[9:]} == {"d0", "d1"}
     assert {p.reason for p in picks} == {"load"}

@@ -137,14 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PREFILL_POLICIES,
         default=_default("prefill_policy"),
         help="prefix-and-load: the prefill engine whose prefix cache most likely holds the prompt's start, weighed "
-        "against its queue (vLLM's running and waiting requests, plus this router's legs since it last read them); "
+        "against its queue (vLLM's running and waiting requests, plus this router's legs in flight sent since it last read them); "
         "least-outstanding: fewest legs in flight from this router",
     )
     p.add_argument(
         "--decode-policy",
         choices=DECODE_POLICIES,
         default=_default("decode_policy"),
-        help="least-loaded: fewest requests running and waiting per vLLM's /metrics plus this router's legs since "
+        help="least-loaded: fewest requests running and waiting per vLLM's /metrics plus this router's legs in flight sent since "
         "it last read them; least-outstanding: fewest legs in flight from this router",
     )
     p.add_argument(

@@ -7,7 +7,7 @@ replica sees the same numbers (a router's own in-flight count sees only its own 
   from ``vllm:cache_config_info`` (labels ``block_size``, ``num_gpu_blocks``). Only those lines are parsed
   (with prometheus_client's parser): a vLLM ``/metrics`` page is mostly histograms, tens of kB.
 - **A backend's load** is what its engine said at the last read (running + waiting) plus the legs this router
-  sent it since that read: between two reads the router's own traffic is the only news. A read older than
+  sent it since that read and still has in flight: between two reads the router's own traffic is the only news. A read older than
   :data:`STALE_READS` intervals counts as none, and the load is then this router's in-flight count alone, as
   with ``least-outstanding``. A decode backend (a pod) sums its engine cores; a prefill backend is one core.
 - **A restart** shows as a counter that went backwards: :meth:`LoadBoard.restarted` tells the prefix index to
@@ -123,11 +123,13 @@ class LoadBoard:
 
     def load(self, key: str, inflight: int) -> float:
         """Requests ahead of a new one on this backend: the engine's running + waiting at the last fresh read
-        plus this router's legs sent since; without a fresh read, this router's in-flight legs."""
+        plus this router's legs sent since and still in flight (``inflight`` bounds them); without a fresh read,
+        this router's in-flight legs."""
         r = self.fresh(key)
         if r is None:
             return float(inflight)
-        return r.counters.running + r.counters.waiting + max(0, self.sent[key] - r.sent_before)
+        # Legs sent since the read and still in flight: those that already finished are no load any more.
+        return r.counters.running + r.counters.waiting + min(max(0, self.sent[key] - r.sent_before), inflight)
 
     def cache_tokens(self, key: str) -> int | None:
         r = self.readings.get(key)

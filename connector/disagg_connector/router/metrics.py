@@ -44,7 +44,7 @@ class _Backends(Collector):
         load = GaugeMetricFamily(
             "disagg_router_backend_load",
             "Requests ahead of a new one as the policies see it: the engine's running and waiting at the last read of its "
-            "/metrics plus this router's legs since (this router's in-flight legs without a fresh read)",
+            "/metrics plus this router's legs since then still in flight (this router's in-flight legs without a fresh read)",
             labels=labels,
         )  # fmt: skip
         for b in h.backends:
