@@ -44,15 +44,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from disagg_connector import contract
+from disagg_connector.vllm_metrics import KV_USAGE, RUNNING, WAITING, read_samples
 
-# The gauges vLLM 0.26.0 and 0.33.0 export (vllm/v1/metrics/loggers.py, PrometheusStatLogger), labels
-# model_name and engine (the engine index: one label set per DP rank the API server fronts).
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = "vllm:kv_cache_usage_perc"
 GAUGES = (RUNNING, WAITING, KV_USAGE)
 
 DEFAULT_HOST = "127.0.0.1"
@@ -85,10 +79,8 @@ def gauge_sums(text: str) -> dict[str, float]:
     """The value of each of :data:`GAUGES` summed over its label sets; a gauge absent from ``text`` is
     absent here. Raises (ValueError, mostly) if the text is not Prometheus text format."""
     sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in GAUGES:
-                sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+    for sample in read_samples(text, GAUGES):
+        sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     return sums
 
 

@@ -12,6 +12,7 @@ import pathlib
 import sys
 import time
 import urllib.request
+import uuid
 from typing import Any
 
 import msgspec
@@ -53,24 +54,28 @@ def post_json(url: str, body: Any = None) -> Any:
         return json.loads(r.read())
 
 
-def complete(sim: h.Sim, prompt: str, rank: int, **extra: Any) -> float:
-    """One streamed completion on DP rank ``rank``; returns its time to first token (s), seen by the client."""
+def complete(sim: h.Sim, prompt: str, rank: int, **extra: Any) -> str:
+    """One streamed completion on DP rank ``rank``, read to its end; returns its request id."""
     import aiohttp
 
-    async def go() -> float:
-        async with aiohttp.ClientSession() as s:
-            t0 = time.monotonic()
-            body = {**h.completion(stream=True, max_tokens=2), "prompt": prompt, **extra}
-            async with s.post(sim.url + "/v1/completions", json=body, headers={"X-data-parallel-rank": str(rank)}) as r:
-                assert r.status == 200
-                ttft = None
-                async for line in r.content:
-                    if line.startswith(b"data: {") and ttft is None:
-                        ttft = time.monotonic() - t0
-                assert ttft is not None
-                return ttft
+    xid = uuid.uuid4().hex
 
-    return asyncio.run(go())
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            body = {**h.completion(stream=True, max_tokens=2), "prompt": prompt, **extra}
+            headers = {"X-data-parallel-rank": str(rank), "X-Request-Id": xid}
+            async with s.post(sim.url + "/v1/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+                assert (await r.read()).endswith(b"data: [DONE]\n\n")
+
+    asyncio.run(go())
+    return xid
+
+
+def scheduled(sim: h.Sim, xid: str) -> dict[str, Any]:
+    """The simulator's record of the request's prompt taking its blocks: cached and computed tokens."""
+    [event] = [e for e in sim.events("prompt_scheduled") if e["xid"] == xid]
+    return event
 
 
 class Subscriber:
@@ -185,15 +190,18 @@ def test_events_hits_and_replay_of_one_rank(engine: Any) -> None:
         sub.close()
 
 
-def test_a_shared_prefix_answers_sooner(engine: Any) -> None:
+def test_a_shared_prefix_is_not_computed_again(engine: Any) -> None:
+    """The simulator charges a prefill for the tokens past the cached prefix only (its own record of each
+    scheduled prompt, not the wall clock)."""
     sim, _ = engine
-    prefix = words("ttft", 2000)  # 100 us per token (harness FAST): a 200 ms prefill without the cache
-    cold = complete(sim, f"{prefix} one", 0)
-    warm = complete(sim, f"{prefix} two three", 0)
-    other = complete(sim, f"{words('other', 2000)} one", 0)
-    assert warm < cold / 2 and warm < other / 2, (cold, warm, other)
-    hits = metric(sim, "vllm:prefix_cache_hits_total", engine="0")
-    assert hits == 2000 // BLOCK * BLOCK
+    prefix = words("ttft", 2000)
+    before = metric(sim, "vllm:prefix_cache_hits_total", engine="0")
+    cold, warm, other = (scheduled(sim, complete(sim, prompt, 0)) for prompt in (f"{prefix} one", f"{prefix} two three", f"{words('other', 2000)} one"))
+    cached = 2000 // BLOCK * BLOCK
+    assert (cold["hit_tokens"], warm["hit_tokens"], other["hit_tokens"]) == (0, cached, 0)
+    assert cold["computed_tokens"] - warm["computed_tokens"] == cached - 1  # the warm prompt is one word longer
+    assert warm["prefill_seconds"] < cold["prefill_seconds"] / 2 and warm["prefill_seconds"] < other["prefill_seconds"] / 2
+    assert metric(sim, "vllm:prefix_cache_hits_total", engine="0") == before + cached
 
 
 def test_cache_config_info_and_a_prefill_engine_that_does_not_cache(tmp_path: pathlib.Path) -> None:

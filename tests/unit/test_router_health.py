@@ -138,3 +138,17 @@ def test_timeline_splits_the_first_token():
     assert pull.kv_wait == pytest.approx(0.19)
     assert Timeline(start=1.0, decode_sent=1.0, first_token=1.2).kv_wait is None  # local: no prefill leg
     assert push.server_timing(9.9) == "prefill;dur=400.0, kv_wait;dur=100.0, first_token;dur=600.0"
+
+
+def test_a_router_reports_before_its_first_load_read_and_stays_shutting_down_after_one() -> None:
+    """The router's own state is set once: its load reader, which re-lists the backends every second, once
+    reset it (a /health before the first read failed; a router shutting down answered "ok" again a second
+    later, and took new requests on open connections)."""
+    from disagg_connector.router.config import RouterConfig
+    from disagg_connector.router.server import Router
+
+    router = Router(RouterConfig("q"))
+    assert router.summary().status == "ok"
+    router.draining = True
+    router.current_backends(set())  # what the load reader calls after each read
+    assert router.summary().status == "draining"

@@ -477,7 +477,7 @@ async def publish_until_held(
 
 
 @pytest.mark.vllm
-def test_follows_vllms_publisher_and_heals_a_late_join_by_replay(vllm_0_33: VllmSide) -> None:
+def test_follows_vllms_publisher_and_catches_up_on_what_it_published_before(vllm_0_33: VllmSide) -> None:
     port = free_port_block(2)
     vllm_0_33.call(op="publisher", name="long", port=port, replay_port=port + 1, buffer_steps=1000)
     before = [[1000 + i, 2000 + i] for i in range(5)]  # seqs 0-4, published before anyone subscribed
@@ -489,13 +489,15 @@ def test_follows_vllms_publisher_and_heals_a_late_join_by_replay(vllm_0_33: Vllm
         sub.add("p0", f"tcp://{HOST}:{port}", f"tcp://{HOST}:{port + 1}")
         sub.start()
         try:
+            await wait_until(lambda: sub.caught_up("p0"), 30, "the first replay")
+            # Seqs 0-4 came with the replay the subscriber asks for as it connects: no live batch, no gap needed.
+            assert all(index.match("p0", [h]) == 1 for b in before for h in b)
+            assert index.stats().gaps == 0 and index.stats().resets == 0 and sub.replays == 1
             await publish_until_held(
                 lambda hashes: asyncio.to_thread(vllm_0_33.call, op="publish", name="long", batches=[hashes]),
                 index, "p0", first_probe=10_000,
-            )
-            # The first live batch was past seq 0: the replay brought seqs 0-4 back.
-            assert all(index.match("p0", [h]) == 1 for b in before for h in b)
-            assert index.stats().gaps == 1 and index.stats().resets == 0 and sub.replays == 1
+            )  # then live batches
+            assert index.stats().resets == 0
         finally:
             await sub.stop()
 
@@ -514,13 +516,16 @@ def test_a_replay_buffer_too_short_resets_the_backend(vllm_0_33: VllmSide) -> No
         sub.add("p0", f"tcp://{HOST}:{port}", f"tcp://{HOST}:{port + 1}")
         sub.start()
         try:
+            await wait_until(lambda: sub.caught_up("p0"), 30, "the first replay")
+            assert sub.replays == 1
+            assert not any(index.match("p0", [3000 + i]) for i in range(4))  # gone from vLLM's buffer
+            assert index.match("p0", [3004, 3005]) == 2  # what the buffer still had
+            assert index.stats().resets == 1  # from seq 0 it could not cover: start over from what it has
             probe = await publish_until_held(
                 lambda hashes: asyncio.to_thread(vllm_0_33.call, op="publish", name="short", batches=[hashes]),
                 index, "p0", first_probe=20_000,
             )
-            assert sub.replays == 1
-            assert not any(index.match("p0", [3000 + i]) for i in range(4))  # gone from vLLM's buffer
-            assert index.stats().resets == 1 and index.match("p0", [probe]) == 1
+            assert index.match("p0", [3004, 3005, probe]) == 3
         finally:
             await sub.stop()
 

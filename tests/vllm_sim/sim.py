@@ -584,16 +584,18 @@ class Engine:
             self.stop_heartbeat(seq)
 
     # --- the prefix cache of each rank (prefix_cache.py) and its KV events ------------------------------
-    def take_blocks(self, seq: Seq) -> int:
-        """Schedule ``seq``'s prompt on its rank's cache (again, after a failed KV load); returns the tokens
-        it must compute: those past its cached prefix."""
+    def take_blocks(self, seq: Seq) -> float:
+        """Schedule ``seq``'s prompt on its rank's cache (again, after a failed KV load); returns the time its
+        prefill takes: the tokens past its cached prefix (the event records both)."""
         cache = self.caches[seq.rank]
         if seq.blocks is not None:
             cache.free(seq.blocks)
         seq.blocks = cache.allocate(seq.rid, seq.token_ids)
-        if seq.blocks.hit_tokens:
-            self.event("prefix_hit", xid=seq.xid, rid=seq.rid, rank=seq.rank, hit_tokens=seq.blocks.hit_tokens)
-        return seq.prompt_tokens - seq.blocks.hit_tokens
+        computed = seq.prompt_tokens - seq.blocks.hit_tokens
+        seconds = self.t.prefill(computed)
+        self.event("prompt_scheduled", xid=seq.xid, rid=seq.rid, rank=seq.rank, hit_tokens=seq.blocks.hit_tokens,
+                   computed_tokens=computed, prefill_seconds=seconds)  # fmt: skip
+        return seconds
 
     def free_blocks(self, seq: Seq, finished: bool = False) -> None:
         """``seq`` is done with its blocks; a finished request first caches the blocks its generated tokens
@@ -712,10 +714,10 @@ class Engine:
 
     def schedule(self, seq: Seq) -> float:
         """At a step boundary: allocate blocks and start what the request needs; returns inline work (s)."""
-        to_compute = self.take_blocks(seq)
+        prefill_seconds = self.take_blocks(seq)
         if seq.path == "local":
             self.ready.append(seq)
-            return self.t.prefill(to_compute)
+            return prefill_seconds
         if seq.path == "push":
             p = seq.params or {}
             try:  # read with [] by NixlPushScheduler (push_scheduler.py:177-189) and metadata.py:333-337
@@ -815,7 +817,7 @@ class Engine:
     # --- prefill side ------------------------------------------------------------------------------
     async def prefill(self, seq: Seq) -> None:
         async with self.compute:
-            cost = self.t.prefill(self.take_blocks(seq))
+            cost = self.take_blocks(seq)
             self.compute_until = time.monotonic() + cost
             self.event("prefill_start", xid=seq.xid, rid=seq.rid, rank=seq.rank)
             seq.computing = True

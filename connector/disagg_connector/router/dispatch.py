@@ -42,7 +42,9 @@ prefill leg is cancelled first, then the decode leg (closing a connection is vLL
 while its prefill still runs is where a late push would write into freed blocks, vLLM #48633 C1). While
 nothing has reached the client, the request is retried, at most ``max_retries`` times, with fresh ids on a
 pair that avoids every backend blamed for an earlier attempt (no retry ever goes back into the decode that
-just failed or timed out); when no such pair exists the request fails at once with the failure it has.
+just failed or timed out); when no such pair exists the request fails at once with the failure it has. A push
+decode that failed before its first token implicates its prefill too (``push_failure``): the retry takes
+another prefill where one pairs.
 Statuses: 503 when no pair is ready; 502 when an engine fails before the decode's first byte; 504 when a leg
 or the KV wait passes its deadline; engine 4xx answers passed through as they are; after the first byte, an
 SSE error event (then ``data: [DONE]``, as vLLM ends a failed stream) and the end of the stream. An engine
@@ -93,6 +95,7 @@ class RequestContext:
     t0: float
     auth: str | None = None
     excluded: set[str] = field(default_factory=set)  # keys of backends blamed for an earlier attempt
+    avoided: set[str] = field(default_factory=set)  # keys of backends implicated: used only when nothing else pairs
     revision: str = ""  # of the current (last) attempt
     flow: str = ""  # of the current attempt: "push" | "pull" | "local"
     tokens: int = 0  # the prompt's estimated length
@@ -110,6 +113,21 @@ def _discard(resp: aiohttp.ClientResponse) -> None:
     released is left alone: closing it could close a connection on its way back to the pool."""
     if not resp.closed:
         resp.close()
+
+
+def push_failure(f: LegFailure, p_task: asyncio.Task[Any], p: Backend, d: Backend) -> LegFailure:
+    """Who a failed push attempt's retry avoids. D's KV comes from P, so a decode that failed before its
+    first token may have failed for P (its registration with P's side channel, P's write): when P's own leg
+    failed too, that failure is the account (a prefill that refuses connections fails D's handshake as
+    well); otherwise P is implicated, and the retry takes another prefill where there is one."""
+    if f.cause == "protocol_mismatch":
+        f.blamed = (p, d)  # the pair speaks another protocol than its revision announces
+    elif f.blamed == (d,):
+        own = p_task.exception() if p_task.done() and not p_task.cancelled() else None
+        if isinstance(own, LegFailure):
+            return own
+        f.implicated = (p,)
+    return f
 
 
 class Dispatcher:
@@ -168,6 +186,7 @@ class Dispatcher:
                             self.outcomes.failed(ctx.revision, ctx.flow, f.cause)
                         log.warning("attempt %d/%d failed: %s (%s)", attempt + 1, attempts, f, f.cause)
                         ctx.excluded.update(b.key for b in f.blamed)
+                        ctx.avoided.update(b.key for b in f.implicated)
                         if f.passthrough or not f.retryable:
                             break
                         continue
@@ -215,7 +234,10 @@ class Dispatcher:
         return answer
 
     async def _attempt(self, ctx: RequestContext, local: bool, retry: bool, held: contextlib.ExitStack) -> Opened:
-        chosen = self.balancer.pick(self.table.snapshot(), ctx.excluded)
+        snap = self.table.snapshot()
+        chosen = self.balancer.pick(snap, ctx.excluded | ctx.avoided) if ctx.avoided else None
+        if chosen is None:  # nothing pairs without the implicated backends: they may serve after all
+            chosen = self.balancer.pick(snap, ctx.excluded)
         if chosen is None:
             raise self._no_pair()
         rev = chosen.revision
@@ -263,10 +285,11 @@ class Dispatcher:
                         deadline = self.cfg.leg_timeout if cause == "prefill_timeout" else d_timeout
                         raise LegFailure(cause, f"{what} engine {late.key} missed the {deadline:g}s deadline", 504, (p, d))
                 answer = d_task.result()
-            except BaseException as e:
+            except LegFailure as f:
                 await abort_legs(p_task, d_task)
-                if isinstance(e, LegFailure) and e.cause == "protocol_mismatch":
-                    e.blamed = (p, d)  # the pair speaks another protocol than its revision announces
+                raise push_failure(f, p_task, p, d) from None
+            except BaseException:
+                await abort_legs(p_task, d_task)
                 raise
         return Opened(req.xid, chosen.revision.revision, "push", d, answer, tl, None if p_task.done() else p_task)
 

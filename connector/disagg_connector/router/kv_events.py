@@ -26,6 +26,12 @@ vLLM engines started with ``--kv-events-config`` publish, per DP rank, batches o
   CPU (the GIL serialises the decoding either way). A replay runs inside the backend's task, so live
   batches wait in the SUB socket meanwhile and are applied in order after it. An engine whose publisher
   cannot be reached simply sends nothing: its key holds no blocks and matches 0.
+- **Catching up.** A subscriber joins a publisher that has been running: right after connecting, it asks
+  for a replay from the first seq it lacks, so a router that starts (or follows a new pod) learns the
+  blocks stored in the last ``buffer_steps`` batches. The replay also covers ZMQ's slow joiner: a PUB drops
+  what it publishes until the SUB's subscription reaches it, with no gap to show for it if nothing follows.
+  A batch lost between the replay's answer and the subscription is learned at the next batch (a gap).
+  :meth:`KvEventSubscriber.caught_up` says whether a backend's first replay has ended.
 - **Restarts.** A live seq that is not above the previous one is a restarted publisher (vLLM counts from
   0): the backend starts over. One that has already published past the old seq cannot be told from its
   seqs, so the router calls ``KvIndex.reset`` when discovery sees a new engine identity.
@@ -472,6 +478,7 @@ class KvEventSubscriber:
         self._ctx = context or zmq.asyncio.Context()
         self._backends: dict[BackendKey, Endpoints] = {}
         self._tasks: dict[BackendKey, asyncio.Task[None]] = {}
+        self._caught_up: set[BackendKey] = set()
         self._cancelled: set[asyncio.Task[None]] = set()  # removed backends' tasks, closing their sockets
         self._started = False
         self.replays = 0
@@ -491,9 +498,14 @@ class KvEventSubscriber:
         """The backends whose publishers are followed."""
         return list(self._backends)
 
+    def caught_up(self, key: BackendKey) -> bool:
+        """Whether ``key``'s publisher is followed and its first replay (what it published before) ended."""
+        return key in self._caught_up
+
     def remove(self, key: BackendKey) -> None:
         """Stop following ``key`` and forget its blocks."""
         self._backends.pop(key, None)
+        self._caught_up.discard(key)
         task = self._tasks.pop(key, None)
         if task is not None:
             task.cancel()
@@ -531,6 +543,8 @@ class KvEventSubscriber:
         try:
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             sub.connect(endpoints.endpoint)
+            await self._replay(ReplayNeeded(key, self.index.next_seq(key) or 0), endpoints.replay_endpoint)
+            self._caught_up.add(key)
             while True:
                 frames = await sub.recv_multipart()
                 replay = self._take(key, frames, live=True)

@@ -32,7 +32,8 @@ PREFILL_ABORT_SETTLE_SECONDS = 0.05
 
 
 class LegFailure(Exception):
-    """A leg (or the attempt) failed before anything reached the client."""
+    """A leg (or the attempt) failed before anything reached the client. A retry never goes back to a
+    ``blamed`` backend, and goes back to an ``implicated`` one only when no pair avoids it."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class LegFailure(Exception):
         super().__init__(message)
         self.cause, self.status, self.blamed = cause, status, blamed
         self.retryable, self.passthrough = retryable, passthrough
+        self.implicated: tuple[Backend, ...] = ()
 
 
 @dataclass
@@ -197,10 +199,11 @@ async def abort_legs(prefill: asyncio.Task[Any] | None, *after: asyncio.Task[Any
     next: ``decode_follows``): vLLM notices a closed connection asynchronously (its API server, then the
     engine core at its next step), so a decode abort sent at the same instant could overtake it and free
     blocks the prefill would still write (vLLM #48633 C1)."""
-    if prefill is not None and not prefill.done():
+    if prefill is not None:
+        running = not prefill.done()
         prefill.cancel()
-        await asyncio.gather(prefill, return_exceptions=True)
-        if decode_follows or any(t is not None and not t.done() for t in after):
+        await asyncio.gather(prefill, return_exceptions=True)  # also takes the failure of one that ended
+        if running and (decode_follows or any(t is not None and not t.done() for t in after)):
             await asyncio.sleep(PREFILL_ABORT_SETTLE_SECONDS)
     for t in after:
         if t is not None:

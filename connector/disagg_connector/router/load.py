@@ -26,16 +26,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from disagg_connector.vllm_metrics import CACHE_CONFIG_INFO, KV_USAGE, PREFIX_HITS, PREFIX_QUERIES, RUNNING, WAITING, read_samples
 from disagg_connector.router.discovery import Backend
 
 log = logging.getLogger("disagg_router.load")
 
-RUNNING, WAITING, KV_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
-QUERIES, HITS, CACHE_INFO = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:cache_config_info"
-_WANTED = (RUNNING, WAITING, KV_USAGE, "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", CACHE_INFO)
-_WANTED_BYTES = tuple(w.encode() for w in _WANTED)
+_READ = (RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS)
 # A read this many intervals old is no longer the engine's state.
 STALE_READS = 3
 
@@ -54,23 +51,20 @@ class EngineCounters:
 
 def parse_engine_metrics(text: str | bytes) -> dict[str, EngineCounters]:
     """``/metrics`` text -> counters per ``engine`` label. Lines of other series are skipped unparsed."""
-    raw = text.encode() if isinstance(text, str) else text
-    kept = b"\n".join(line for line in raw.splitlines() if line.startswith(_WANTED_BYTES)) + b"\n"
     values: dict[str, dict[str, float]] = defaultdict(dict)
     cache: dict[str, int] = {}
-    for family in text_string_to_metric_families(kept.decode()):
-        for s in family.samples:
-            engine = s.labels.get("engine", "0")
-            if s.name == CACHE_INFO:
-                try:
-                    cache[engine] = int(s.labels["block_size"]) * int(s.labels["num_gpu_blocks"])
-                except (KeyError, ValueError):
-                    pass
-            elif s.name in (RUNNING, WAITING, KV_USAGE, QUERIES, HITS):
-                values[engine][s.name] = values[engine].get(s.name, 0.0) + float(s.value)
+    for s in read_samples(text, (*_READ, CACHE_CONFIG_INFO), only_their_lines=True):
+        if s.name == CACHE_CONFIG_INFO:
+            try:
+                cache[s.engine] = int(s.labels["block_size"]) * int(s.labels["num_gpu_blocks"])
+            except (KeyError, ValueError):
+                pass
+        else:
+            values[s.engine][s.name] = values[s.engine].get(s.name, 0.0) + s.value
     return {
         engine: EngineCounters(
-            v.get(RUNNING, 0.0), v.get(WAITING, 0.0), v.get(KV_USAGE, 0.0), v.get(QUERIES, 0.0), v.get(HITS, 0.0), cache.get(engine)
+            v.get(RUNNING, 0.0), v.get(WAITING, 0.0), v.get(KV_USAGE, 0.0), v.get(PREFIX_QUERIES, 0.0), v.get(PREFIX_HITS, 0.0),
+            cache.get(engine),
         )
         for engine, v in values.items()
     }

@@ -65,6 +65,8 @@ class Router:
             self.index.default_backend_chunks = max(1, cfg.prefix_index_tokens // CHUNK_TOKENS)
         self.metrics.prefix_index_entries.set_function(lambda: self.index.size)
         self.metrics.kv_index_blocks.set_function(lambda: self.kv_index.size)
+        self.draining = False  # shutting down: /health answers 503, new requests too
+        self.started = time.time()
 
     def engine_restarted(self, key: str) -> None:
         """A restarted engine starts with an empty prefix cache (its KV-event sequence may not say so: a new
@@ -86,8 +88,6 @@ class Router:
         for key, ident in follow.items():
             assert ident.kv_events_endpoint is not None
             self.kv_events.add(key, ident.kv_events_endpoint, ident.kv_events_replay_endpoint)
-        self.draining = False
-        self.started = time.time()
 
     def summary(self) -> RouterHealth:
         """The /health document: every backend (also one that left the table with legs still in flight)."""
@@ -142,7 +142,7 @@ class Router:
             expected_hit_ratio=round(stats.prefix_expected_hits[b.key] / sent, 4) if sent else None,
             reported_hit_ratio=round(reading.counters.prefix_hits / queries, 4) if reading is not None and queries else None,
             prefix_chunks=self.index.held(b.key),
-            kv_blocks=self.kv_index.held(b.key) if b.key in self.kv_events.followed() else None,
+            kv_blocks=self.kv_index.held(b.key) if self.kv_events.caught_up(b.key) else None,
         )
 
     # --- HTTP ---------------------------------------------------------------------------------------
