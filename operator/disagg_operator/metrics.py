@@ -26,6 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 CONTROLLER = "disaggregatedmodel"
+# The results of a pass, in controller-runtime's words (reconcile.py counts each).
+RECONCILE_RESULTS = ("success", "error", "requeue")
 # Passes take milliseconds when nothing changes and seconds when an API server is slow.
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -97,6 +99,10 @@ class OperatorMetrics:
                                         ["reason"], registry=r)
         self.applied = Counter("disagg_operator_children_applied", "Children written by server-side apply", ["kind"], registry=r)
         self.deleted = Counter("disagg_operator_children_deleted", "Children deleted", ["kind"], registry=r)
+        # At 0 from the start, as controller-runtime initialises them: a query over them has data before the first error.
+        self.reconcile_errors.labels(CONTROLLER)
+        for result in RECONCILE_RESULTS:
+            self.reconcile_total.labels(CONTROLLER, result)
 
     def watch(self, queue_stats: Callable[[], tuple[int, int, int]], phases: Callable[[], Mapping[str, int]],
               conditions: Callable[[], Iterable[ModelCondition]] = tuple) -> None:

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from grafana_foundation_sdk.builders import dashboard as gd
 from grafana_foundation_sdk.builders import prometheus, stat, table, timeseries
@@ -93,8 +94,9 @@ def rate(metric: str, selector: str) -> str:
 
 
 def ratio(counter: str, part: str, whole: str) -> str:
-    """The share of a counter's rate that matches ``part`` among what matches ``whole``."""
-    return f"sum({rate(counter, part)})\n/\nsum({rate(counter, whole)})"
+    """The share of a counter's rate that matches ``part`` among what matches ``whole``: 0, not "No data", while
+    nothing matches ``part`` (its series appear with their first increment)."""
+    return f"(sum({rate(counter, part)}) or vector(0))\n/\nsum({rate(counter, whole)})"
 
 
 def quantiles(histogram: str, selector: str, by: str = "") -> list[prometheus.Dataquery]:
@@ -339,6 +341,42 @@ DASHBOARDS: dict[str, Callable[[], gd.Dashboard]] = {
     "disagg-model.json": model_dashboard,
     "disagg-operator.json": operator_dashboard,
 }
+
+
+# --- reading them back: what a test checks --------------------------------------------------------------
+LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\)$", re.DOTALL)
+
+
+def load(name: str) -> dict[str, Any]:
+    """A committed dashboard, as Grafana's sidecar loads it."""
+    return json.loads((OUT_DIR / name).read_text())
+
+
+def panels(board: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in board["panels"]:
+        yield panel
+        yield from panel.get("panels", [])  # a collapsed row holds its own
+
+
+def queries(board: dict[str, Any]) -> list[tuple[str, str]]:
+    """(where, PromQL) of every panel target and of every query variable's selector."""
+    out = []
+    for panel in panels(board):
+        for target in panel.get("targets", []):
+            out.append((f"{board['uid']}: panel {panel['title']!r} {target['refId']}", target["expr"]))
+    for var in board["templating"]["list"]:
+        if var["type"] == "query":
+            match = LABEL_VALUES.match(var["query"])
+            assert match, f"{board['uid']}: variable {var['name']}: not label_values(selector, label): {var['query']}"
+            out.append((f"{board['uid']}: variable {var['name']}", match["selector"]))
+    return out
+
+
+def concrete(expr: str, values: dict[str, str]) -> str:
+    """``expr`` with Grafana's template variables (``$model``, ``$__rate_interval``...) replaced by ``values``."""
+    for name in sorted(values, key=len, reverse=True):
+        expr = expr.replace(name, values[name])
+    return expr
 
 
 def render(build: Callable[[], gd.Dashboard]) -> str:

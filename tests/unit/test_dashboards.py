@@ -11,7 +11,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -31,7 +31,6 @@ VARIABLES = {
     "$model": "qwen3-32b",
     "$revision": "7f9c2ba4e8",
 }
-LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\)$", re.DOTALL)
 
 
 # --- what the components export ------------------------------------------------------------------------
@@ -54,34 +53,11 @@ EXPORTED = exported_metric_names()
 
 
 # --- what the dashboards query --------------------------------------------------------------------------
-def load(name: str) -> dict[str, Any]:
-    return json.loads((dashboards.OUT_DIR / name).read_text())
-
-
-def panels(board: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    for panel in board["panels"]:
-        yield panel
-        yield from panel.get("panels", [])  # a collapsed row holds its own
-
-
-def queries(board: dict[str, Any]) -> list[tuple[str, str]]:
-    """(where, PromQL) of every panel target and of every query variable's selector."""
-    out = []
-    for panel in panels(board):
-        for target in panel.get("targets", []):
-            out.append((f"{board['uid']}: panel {panel['title']!r} {target['refId']}", target["expr"]))
-    for var in board["templating"]["list"]:
-        if var["type"] == "query":
-            match = LABEL_VALUES.match(var["query"])
-            assert match, f"{board['uid']}: variable {var['name']}: not label_values(selector, label): {var['query']}"
-            out.append((f"{board['uid']}: variable {var['name']}", match["selector"]))
-    return out
+load, panels, queries = dashboards.load, dashboards.panels, dashboards.queries
 
 
 def concrete(expr: str) -> str:
-    for name in sorted(VARIABLES, key=len, reverse=True):
-        expr = expr.replace(name, VARIABLES[name])
-    return expr
+    return dashboards.concrete(expr, VARIABLES)
 
 
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')

@@ -41,8 +41,9 @@ class OutcomeRecorder:
 
     def attempt(self, revision: str, flow: str, retry: bool) -> None:
         """An attempt dispatched to a pair (``flow`` push|pull) or a decode alone (``local``) of ``revision``."""
+        retries = self.metrics.child(self.metrics.retries, revision)  # at 0 from a revision's first attempt
         if retry:
-            self.metrics.child(self.metrics.retries, revision).inc()
+            retries.inc()
         if flow == "local":
             self.stats.local(revision)
         else:
