@@ -4,7 +4,9 @@
 #   hack/cluster.sh build    build the binaries from Go modules (cached by version), with
 #                            prometheus, promtool and the promql helper (alert rule and
 #                            dashboard query tests, the e2e's Prometheus), GAIE's lwepp and
-#                            lwepp-ask (asks it as a gateway does: tests/e2e/test_gateway.py)
+#                            lwepp-ask (asks it as a gateway does: tests/e2e/test_gateway.py),
+#                            cyclonus (evaluates the rendered NetworkPolicies: this cluster
+#                            runs no CNI that enforces them; tests/e2e/test_router_kv_events_e2e.py)
 #   hack/cluster.sh up       build if needed, start etcd, kube-apiserver,
 #                            kube-controller-manager, kube-scheduler (with the Workload
 #                            API and gang scheduling: GenericWorkload), kwok and the
@@ -33,6 +35,9 @@
 #                  apiserver=BASE, etcd client=BASE+1, etcd peer=BASE+2,
 #                  controller-manager=BASE+3, scheduler=BASE+4, kwok=BASE+5,
 #                  lws webhook=BASE+6, lws metrics=BASE+7, lws health=BASE+8
+#   DISAGG_POD_NET      second octet of the pod IPs, 127.<N>.x.y (default 0 for the default
+#                  port base, else derived from it): two clusters on one machine, each
+#                  with simulated engines bound to its pods' IPs, do not collide
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,6 +59,7 @@ LWS_WEBHOOK_PORT=$((PORT_BASE + 6))
 LWS_METRICS_PORT=$((PORT_BASE + 7))
 LWS_HEALTH_PORT=$((PORT_BASE + 8))
 
+if [ "$PORT_BASE" = 16443 ]; then POD_NET="${DISAGG_POD_NET:-0}"; else POD_NET="${DISAGG_POD_NET:-$((1 + PORT_BASE % 199))}"; fi  # 210+: the e2e's own node pools
 SERVICE_CIDR=10.96.0.0/16   # virtual only: nothing ever routes to it (no kube-proxy)
 
 # Gang scheduling (docs/gang-scheduling.md): Kubernetes 1.37's Workload API. GenericWorkload (beta,
@@ -89,6 +95,9 @@ COMPONENTS=(
   "promtool v0.316.0 prometheus github.com/prometheus/prometheus/cmd/promtool"
   "prometheus v0.316.0 prometheus github.com/prometheus/prometheus/cmd/prometheus"
   "promql v0.316.0 promql github.com/disagg-operator/hack/k8s-tools/promql github.com/prometheus/prometheus/promql/parser"
+  # SIG Network's policy-assistant grew out of cyclonus; its own module (cmd/policy-assistant) is not one the
+  # Go module proxy can serve (its go.mod names a path its directory does not match), cyclonus's is.
+  "cyclonus v0.5.6 - github.com/mattfenwick/cyclonus/cmd/cyclonus"
 )
 
 # CRDs of kinds the operator renders whose controllers are not run here (spec.gateway's InferencePool and
@@ -499,7 +508,7 @@ component_args() { # component -> prints args one per line
       --config="$ROOT/hack/kwok/stages.yaml" \
       --manage-nodes-with-label-selector=type=kwok \
       --node-lease-duration-seconds=40 \
-      --node-ip=$HOST --cidr=127.0.250.0/24 \
+      --node-ip=$HOST --cidr=127.$POD_NET.250.0/24 \
       --server-address="$HOST:$KWOK_PORT" ;;
     lws) printf '%s\n' \
       --kubeconfig="$STATE/kubeconfigs/lws-controller.kubeconfig" \
@@ -599,7 +608,8 @@ nodes_ready() {
 create_nodes() {
   local f out
   for f in "$ROOT"/hack/nodes/*.yaml; do
-    if ! out="$(kc create -f "$f" 2>&1)"; then
+    # the nodes' loopback addresses and podCIDRs, 127.0.x.y, moved to this cluster's 127.$POD_NET.x.y
+    if ! out="$(sed "s#127\.0\.#127.$POD_NET.#g" "$f" | kc create -f - 2>&1)"; then
       if printf '%s\n' "$out" | grep -v 'AlreadyExists' | grep -q .; then
         printf '%s\n' "$out" >&2; die "creating nodes from $f failed"
       fi

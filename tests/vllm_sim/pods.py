@@ -9,6 +9,14 @@ annotations and worker-index label, as its ``vllm serve`` under hybrid load bala
 arguments the operator rendered into its Deployment and a token of its own ServiceAccount, so it discovers
 those pods through the API server as it would in the cluster.
 
+**KV cache and KV events, as rendered.** The engine takes the KV cache flags of the pod's own ``vllm serve``
+command line (:data:`KV_CACHE_FLAGS`: block size, prefix caching, its hash algorithm, ``--kv-events-config``)
+and the environment vLLM hashes with (:data:`ENGINE_ENV`, PYTHONHASHSEED) from its container, so a model whose
+engines publish KV events gets simulators that publish them at the rendered ports, with the block hashes the
+router computes from the pod's annotations. vLLM binds the publisher on every interface of its pod
+(``tcp://*:port``); here pods share the machine's ports on their own loopback IPs, so the simulator binds the
+pod's IP (``--kv-events-host``).
+
 **preStop, as a kubelet runs it.** kwok runs no container and no hook. When the pod of a running engine
 gets its deletionTimestamp, this runs the pod's rendered preStop command (the engines' ``disagg-drain``,
 this venv's console script) with ``--host <pod IP>``: it waits until the simulated engine's ``/metrics`` say
@@ -49,15 +57,48 @@ ENGINE_ANNOTATION = "sim.disagg.dev/engine"
 PRE_STOP_DONE_ANNOTATION = "sim.disagg.dev/pre-stop-done"
 ENGINE_CONTAINER = "vllm"
 ENGINE_START_SECONDS = 30.0  # a launched simulator listens within this (python start-up, on a busy machine)
+# Flags of the rendered `vllm serve` that the simulator takes as they are: its KV cache and KV events.
+KV_CACHE_FLAGS = ("--block-size", "--prefix-caching-hash-algo", "--kv-events-config")
+KV_CACHE_SWITCHES = ("--enable-prefix-caching", "--no-enable-prefix-caching")
+# The container's environment that the simulator reads as vLLM does (its block hashes' seed and form).
+ENGINE_ENV = ("PYTHONHASHSEED", "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES")
+
+
+def engine_container(pod: dict[str, Any]) -> dict[str, Any] | None:
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") == ENGINE_CONTAINER:
+            return container
+    return None
 
 
 def pre_stop_command(pod: dict[str, Any]) -> list[str] | None:
     """The exec preStop command of the pod's vllm container, if it has one."""
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        if container.get("name") == ENGINE_CONTAINER:
-            command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
-            return list(command) if command else None
-    return None
+    container = engine_container(pod) or {}
+    command = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+    return list(command) if command else None
+
+
+def kv_cache_argv(pod: dict[str, Any], ip: str) -> list[str]:
+    """The simulator flags for the KV cache of the pod's rendered ``vllm serve`` (its command and args, also
+    behind an engine-spanning pod's ``/bin/sh -c``): each of :data:`KV_CACHE_FLAGS` with its value and the
+    prefix caching switch, as given; with ``--kv-events-config``, the publisher bound on the pod's IP."""
+    container = engine_container(pod) or {}
+    rendered = [*(container.get("command") or []), *(container.get("args") or [])]
+    argv: list[str] = []
+    for i, arg in enumerate(rendered):
+        if arg in KV_CACHE_FLAGS and i + 1 < len(rendered):
+            argv += [arg, rendered[i + 1]]
+        elif arg in KV_CACHE_SWITCHES:
+            argv.append(arg)
+    if "--kv-events-config" in argv:
+        argv += ["--kv-events-host", ip]
+    return argv
+
+
+def engine_env(pod: dict[str, Any]) -> dict[str, str]:
+    """The values of :data:`ENGINE_ENV` that the pod's engine container sets."""
+    container = engine_container(pod) or {}
+    return {e["name"]: e["value"] for e in container.get("env") or [] if e.get("name") in ENGINE_ENV and "value" in e}
 
 
 @dataclass
@@ -83,6 +124,7 @@ class PodEngine:
     ip: str
     http_port: int
     engine_id: str
+    publishes_kv_events: bool = False  # its pod's vllm serve has --kv-events-config (so the simulator publishes)
     final: tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]] | None = None  # (legs, stats, events) at stop
     pre_stop: PreStop | None = None  # the pod's preStop, once its pod was deleted
     stopped_at: float | None = None  # monotonic time the engine was stopped
@@ -264,10 +306,14 @@ class PodEngines:
         ]  # fmt: skip
         if len(ranks) < int(ann.get(contract.ANNOTATION_DP_SIZE, "1")):  # a pod of an engine that spans pods
             argv += ["--dp-start-rank", str(ranks[0]), "--dp-size-local", str(len(ranks))]
+        argv += kv_cache_argv(pod, ip)
         for k, v in self.timing.items():
             argv += [f"--{k.replace('_', '-')}", str(v)]
+        env = engine_env(pod)
+        if env:  # the container's PYTHONHASHSEED: `env` execs the simulator with it (same pid)
+            argv = [shutil.which("env") or "/usr/bin/env", *(f"{k}={v}" for k, v in env.items()), *argv]
         proc = Proc(f"engine-{name}", argv, self.log_dir)
-        return PodEngine(proc, name, uid, role, revision, ip, http_port, engine_id)
+        return PodEngine(proc, name, uid, role, revision, ip, http_port, engine_id, "--kv-events-config" in argv)
 
     def _run(self) -> None:
         while not self._stop.is_set():
