@@ -199,11 +199,13 @@ async def abort_legs(prefill: asyncio.Task[Any] | None, *after: asyncio.Task[Any
     next: ``decode_follows``): vLLM notices a closed connection asynchronously (its API server, then the
     engine core at its next step), so a decode abort sent at the same instant could overtake it and free
     blocks the prefill would still write (vLLM #48633 C1)."""
-    if prefill is not None:
-        running = not prefill.done()
+    if prefill is not None and prefill.done():
+        if not prefill.cancelled():
+            prefill.exception()  # taken: a failure of its own is the caller's to report (or not)
+    elif prefill is not None:
         prefill.cancel()
-        await asyncio.gather(prefill, return_exceptions=True)  # also takes the failure of one that ended
-        if running and (decode_follows or any(t is not None and not t.done() for t in after)):
+        await asyncio.gather(prefill, return_exceptions=True)
+        if decode_follows or any(t is not None and not t.done() for t in after):
             await asyncio.sleep(PREFILL_ABORT_SETTLE_SECONDS)
     for t in after:
         if t is not None:

@@ -133,6 +133,11 @@ class Relay:
                     events += chunk.count(b"\n\n")  # JSON escapes newlines: a blank line only ends an event
                     last = chunk
                     await out.write(chunk)
+                    if chunk.endswith(SSE_DONE):
+                        # The client has the whole answer and may hang up now: not waiting for the engine to
+                        # close its stream keeps such a client from counting as a disconnect (499).
+                        finished = True
+                        break
             finally:
                 stall.close()
             if finished and engine_error:  # the engine ended the stream with its own error event
@@ -143,7 +148,11 @@ class Relay:
                 tokens = events - last.endswith(SSE_DONE)  # [DONE] carries no token
                 if tokens > 0:
                     self.outcomes.per_token(o.revision, o.flow, (time.monotonic() - first) / tokens)
-            await out.write_eof()
+            try:
+                await out.write_eof()
+            except ConnectionError:
+                if not finished:
+                    raise
             return out
         except ConnectionError:  # the client went away while we wrote to it
             raise asyncio.CancelledError() from None
