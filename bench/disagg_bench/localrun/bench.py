@@ -20,6 +20,12 @@ series (NIXL transfers, their time, post time, bytes, descriptors, failures, exp
 
 `--workload multi-turn` replaces the independent prompts by conversations (loadgen.multi_turn_sessions): the
 prompt axis is then the system prompt's tokens and the rate axis sessions per second.
+
+`--router-replicas N` runs each router mode as N processes behind the one client (loadgen.Replicas: round robin
+over sessions or over requests, `--replica-spread`); each cell then also records, per replica, what our router
+counted during it (`disagg_router_requests_total` by status, `disagg_router_picks_total` by role, policy and
+reason), and each request which replica it went to. `--prompt-format token-ids` sends the prompts as token ids
+(what the router matches exactly against the engines' KV events).
 """
 
 from __future__ import annotations
@@ -87,6 +93,8 @@ class Sweep:
     turns: int = 4
     user_tokens: int = 256
     think_time: float = 1.0
+    prompt_format: str = "text"  # | token-ids (loadgen.as_prompt)
+    replica_spread: str = "session"  # | request: how requests spread over router replicas (loadgen.Replicas)
 
     def multi_turn(self, system_tokens: int, session_rate: float) -> loadgen.MultiTurnWorkload:
         """A multi-turn cell; sessions like requests in the no-reuse cells (`cell_seconds` of arrivals, at
@@ -110,9 +118,13 @@ def seed_of(*parts: Any) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(parts).encode()).digest()[:8], "little")
 
 
-def target(plan: LocalPlan, m: Mode) -> loadgen.Target:
+def target(plan: LocalPlan, m: Mode, spread: str = "session") -> loadgen.Target | loadgen.Replicas:
+    """Where a mode's requests go: its router (every replica of it, spread over them), or the engines."""
     if m.router_mode:
-        return loadgen.RouterTarget(plan.router(m.router_mode).url)
+        replicas = plan.router_replicas(m.router_mode)
+        if len(replicas) == 1:
+            return loadgen.RouterTarget(replicas[0].url)
+        return loadgen.Replicas(tuple(loadgen.RouterTarget(r.url) for r in replicas), spread)
     prefill, decode = plan.role("prefill")[0], plan.role("decode")[0]
     return loadgen.DirectTarget(m.direct_dispatch or "push", prefill.url, decode.url, prefill.identities()[0])
 
@@ -245,8 +257,39 @@ async def _peer_router_counters(plan: LocalPlan) -> dict[str, dict[str, float]]:
                     text = await resp.text() if resp.status == 200 else ""
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 text = ""
-            out[r.mode] = {key: float(value) for key, _, value in (line.rpartition(" ") for line in text.splitlines())
+            out[r.label] = {key: float(value) for key, _, value in (line.rpartition(" ") for line in text.splitlines())
                            if key.startswith(PEER_ROUTER_PREFIX) and "_bucket" not in key and _is_number(value)}
+    return out
+
+
+# Our router's own counters, per replica and cell (label sets kept): requests by status, picks by reason, failures by cause.
+ROUTER_SERIES = ("disagg_router_requests_total", "disagg_router_picks_total", "disagg_router_failures_total")
+
+
+def parse_labelled(text: str, prefix: str | tuple[str, ...]) -> dict[str, float]:
+    """Prometheus text -> {series with its labels: value} for the series named `prefix`..."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, _, value = line.rpartition(" ")
+            if _is_number(value):
+                out[key] = float(value)
+    return out
+
+
+async def _router_snapshot(session: aiohttp.ClientSession, plan: LocalPlan, m: Mode) -> dict[str, dict[str, float]]:
+    """Per replica of the mode's router (ours only: a peer's has its own counters), its ROUTER_SERIES."""
+    out: dict[str, dict[str, float]] = {}
+    if not m.router_mode:
+        return out
+    for r in plan.router_replicas(m.router_mode):
+        if r.metrics_port is not None:
+            continue
+        try:
+            async with session.get(r.url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                out[r.label] = parse_labelled(await resp.text(), ROUTER_SERIES) if resp.status == 200 else {}
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            out[r.label] = {}
     return out
 
 
@@ -277,35 +320,42 @@ async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, resu
     plan = running.plan
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        for m in modes:  # warm-up: one request per prompt length, one after the other (kept apart)
+        for m in modes:  # warm-up: one request per prompt length (and router replica), one after the other (kept apart)
+            t = target(plan, m, sweep.replica_spread)
             for prompt in sweep.prompts:
-                rng = random.Random(seed_of(sweep.seed, "warmup", m.name, prompt))
-                body = loadgen.completion_body(plan.served_model_name, loadgen.random_prompt(prompt, rng), sweep.max_tokens)
-                results["warmup"].append((await _warm_up(session, target(plan, m), m.name, prompt, body)).as_dict())
+                for k, each in enumerate(t.targets if isinstance(t, loadgen.Replicas) else (t,)):
+                    rng = random.Random(seed_of(sweep.seed, "warmup", m.name, prompt, *([k] if k else [])))
+                    prompt_text = loadgen.as_prompt(loadgen.random_prompt(prompt, rng), sweep.prompt_format)
+                    body = loadgen.completion_body(plan.served_model_name, prompt_text, sweep.max_tokens)
+                    results["warmup"].append((await _warm_up(session, each, m.name, prompt, body)).as_dict())
         save()
         for prompt in sweep.prompts:
             for rate in sweep.rates:
                 n = loadgen.requests_per_cell(rate, sweep.cell_seconds, sweep.min_requests)
                 for m in modes:
                     before = await _engine_snapshot(session, plan)
+                    routers_before = await _router_snapshot(session, plan, m)
                     if sweep.workload == "multi-turn":  # same arrivals and think times for every mode, own words
                         sessions = loadgen.multi_turn_sessions(sweep.multi_turn(prompt, rate), seed_of(sweep.seed, prompt, rate),
                                                                seed_of(sweep.seed, prompt, rate, m.name))
                         records = await loadgen.run_sessions(
-                            session, target(plan, m), sessions, mode=m.name, model=plan.served_model_name, cell_tokens=prompt,
-                            rate=rate, max_tokens=sweep.max_tokens, drain_timeout=sweep.drain_timeout)  # fmt: skip
+                            session, target(plan, m, sweep.replica_spread), sessions, mode=m.name, model=plan.served_model_name,
+                            cell_tokens=prompt, rate=rate, max_tokens=sweep.max_tokens, drain_timeout=sweep.drain_timeout,
+                            prompt_format=sweep.prompt_format)  # fmt: skip
                     else:
                         records = await loadgen.run_cell(
-                            session, target(plan, m), mode=m.name, model=plan.served_model_name, prompt_tokens=prompt,
+                            session, target(plan, m, sweep.replica_spread), mode=m.name, model=plan.served_model_name, prompt_tokens=prompt,
                             rate=rate, n=n, max_tokens=sweep.max_tokens,
                             arrival_rng=random.Random(seed_of(sweep.seed, prompt, rate)),
                             prompt_rng=random.Random(seed_of(sweep.seed, prompt, rate, m.name)),
-                            drain_timeout=sweep.drain_timeout,
+                            drain_timeout=sweep.drain_timeout, prompt_format=sweep.prompt_format,
                         )  # fmt: skip
                     summary = loadgen.summarize(records, sweep.workload)
                     kv, routing = split_cell_series(series_delta(before, await _engine_snapshot(session, plan)))
+                    router_series = series_delta(routers_before, await _router_snapshot(session, plan, m))
                     results["cells"].append({**report.summary_dict(summary), "kv_transfer": kv, "engine_series": routing,
-                                             "engine_roles": {e.label: e.role for e in plan.engines}})
+                                             "engine_roles": {e.label: e.role for e in plan.engines},
+                                             "router_series": router_series})
                     results["records"] += [r.as_dict() for r in records]
                     print(report.cell_line(summary), flush=True)
                     save()

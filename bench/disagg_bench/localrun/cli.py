@@ -5,6 +5,8 @@
     disagg-localrun bench -f dm.yaml [options] --modes router-push,direct-push --prompts 1024,4096 --rates 1,4
     disagg-localrun bench -f dm.yaml [options] --workload multi-turn --modes router-push:least-outstanding,router-push:prefix-and-load \
         --system-tokens 2048 --rates 2,4 --turns 4 --user-tokens 256 --think-time 1   # conversations, rates in sessions/s
+    disagg-localrun bench -f dm.yaml [options] --workload multi-turn --router-replicas 2 --replica-spread request \
+        --prompt-format token-ids ...   # two router replicas sharing the traffic (and only the engines' state)
     disagg-localrun report a/results.json b/results.json --baseline router-pull   # one table of several runs
     disagg-localrun report r1/results.json r2/results.json r3/results.json --repeats   # medians of repetitions
 
@@ -28,7 +30,7 @@ import yaml
 
 from disagg_operator.api.validation import SpecError
 from disagg_operator.manifests import load_all
-from . import report
+from . import loadgen, report
 from .bench import Sweep, mode, run_bench
 from .kube_env import UnresolvableEnv
 from .plan import PEER_POLICIES, PEER_ROUTER_MODES, PREFILL_POLICIES, ROUTER_MODES, LocalOptions, LocalRunError, describe, local_plan
@@ -71,6 +73,9 @@ def add_local_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router-command", default=f"{sys.executable} -m disagg_connector.router", help="the router's command")
     g.add_argument("--peer-router-command", default="vllm-router",
                    help="vllm-project/router's command, for the vllmrouter-push/-pull modes (e.g. 'python3 -m vllm_router.launch_router')")
+    g.add_argument("--router-replicas", type=int, default=1,
+                   help="processes per router mode (the router Deployment's replicas): each counts only its own in-flight "
+                   "requests; they share the engines' /metrics and KV events")
     g.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every /health")
     s = p.add_argument_group("local overrides (listed in the output)")
     s.add_argument("--transfer-mode", choices=("Push", "Pull"), help="spec.kvTransfer.mode for this run")
@@ -104,6 +109,7 @@ def options_from(a: argparse.Namespace, workdir: str | None = None) -> LocalOpti
         router_command=tuple(shlex.split(a.router_command)),
         router_modes=tuple(getattr(a, "router_mode", None) or ()),
         peer_router_command=tuple(shlex.split(a.peer_router_command)),
+        router_replicas=a.router_replicas,
     )
 
 
@@ -134,7 +140,7 @@ def cmd_up(a: argparse.Namespace) -> int:
     with started(plan, Path(a.workdir) / "logs", a.startup_timeout) as running:
         print("healthy: " + ", ".join(f"{k} after {v:.0f} s" for k, v in running.startup_seconds.items()), flush=True)
         for r in plan.routers:
-            print(f"router ({r.mode}): {r.url}/v1/completions  (model {plan.served_model_name!r})", flush=True)
+            print(f"router ({r.label}): {r.url}/v1/completions  (model {plan.served_model_name!r})", flush=True)
         stop.wait()
     return 0
 
@@ -145,6 +151,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         prompts=a.system_tokens if multi_turn else a.prompts, rates=a.rates, modes=tuple(a.modes), max_tokens=a.max_tokens,
         cell_seconds=a.cell_seconds, min_requests=a.min_requests, drain_timeout=a.drain_timeout, seed=a.seed,
         workload=a.workload, turns=a.turns, user_tokens=a.user_tokens, think_time=a.think_time,
+        prompt_format=a.prompt_format, replica_spread=a.replica_spread,
     )  # fmt: skip
     if multi_turn:  # a shape that cannot run is refused before any engine starts
         try:
@@ -230,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per session")
     w.add_argument("--user-tokens", type=int, default=256, help="multi-turn: tokens of each user message")
     w.add_argument("--think-time", type=float, default=1.0, help="multi-turn: mean seconds between an answer and the next turn (exponential)")
+    w.add_argument("--prompt-format", choices=loadgen.PROMPT_FORMATS, default="text",
+                   help="text (w<id> words) or token-ids (the same tokens as ids: the router matches them exactly against "
+                   "the engines' KV events)")
+    bench.add_argument("--replica-spread", choices=loadgen.SPREADS, default="session",
+                       help="with --router-replicas: round robin over sessions (a Service balances connections: a client "
+                       "keeping one per conversation) or over requests (a client pooling connections)")
     bench.add_argument("--out", default=".localrun/bench", help="results and logs folder")
     bench.set_defaults(func=cmd_bench)
     rep = sub.add_parser("report", help="one markdown report of several results.json (e.g. push and pull runs)")

@@ -21,6 +21,16 @@ Two workloads:
   engine never holds the answer's KV anyway (the decode engine generated it), so what it can reuse, the
   previous turn's prompt, is the same either way.
 
+Router replicas (`Replicas`): several routers behind one client, as a Service spreads clients over a router
+Deployment's pods. A Service (kube-proxy) balances connections, not requests, so a client that keeps one
+connection per conversation lands all its turns on one replica: `spread="session"` (round robin over sessions)
+is that; `spread="request"` (round robin over requests) is a client pooling connections across conversations,
+where a conversation's turns alternate between replicas and no replica saw the turn before.
+
+Prompts are text (`w<id>` words) or, with `prompt_format="token-ids"`, the same words as token ids (the offline
+test tokenizer's ids, so the same tokens either way): a token-id prompt is what the router matches exactly
+against the engines' KV events (docs/router.md, "Policies"); text goes through its approximate index.
+
 Percentiles interpolate linearly between order statistics (numpy's default), over successful requests.
 """
 
@@ -43,6 +53,8 @@ from disagg_connector.contract.vllm_pd import engine_request_id, mint_ids, prefi
 # plain tokens, so a prompt of N such words is N tokens. Other tokenizers: `usage` says the real count.
 WORD_IDS = range(1, 151643)
 DISPATCHES = ("push", "push-sequential", "pull")
+PROMPT_FORMATS = ("text", "token-ids")
+SPREADS = ("session", "request")
 
 
 # --- pure arithmetic ----------------------------------------------------------------------------------
@@ -59,6 +71,15 @@ def poisson_arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
 
 def random_prompt(tokens: int, rng: random.Random) -> str:
     return " ".join(f"w{rng.choice(WORD_IDS)}" for _ in range(tokens))
+
+
+def as_prompt(text: str, prompt_format: str = "text") -> str | list[int]:
+    """A prompt of `w<id>` words as sent: the text, or ("token-ids") the ids the test tokenizer gives its words."""
+    if prompt_format == "text":
+        return text
+    if prompt_format == "token-ids":
+        return [int(w[1:]) for w in text.split()]
+    raise ValueError(f"prompt format {prompt_format!r}: choose from {', '.join(PROMPT_FORMATS)}")
 
 
 def requests_per_cell(rate: float, seconds: float, minimum: int) -> int:
@@ -112,6 +133,7 @@ class RequestRecord:
     turn: int | None = None
     sent_prompt_tokens: int | None = None  # words sent (= tokens with the test tokenizer); multi-turn only
     request_id: str | None = None  # the router's X-Request-Id
+    replica: int | None = None  # which router replica it was sent to (Replicas only)
     server_timing: str | None = None  # the router's Server-Timing (prefill, kv_wait, first_token in ms)
 
     @property
@@ -252,7 +274,37 @@ class DirectTarget:
 Target = RouterTarget | DirectTarget
 
 
-def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Replicas:
+    """Router replicas behind one client: each request goes to one of `targets`, round robin over sessions
+    (`spread="session"`: every turn of a conversation on one replica, as a Service balancing connections puts a
+    client that keeps its connection) or over requests (`spread="request"`). Requests of no session (the
+    no-reuse workload) go round robin by request."""
+
+    targets: tuple[Target, ...]
+    spread: str = "session"
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError("router replicas: at least one target")
+        if self.spread not in SPREADS:
+            raise ValueError(f"replica spread {self.spread!r}: choose from {', '.join(SPREADS)}")
+
+    def pick(self, request_index: int, session: int | None = None) -> tuple[int, Target]:
+        """(replica index, its target) for a request (its index in the cell) of `session`."""
+        k = (session if self.spread == "session" and session is not None else request_index) % len(self.targets)
+        return k, self.targets[k]
+
+
+def _resolve(target: Target | Replicas, rec: "RequestRecord") -> Target:
+    """The target of one request; a replica pick is recorded in `rec.replica`."""
+    if not isinstance(target, Replicas):
+        return target
+    rec.replica, chosen = target.pick(rec.index, rec.session)
+    return chosen
+
+
+def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": prompt,
@@ -351,7 +403,7 @@ async def send(session: aiohttp.ClientSession, target: Target, body: dict[str, A
 
 async def run_cell(
     session: aiohttp.ClientSession,
-    target: Target,
+    target: Target | Replicas,
     *,
     mode: str,
     model: str,
@@ -362,17 +414,18 @@ async def run_cell(
     arrival_rng: random.Random,
     prompt_rng: random.Random,
     drain_timeout: float,
+    prompt_format: str = "text",
 ) -> list[RequestRecord]:
     """n requests at Poisson arrivals; those still running `drain_timeout` s after the last arrival are
     cancelled and recorded as unfinished. Modes compared in one cell get the same `arrival_rng` seed."""
     arrivals = poisson_arrivals(rate, n, arrival_rng)
     records = [RequestRecord(mode, prompt_tokens, rate, i, a) for i, a in enumerate(arrivals)]
-    bodies = [completion_body(model, random_prompt(prompt_tokens, prompt_rng), max_tokens) for _ in records]
+    bodies = [completion_body(model, as_prompt(random_prompt(prompt_tokens, prompt_rng), prompt_format), max_tokens) for _ in records]
     t0 = time.perf_counter()
 
     async def one(rec: RequestRecord, body: dict[str, Any]) -> None:
         await asyncio.sleep(max(0.0, t0 + rec.scheduled - time.perf_counter()))
-        await send(session, target, body, rec)
+        await send(session, _resolve(target, rec), body, rec)
 
     tasks = [asyncio.create_task(one(r, b)) for r, b in zip(records, bodies)]
     done, pending = await asyncio.wait(tasks, timeout=arrivals[-1] + drain_timeout)
@@ -490,7 +543,7 @@ def session_deadline(sessions: Sequence[Session], drain_timeout: float) -> float
 
 async def run_sessions(
     session: aiohttp.ClientSession,
-    target: Target,
+    target: Target | Replicas,
     sessions: Sequence[Session],
     *,
     mode: str,
@@ -499,10 +552,12 @@ async def run_sessions(
     rate: float,
     max_tokens: int,
     drain_timeout: float,
+    prompt_format: str = "text",
 ) -> list[RequestRecord]:
     """Every session's turns in order, each after the previous turn's answer and its think time; sessions
     start at their arrivals. A failed turn does not end its session (the next prompt does not depend on the
-    answer). Turns not answered by the deadline (`session_deadline`) are cancelled and recorded unfinished."""
+    answer). Turns not answered by the deadline (`session_deadline`) are cancelled and recorded unfinished.
+    With `Replicas`, each turn goes to the replica its spread picks."""
     records = session_records(sessions, mode, cell_tokens, rate)
     t0 = time.perf_counter()
 
@@ -510,7 +565,7 @@ async def run_sessions(
         await asyncio.sleep(max(0.0, t0 + s.arrival - time.perf_counter()))
         for t, rec in zip(s.turns, recs):
             await asyncio.sleep(t.think_before)
-            await send(session, target, completion_body(model, t.prompt, max_tokens), rec)
+            await send(session, _resolve(target, rec), completion_body(model, as_prompt(t.prompt, prompt_format), max_tokens), rec)
 
     tasks = [asyncio.create_task(converse(s, r)) for s, r in zip(sessions, records)]
     done, pending = await asyncio.wait(tasks, timeout=session_deadline(sessions, drain_timeout))

@@ -26,7 +26,10 @@ validation and rendering, so the same admission rules apply; engine flags (`--lo
 model folder, `--enforce-eager`, `--kv-cache-memory-bytes`, ...) and env are added after.
 
 The router is started in static mode (`--static-endpoints`) from the same identities: each engine's NIXL
-engine_id is `contract.engine_id(local name, local UID)`, as the pod's would be from its name and UID.
+engine_id is `contract.engine_id(local name, local UID)`, as the pod's would be from its name and UID. With
+`router_replicas` N, every router mode runs as N identical processes on ports of their own (the router
+Deployment's replicas): each knows only its own in-flight requests and shares with the others only what the
+engines publish (their /metrics and KV events).
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class LocalOptions:
     launcher: tuple[str, ...] = ("vllm",)
     router_command: tuple[str, ...] = (sys.executable, "-m", "disagg_connector.router")
     router_modes: tuple[str, ...] = ()  # () = the rendered router's own mode
+    router_replicas: int = 1  # processes per router mode (the router Deployment's replicas)
     peer_router_command: tuple[str, ...] = ("vllm-router",)  # for the PEER_ROUTER_MODES
     # push-sequential: the router with the benchmark's dispatcher (the production router has no such mode)
     baseline_router_command: tuple[str, ...] = (sys.executable, "-m", "disagg_bench.localrun.baseline_router")
@@ -201,10 +205,16 @@ class RouterLaunch:
     port: int
     host: str
     metrics_port: int | None = None  # a peer router's Prometheus listener (ours serves /metrics on `port`)
+    replica: int = 0  # of router_replicas processes of this mode
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def label(self) -> str:
+        """The mode, and `#<replica>` for every replica but the first."""
+        return self.mode + (f"#{self.replica}" if self.replica else "")
 
 
 @dataclass(frozen=True)
@@ -226,10 +236,15 @@ class LocalPlan:
         return {"endpoints": [e.static_entry(self.revision) for e in self.engines]}
 
     def router(self, mode: str) -> RouterLaunch:
-        for r in self.routers:
-            if r.mode == mode:
-                return r
-        raise KeyError(mode)
+        """The (first replica of the) router of `mode`."""
+        return self.router_replicas(mode)[0]
+
+    def router_replicas(self, mode: str) -> list[RouterLaunch]:
+        """Every replica of the router of `mode`, in replica order."""
+        out = [r for r in self.routers if r.mode == mode]
+        if not out:
+            raise KeyError(mode)
+        return out
 
 
 # --- spec-level overrides ------------------------------------------------------------------------------
@@ -447,8 +462,12 @@ def local_plan(
             raise LocalRunError(f"router mode {mode!r}: unknown prefill policy {policy!r}")
         if base in PEER_ROUTER_MODES and base.split("-")[1] != rendered.plan.mode.lower():
             raise LocalRunError(f"router mode {mode!r} needs engines in {base.split('-')[1]} mode; these are {rendered.plan.mode}")
-    router_ports = {mode: ports.take() for mode in router_modes}
-    peer_metrics_ports = {mode: ports.take() for mode in router_modes if split_policy(mode)[0] in PEER_ROUTER_MODES}
+    if options.router_replicas < 1:
+        raise LocalRunError("router replicas: at least 1")
+    replicas = range(options.router_replicas)
+    router_ports = {(mode, k): ports.take() for mode in router_modes for k in replicas}
+    peer_metrics_ports = {(mode, k): ports.take() for mode in router_modes for k in replicas
+                          if split_policy(mode)[0] in PEER_ROUTER_MODES}
     secrets = dict(secrets or {})
 
     engines = []
@@ -514,13 +533,18 @@ def local_plan(
     static_path = f"{options.workdir}/endpoints.json"
     router_container = _container(deployments["router"], ROUTER_CONTAINER)
     routers = []
-    for mode, port in router_ports.items():
+    if options.router_replicas > 1:
+        overrides.append(Override("router replicas", str(options.router_replicas),
+                                  "router processes per mode, each with its own in-flight counts, sharing the engines"))
+    for (mode, replica), port in router_ports.items():
         dispatch, policy = split_policy(mode)
         if dispatch in PEER_ROUTER_MODES:
-            argv = peer_router_argv(engines, options.host, port, peer_metrics_ports[mode], policy)
-            routers.append(RouterLaunch(mode, (*options.peer_router_command, *argv), port, options.host, peer_metrics_ports[mode]))
-            overrides.append(Override(f"router ({mode})", shlex.join(options.peer_router_command),
-                                      "a peer's router in place of ours, on the same engines, under test"))
+            metrics_port = peer_metrics_ports[mode, replica]
+            argv = peer_router_argv(engines, options.host, port, metrics_port, policy)
+            routers.append(RouterLaunch(mode, (*options.peer_router_command, *argv), port, options.host, metrics_port, replica))
+            if replica == 0:
+                overrides.append(Override(f"router ({mode})", shlex.join(options.peer_router_command),
+                                          "a peer's router in place of ours, on the same engines, under test"))
             continue
         argv = list(router_container["args"])
         for flag in ("--namespace", "--selector"):
@@ -530,12 +554,14 @@ def local_plan(
         argv = set_flag(argv, "--host", options.host)
         if dispatch != rendered.plan.mode.lower():
             argv = set_flag(argv, "--mode", dispatch)
-            overrides.append(Override("router --mode", dispatch, "dispatch mode under test"))
+            if replica == 0:
+                overrides.append(Override("router --mode", dispatch, "dispatch mode under test"))
         if policy is not None:
             argv = set_flag(argv, "--prefill-policy", policy)
-            overrides.append(Override(f"router ({mode}) --prefill-policy", policy, "routing policy under test"))
+            if replica == 0:
+                overrides.append(Override(f"router ({mode}) --prefill-policy", policy, "routing policy under test"))
         command = options.baseline_router_command if dispatch == "push-sequential" else options.router_command
-        routers.append(RouterLaunch(mode, (*command, *argv), port, options.host))
+        routers.append(RouterLaunch(mode, (*command, *argv), port, options.host, replica=replica))
 
     return LocalPlan(
         model=dm.metadata.name,
@@ -578,7 +604,7 @@ def describe(plan: LocalPlan) -> str:
                      f"http {e.http_port}, side channel {e.side_channel_port}{dp}")
         lines.append(e.command_line())
     for r in plan.routers:
-        lines.append(f"# router ({r.mode}) on {r.url}")
+        lines.append(f"# router ({r.label}) on {r.url}")
         lines.append(shlex.join(r.argv))
     lines.append(f"# static endpoints ({plan.static_endpoints_path}):")
     lines.append(json.dumps(plan.static_endpoints(), indent=1))

@@ -174,7 +174,7 @@ def started(plan: LocalPlan, log_dir: Path, startup_timeout: float, base_env: Ma
             engines.append(Process.start(f"{e.label}-{plan.transfer_mode.lower()}", e.argv, {**env, **e.env}, log_dir))
         write_static_endpoints(plan)
         for r in plan.routers:
-            routers.append(Process.start(f"router-{r.mode}", r.argv, env, log_dir))
+            routers.append(Process.start(f"router-{r.mode}" + (f"-r{r.replica}" if r.replica else ""), r.argv, env, log_dir))
         took = asyncio.run(wait_healthy(
             [*zip(engines, [e.url for e in plan.engines]), *zip(routers, [r.url for r in plan.routers])], startup_timeout
         ))

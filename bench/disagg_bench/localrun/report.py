@@ -257,6 +257,67 @@ def routing(cell: dict[str, Any]) -> Routing | None:
     )
 
 
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _labels(series: str) -> dict[str, str]:
+    """`name{a="x",b="y"}` -> {"a": "x", "b": "y"}."""
+    _, _, rest = series.partition("{")
+    return dict(_LABEL.findall(rest))
+
+
+@dataclass(frozen=True)
+class ReplicaCounts:
+    """What one router replica counted during a cell (its own /metrics, after - before)."""
+
+    requests: dict[str, float]  # by HTTP status code
+    prefill_picks: dict[str, float]  # by the policy's reason (cache_hit, load, in_flight, only)
+    failures: dict[str, float]  # by cause (its attempts' and streams' failures, client disconnects)
+
+    @property
+    def ok(self) -> float:
+        return self.requests.get("200", 0.0)
+
+    @property
+    def not_ok(self) -> float:
+        return sum(v for code, v in self.requests.items() if code != "200")
+
+
+def router_replicas(cell: dict[str, Any]) -> dict[str, ReplicaCounts]:
+    """A cell's counts per router replica (by replica label: the mode, then `mode#1`, ...); {} when none recorded."""
+    out: dict[str, ReplicaCounts] = {}
+    for label, series in (cell.get("router_series") or {}).items():
+        requests: dict[str, float] = {}
+        picks: dict[str, float] = {}
+        failures: dict[str, float] = {}
+        for key, value in series.items():
+            labels = _labels(key)
+            if key.startswith("disagg_router_requests_total"):
+                requests[labels.get("code", "?")] = requests.get(labels.get("code", "?"), 0.0) + value
+            elif key.startswith("disagg_router_picks_total") and labels.get("role") == "prefill":
+                picks[labels.get("reason", "?")] = picks.get(labels.get("reason", "?"), 0.0) + value
+            elif key.startswith("disagg_router_failures_total"):
+                failures[labels.get("cause", "?")] = failures.get(labels.get("cause", "?"), 0.0) + value
+        nonzero = lambda d: {k: v for k, v in d.items() if v}  # noqa: E731
+        out[label] = ReplicaCounts(nonzero(requests), nonzero(picks), nonzero(failures))
+    return out
+
+
+def replicas_table(results: dict[str, Any]) -> list[str]:
+    """Per cell and router replica: its requests by status and its prefill picks by reason; empty with one replica."""
+    rows = [(c, router_replicas(c)) for c in _cells(results)]
+    if not any(len(r) > 1 for _, r in rows):
+        return []
+    lines = ["| prompt | rate/s | mode | replica | requests 200 | other | prefill picks by reason | failures by cause |",
+             "|---:|---:|---|---|---:|---:|---|---|"]
+    for c, replicas in rows:
+        for label, counts in replicas.items():
+            picks = ", ".join(f"{reason} {n:g}" for reason, n in sorted(counts.prefill_picks.items())) or "-"
+            failures = ", ".join(f"{cause} {n:g}" for cause, n in sorted(counts.failures.items())) or "-"
+            lines.append(f"| {c['prompt_tokens']} | {c['rate']:g} | {c['mode']} | {label} | {counts.ok:g} | {counts.not_ok:g} | {picks} | {failures} |")
+    return lines
+
+
 def ideal_hit_ratio(results: dict[str, Any], system_tokens: int, rate: float) -> float | None:
     """A multi-turn cell's hit ratio on one engine holding everything (loadgen.MultiTurnWorkload), with the block
     size of the engines' command line; None for other workloads."""
@@ -340,6 +401,9 @@ def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
            f"the shared system prompt's tokens, {sweep['user_tokens']} tokens per user message, answers of {sweep['max_tokens']} "
            f"tokens resent as history, think time {sweep['think_time']:g} s mean (exponential).  "]
           if sweep.get("workload") == "multi-turn" else []),
+        *([f"Prompts sent as {sweep['prompt_format']}.  "] if sweep.get("prompt_format", "text") != "text" else []),
+        *([f"Router replicas: requests spread over them per {sweep.get('replica_spread', 'session')} (round robin).  "]
+          if any(len(router_replicas(c)) > 1 for c in results.get("cells", [])) else []),
         "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if k != "gpus") + ("  " if env else ""),
     ]
     if env.get("gpus"):
@@ -361,6 +425,9 @@ def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
                 "prefill engine's share of the requests, per cell", "", *routes, "",
                 "Imbalance: the busiest prefill engine's share times the number of prefill engines (1 = even). Per-engine "
                 "columns in engine order (prefill-0 / prefill-1 / ...)."]
+    replicas = replicas_table(results)
+    if replicas:
+        out += ["", "## Router replicas: what each counted per cell (its own /metrics, after - before)", "", *replicas]
     split = split_table(results)
     if split:
         out += ["", "## Where TTFT goes (direct dispatch: the client sees both legs)", ""] + split
