@@ -44,18 +44,35 @@ def _kv_events_ports(dm: DisaggregatedModel) -> list[dict[str, Any]]:
     return ports
 
 
+def _all_ports_but(ports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every TCP port except ``ports`` (each a port or a port..endPort range), as ranges."""
+    taken = sorted((p["port"], p.get("endPort", p["port"])) for p in ports)
+    out, start = [], 1
+    for first, last in taken:
+        if first > start:
+            out.append({"protocol": "TCP", "port": start, "endPort": first - 1})
+        start = max(start, last + 1)
+    if start <= 65535:
+        out.append({"protocol": "TCP", "port": start, "endPort": 65535})
+    return out
+
+
 def engines_network_policy(dm: DisaggregatedModel, plan: TransferPlan) -> dict[str, Any]:
     model = dm.metadata.name
     engines = list(contract.ENGINE_ROLES)
+    http = [{"protocol": "TCP", "port": contract.HTTP_PORT}]
+    router_only = http + _kv_events_ports(dm)
     peers: dict[str, Any] = {"from": [_pods(model, engines)]}
     if plan.backend == "LIBFABRIC":
         # EFA moves KV over SRD, outside IP: only the ZMQ handshake (side channel) needs a port.
         peers["ports"] = [_side_channel_ports(dm)]
-    # UCX over TCP opens data-plane connections on ephemeral ports, so P<->D is open on all ports.
-    http = [{"protocol": "TCP", "port": contract.HTTP_PORT}]
+    else:
+        # UCX over TCP opens data-plane connections on ephemeral ports: P<->D is open on every port but the
+        # router's (vLLM's HTTP, the KV events).
+        peers["ports"] = _all_ports_but(router_only)
     ingress = [
         peers,
-        {"from": [_pods(model, ["router"])], "ports": http + _kv_events_ports(dm)},
+        {"from": [_pods(model, ["router"])], "ports": router_only},
     ]
     metrics_from = dm.spec.network.network_policy.metrics_from
     if metrics_from:
