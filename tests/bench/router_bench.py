@@ -1,7 +1,8 @@
-"""Router benchmark: headroom against a direct client, and when disaggregation pays for short prompts.
+"""Router benchmark: headroom against a direct client and vllm-router, and when disaggregation pays for short prompts.
 
-    python -m tests.bench.router_bench                  # about 6 min
-    python -m tests.bench.router_bench --quick          # about 1 min, one run per cell
+    python -m tests.bench.router_bench                  # about 25 min (the peers section about 19)
+    python -m tests.bench.router_bench --quick          # about 6 min, one run per cell
+    python -m tests.bench.router_bench --skip-peers     # about 5 min: headroom, index fill, JSON, short prompts
     python -m tests.bench.router_bench --toy-proxy PATH # also vLLM's toy proxy (its file, fetched by you)
 
 Everything runs as separate processes on this machine: simulated vLLM engines (``tests.vllm_sim``), the
@@ -25,7 +26,19 @@ real router (``disagg_connector.router``) and the client. Every figure is a medi
    long-running background streams on the decode engine; per prompt length, the mean TTFT of the probe
    requests and the background streams' mean time per output token, disaggregated vs local (the decode
    engine prefills: ``--disaggregation-threshold-tokens`` above the prompt).
-3. **JSON per request**: the router parses the client's body and writes both legs' bodies; the standard
+3. **Peers** (issue 19): two prefill and two decode engines per transfer mode (push, then pull), zero-cost and
+   timed (``--peer-engines``), 64 streams (``--peer-streams``): the direct client (both legs itself, the pairs
+   in turn), this router with every pair of ``--prefill-policy`` x ``--decode-policy`` and vllm-router
+   (PyPI, started by ``disagg_bench.localrun.plan.peer_router_argv``) with each of its policies for both roles,
+   all on the same engines, each client ``disagg_bench.localrun.loadgen.send``; runs interleaved, each run
+   starting one contender later. Two prompt sets: the 64-word prompt above, and 16 shared 1024-word prefixes
+   each followed by a request number and 128 more words, so that every request gives the prefix index new
+   chunks after a prefix it holds (the notes say how large the index grew, and which vllm-router path, sequential
+   or concurrent push, its prefill legs took). Ratios: to the direct client, to vllm-router round_robin and to
+   vllm-router's best policy in the same cell.
+4. **Prefix index fill**: one prefill pick of the router's own policy code against how full the prefix index
+   is (0 to its cap of 500k chunks), prefix-and-load and least-outstanding: the cost must not grow with the index.
+5. **JSON per request**: the router parses the client's body and writes both legs' bodies; the standard
    library against orjson (which the router uses), per prompt length.
 """
 
@@ -34,18 +47,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import os
+import random
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import types
 import uuid
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import aiohttp
+from disagg_bench.localrun import loadgen
+from disagg_bench.localrun.bench import PEER_ROUTER_PREFIX, parse_series
+from disagg_bench.localrun.plan import PEER_POLICIES, peer_router_argv
+from disagg_bench.localrun.report import peer_router_paths
+from disagg_connector.contract import EngineIdentity
+from disagg_connector.router.config import DECODE_POLICIES, PREFILL_POLICIES
 
 from tests.vllm_sim import harness as h
 from tests.vllm_sim.sim import Timing
@@ -202,9 +225,257 @@ async def headroom(log_dir: Path, levels: list[int], seconds: float, runs: int, 
     return out
 
 
+# --- Peers: every policy of this router and of vllm-router, on the same engines ----------------------------
+OUR_POLICIES = [(p, d) for p in PREFILL_POLICIES for d in DECODE_POLICIES]
+# Every policy of vllm-router 0.1.17 (plan.PEER_POLICIES and kv_aware). kv_aware runs without its KV event
+# sources: following the simulator's publisher (--kv-event-source) would need the model's tokenizer to hash text
+# prompts, which this offline bench does not have; without sources it has no cache information (what it then
+# weighs instead is not examined here).
+PEER_POLICIES_MEASURED = (*PEER_POLICIES, "kv_aware")
+PEER_PAIRS = 2  # prefill and decode engines per transfer mode: two of each, so that every policy has a choice
+SHARED_PREFIXES = 16
+PREFIX_WORDS = 1024
+SUFFIX_WORDS = 128
+
+
+class Prompts:
+    """The request bodies of a cell, one after another (the same sequence for every contender's client).
+
+    ``short``: the headroom section's 64-word prompt, every time the same. ``shared-prefix``: one of
+    SHARED_PREFIXES system prompts of PREFIX_WORDS random words (a word is a token to the simulator, about
+    1.6 to the router's 4-bytes-a-token estimate), then a request number and SUFFIX_WORDS more: every request
+    brings chunks the prefix index has not seen (it grows all along) after a prefix it has."""
+
+    def __init__(self, kind: str, max_tokens: int = 32, seed: int = 19) -> None:
+        self.kind, self.max_tokens, self.n = kind, max_tokens, 0
+        rng = random.Random(seed)
+        self.prefixes = [loadgen.random_prompt(PREFIX_WORDS, rng) for _ in range(SHARED_PREFIXES)]
+        self.suffixes = [loadgen.random_prompt(SUFFIX_WORDS, rng) for _ in range(61)]  # prime: pairs vary
+
+    def next(self) -> dict[str, Any]:
+        self.n += 1
+        if self.kind == "short":
+            prompt = BODY["prompt"]
+        else:
+            prompt = f"{self.prefixes[self.n % SHARED_PREFIXES]} q{self.n} {self.suffixes[self.n % len(self.suffixes)]}"
+        return loadgen.completion_body(h.MODEL, prompt, self.max_tokens)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "short":
+            return "64 words"
+        return f"{SHARED_PREFIXES} prefixes x {PREFIX_WORDS} + {SUFFIX_WORDS} words"
+
+
+@dataclasses.dataclass
+class PeerRouter:
+    """vllm-router 0.1.17 (plan.peer_router_argv's command line) on these engines."""
+
+    proc: h.Proc
+    port: int
+    metrics_port: int
+    policy: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{h.HOST}:{self.port}"
+
+    def ready(self) -> bool:
+        return h.http_get(self.url + "/health", timeout=2)[0] == 200
+
+    def prefill_paths(self) -> tuple[float, float]:
+        """Its prefill legs so far as (sequential, concurrent push), from its own counters."""
+        text = h.http_get(f"http://{h.HOST}:{self.metrics_port}/metrics")[1].decode()
+        counters = {key: float(v) for key, _, v in (line.rpartition(" ") for line in text.splitlines())
+                    if key.startswith(PEER_ROUTER_PREFIX) and "_bucket" not in key and v.replace(".", "", 1).isdigit()}  # fmt: skip
+        return peer_router_paths(counters)
+
+
+def launch_peer_router(log_dir: Path, prefills: list[h.Sim], decodes: list[h.Sim], policy: str, name: str) -> PeerRouter:
+    """vllm-router with `policy` for both roles (plan.peer_router_argv sets the prefill's; the decode's is added)."""
+    port, metrics_port = h.free_ports(2)
+    engines = [types.SimpleNamespace(role=s.role, url=s.url, pods=1) for s in (*prefills, *decodes)]
+    argv = [sys.executable, "-m", "vllm_router.launch_router",
+            *peer_router_argv(engines, h.HOST, port, metrics_port, policy), "--decode-policy", policy]  # type: ignore[arg-type]
+    return PeerRouter(h.Proc(name, argv, log_dir), port, metrics_port, policy)
+
+
+def wait_peer_router(log_dir: Path, R: PeerRouter, prefills: list[h.Sim], decodes: list[h.Sim], attempts: int = 3) -> PeerRouter:
+    """R ready; started again on other ports when a port it was given was taken before it bound it (free_ports
+    cannot reserve them: vllm-router then panics, "Address already in use")."""
+    for attempt in range(1, attempts + 1):
+        try:
+            h.wait_ready(R, timeout=120)
+            return R
+        except (RuntimeError, TimeoutError):
+            if attempt == attempts or "Address already in use" not in R.proc.log_text():
+                raise
+            R.proc.stop()
+            R = launch_peer_router(log_dir, prefills, decodes, R.policy, f"{R.proc.name}-{attempt}")
+    raise AssertionError("unreachable")
+
+
+def direct_pairs(s: aiohttp.ClientSession, dispatch: str, prefills: list[h.Sim], decodes: list[h.Sim], prompts: Prompts) -> Callable[[], Awaitable[None]]:
+    """The client sends both legs itself (loadgen.send's DirectTarget: the router's protocol), pairs in turn."""
+    pairs = itertools.cycle([
+        loadgen.DirectTarget(dispatch, P.url, D.url, EngineIdentity(P.engine_id, h.HOST, P.side_port, 1, 1, http_port=P.port))
+        for P, D in zip(prefills, decodes)
+    ])  # fmt: skip
+    return sent_to(s, lambda: next(pairs), prompts)
+
+
+def sent_to(s: aiohttp.ClientSession, target: Callable[[], loadgen.Target], prompts: Prompts) -> Callable[[], Awaitable[None]]:
+    """One request by loadgen.send (the same client work for every contender); a failed one stops the bench."""
+
+    async def call() -> None:
+        rec = loadgen.RequestRecord("peers", 0, 0.0, 0, 0.0)
+        await loadgen.send(s, target(), prompts.next(), rec)
+        if not rec.ok:
+            raise RuntimeError(f"request failed: {rec.error or rec.status}")
+
+    return call
+
+
+@dataclasses.dataclass
+class Contender:
+    name: str
+    kind: str  # direct | ours | vllm-router
+    fn: Callable[[], Awaitable[None]]
+    router: Any = None
+
+
+async def peers(log_dir: Path, engine_models: list[tuple[str, dict[str, float]]], prompt_kinds: list[str], levels: list[int],
+                seconds: float, runs: int) -> list[str]:
+    """Per engine model, prompt set and stream count: the direct client, this router with each policy pair and
+    vllm-router with each policy, push and pull; medians of `runs` interleaved runs."""
+    rows: list[str] = []
+    notes: list[str] = []
+    for label, timing in engine_models:
+        for transfer in ("push", "pull"):
+            tag = f"peers-{label[:4]}-{transfer}"
+            prefills = [h.launch_sim(log_dir, "prefill", transfer, revision=tag, **timing) for _ in range(PEER_PAIRS)]
+            decodes = [h.launch_sim(log_dir, "decode", transfer, revision=tag, **timing) for _ in range(PEER_PAIRS)]
+            static = log_dir / f"{tag}.json"
+            h.write_static(static, [e.static_entry() for e in (*prefills, *decodes)])
+            ours = {f"ours {p}/{d}": h.launch_router(log_dir, static, transfer, extra=["--prefill-policy", p, "--decode-policy", d],
+                                                     name=f"router-{tag}-{p}-{d}") for p, d in OUR_POLICIES}  # fmt: skip
+            theirs = {f"vllm-router {p}": launch_peer_router(log_dir, prefills, decodes, p, f"vllmrouter-{tag}-{p}") for p in PEER_POLICIES_MEASURED}
+            everything = [*ours.values(), *theirs.values(), *prefills, *decodes]
+            try:
+                await asyncio.to_thread(h.wait_ready, *prefills, *decodes)
+                await asyncio.to_thread(h.wait_ready, *ours.values(), timeout=120)
+                for name, R in theirs.items():
+                    theirs[name] = await asyncio.to_thread(wait_peer_router, log_dir, R, prefills, decodes)
+                everything = [*ours.values(), *theirs.values(), *prefills, *decodes]
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)) as s:
+                    for kind in prompt_kinds:
+                        prompts = Prompts(kind)
+                        contenders = [Contender("direct", "direct", direct_pairs(s, transfer, prefills, decodes, prompts))]
+                        contenders += [Contender(n, "ours", sent_to(s, lambda u=R.url: loadgen.RouterTarget(u), prompts), R) for n, R in ours.items()]
+                        contenders += [Contender(n, "vllm-router", sent_to(s, lambda u=R.url: loadgen.RouterTarget(u), prompts), R) for n, R in theirs.items()]
+                        for c in contenders:  # warm up connections and code paths (vllm-router learns push here)
+                            await closed_loop(c.fn, 4, 0.5)
+                        for streams in levels:
+                            cells: dict[str, list[Cell]] = {c.name: [] for c in contenders}
+                            for run in range(runs):  # each run starts one contender later: a drift hits all alike
+                                for c in contenders[run % len(contenders):] + contenders[:run % len(contenders)]:
+                                    cells[c.name].append(await closed_loop(c.fn, streams, seconds))
+                            rows += peer_rows(label, prompts.label, transfer, streams, contenders, cells)
+                        notes += [peer_index_note(label, prompts.label, transfer, ours), peer_paths_note(label, prompts.label, transfer, theirs)]
+            finally:
+                h.stop_all(*everything, *theirs.values())
+    return ["", f"## Peers: every policy of this router and of vllm-router {metadata.version('vllm-router')}, on the same "
+            f"{PEER_PAIRS} prefill + {PEER_PAIRS} decode engines, streaming completions (32 output tokens), closed loop, "
+            f"medians of {runs} run(s) of {seconds:g} s per cell, contenders interleaved",
+            "", "Ours: --prefill-policy/--decode-policy; vllm-router: --prefill-policy and --decode-policy both the policy "
+            "named (kv_aware without KV event sources: they would need the model's tokenizer). The direct "
+            "client sends both legs itself, pairs in turn. Every client is loadgen.send (the same client work). "
+            "/rr: against vllm-router round_robin of the same cell; /best: against its best policy there.",
+            "", "| engines | prompts | transfer | streams | contender | req/s | p50 ms | /direct | /rr | /best |",
+            "|---|---|---|---|---|---|---|---|---|---|", *rows, "", *notes]
+
+
+def peer_rows(engines: str, prompts: str, transfer: str, streams: int, contenders: list[Contender], cells: dict[str, list[Cell]]) -> list[str]:
+    med = {n: Cell(statistics.median(x.rps for x in v), statistics.median(x.p50_ms for x in v)) for n, v in cells.items()}
+    direct = med["direct"].rps
+    rr = med["vllm-router round_robin"].rps
+    best = max(med[c.name].rps for c in contenders if c.kind == "vllm-router")
+    out = []
+    for c in contenders:
+        m = med[c.name]
+        out.append(f"| {engines} | {prompts} | {transfer} | {streams} | {c.name} | {m.rps:.0f} | {m.p50_ms:.1f} | "
+                   f"{m.rps / direct:.2f} | {m.rps / rr:.2f} | {m.rps / best:.2f} |")
+    return out
+
+
+def peer_index_note(engines: str, prompts: str, transfer: str, ours: dict[str, h.Router]) -> str:
+    """What the prefix index held at the end and the share of prompt tokens it expected cached, per router."""
+    parts = []
+    for name, R in ours.items():
+        series = parse_series(R.metrics(), ("disagg_router_prefix_",))
+        sent = series.get("disagg_router_prefix_prompt_tokens_total", 0.0)
+        hit = series.get("disagg_router_prefix_expected_hit_tokens_total", 0.0)
+        parts.append(f"{name.removeprefix('ours ')}: {series.get('disagg_router_prefix_index_chunks', 0):.0f} chunks, "
+                     f"expected hit {hit / sent if sent else 0:.2f}")
+    return f"- {engines}, {prompts}, {transfer}: prefix index at the end (chunks held; expected cached share of prompt tokens): {'; '.join(parts)}"
+
+
+def peer_paths_note(engines: str, prompts: str, transfer: str, theirs: dict[str, PeerRouter]) -> str:
+    """vllm-router's prefill legs by dispatch path: it learns push from a prefill's answer (plan.py)."""
+    parts = [f"{R.policy} {seq:.0f}/{conc:.0f}" for R in theirs.values() for seq, conc in [R.prefill_paths()]]
+    return f"- {engines}, {prompts}, {transfer}: vllm-router prefill legs sequential/concurrent push: {', '.join(parts)}"
+
+
+def index_growth(runs: int, picks: int = 200) -> list[str]:
+    """What one prefix-and-load prefill pick costs as the prefix index fills: the router's own code
+    (policy.Policies.prefill, with the prompt's chunk keys made as dispatch makes them), PEER_PAIRS backends,
+    the peers section's shared-prefix prompts, the index filled with distinct chunks to each level first (at its
+    cap every insertion evicts); against a least-outstanding pick (which also keys and inserts) on the same
+    index. Medians of `runs` runs of `picks` picks, levels and policies interleaved."""
+    from disagg_connector.router.discovery import Backend
+    from disagg_connector.router.load import LoadBoard
+    from disagg_connector.router.pairing import Balancer
+    from disagg_connector.router.policy import Policies
+    from disagg_connector.router.prefix import BYTES_PER_TOKEN, PrefixIndex, prompt_key
+
+    cands = [Backend("prefill", "r1", f"p{i}", "uid", h.HOST, EngineIdentity(f"p{i}.uid", h.HOST, 5600 + i, 1, 1)) for i in range(PEER_PAIRS)]
+    levels = (0, 10_000, 100_000, 500_000)
+
+    def filled(level: int) -> PrefixIndex:
+        index = PrefixIndex()
+        for b in cands:  # room for the level on these few backends (by default each holds 1M tokens' worth)
+            index.set_capacity(b.key, level * 64 // len(cands) + 10**6)
+        n = 0
+        while index.size < level:
+            index.insert(cands[n % len(cands)].key, tuple(range(n * 1000, n * 1000 + min(1000, level - index.size))))
+            n += 1
+        return index
+
+    indexes = {level: filled(level) for level in levels}
+    prompts = Prompts("shared-prefix")
+    timings: dict[tuple[int, str], list[float]] = {(level, p): [] for level in levels for p in PREFILL_POLICIES}
+    for _ in range(runs):
+        bodies = [prompts.next() for _ in range(picks)]
+        for level, index in indexes.items():
+            for policy in PREFILL_POLICIES:
+                policies = Policies(policy, "least-loaded", Balancer(), LoadBoard(1.0), index)
+                start = time.perf_counter()
+                for body in bodies:
+                    policies.prefill(cands, prompt_key("completions", body, len(body["prompt"]) // BYTES_PER_TOKEN))
+                timings[level, policy].append((time.perf_counter() - start) / picks * 1e6)
+    out = ["", f"## Prefix index fill: one prefill pick among {PEER_PAIRS} backends, shared-prefix prompts (microseconds, "
+           f"median of {runs} runs of {picks} picks)", "",
+           "| index chunks before | prefix-and-load us | least-outstanding us | difference us |", "|---|---|---|---|"]  # fmt: skip
+    for level in levels:
+        pl, lo = (statistics.median(timings[level, p]) for p in ("prefix-and-load", "least-outstanding"))
+        out.append(f"| {level:,} | {pl:.1f} | {lo:.1f} | {pl - lo:.1f} |")
+    return out
+
+
 async def short_prompts(log_dir: Path, lengths: list[int], rate: float, probes: int, background: int) -> list[str]:
     """Mean TTFT of probe requests and the background streams' TPOT, disaggregated vs local prefill."""
-    defaults = {k: v for k, v in dataclasses.asdict(Timing()).items() if k != "scale"}  # not the tests' FAST profile
+    # not the tests' FAST profile; a field left None (pull_pickup_ms: kv_pickup_ms's) is no flag: the simulator's default
+    defaults = {k: v for k, v in dataclasses.asdict(Timing()).items() if k != "scale" and v is not None}
     P = h.launch_sim(log_dir, "prefill", "push", revision="short", lease_seconds=60, **defaults)
     D = h.launch_sim(log_dir, "decode", "push", revision="short", lease_seconds=60, **defaults)
     static = log_dir / "short.json"
@@ -298,6 +569,9 @@ def main() -> None:
     ap.add_argument("--toy-proxy", type=Path, help="vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py")
     ap.add_argument("--skip-headroom", action="store_true")
     ap.add_argument("--skip-short", action="store_true")
+    ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--peer-streams", default="64", help="stream counts of the peers section, comma-separated (default 64)")
+    ap.add_argument("--peer-engines", default="zero-cost,timed", help="engine models of the peers section: zero-cost, timed")
     ap.add_argument("--sim-vs-real", action="store_true",
                     help="also replay the committed H200 runs with the calibrated simulator (tests/bench/sim_vs_real.py, ~12 min)")
     a = ap.parse_args()
@@ -307,10 +581,25 @@ def main() -> None:
     lines = ["# disagg-router benchmark", f"# command: python -m tests.bench.router_bench {shlex.join(sys.argv[1:])}".rstrip(),
              f"# machine: {_machine()}"]  # fmt: skip
     t0 = time.monotonic()
+
+    class Out(list):  # every section printed as it is done: a run cut short keeps what it measured
+        def __iadd__(self, more: Any) -> "Out":
+            more = list(more)
+            print("\n".join(more), flush=True)
+            return super().__iadd__(more)
+
+    print("\n".join(lines), flush=True)
+    lines = Out(lines)
     with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp:
         log_dir = Path(tmp)
         if not a.skip_headroom:
             lines += asyncio.run(headroom(log_dir, [1, 16, 64], seconds, runs, a.toy_proxy))
+        if not a.skip_peers:
+            models = {"zero-cost": ZERO, "timed": TIMED}
+            engine_models = [(m if m == "zero-cost" else "timed 10 ms/token", models[m]) for m in a.peer_engines.split(",")]
+            lines += asyncio.run(peers(log_dir, engine_models, ["short", "shared-prefix"], [int(x) for x in a.peer_streams.split(",")],
+                                       1.5 if a.quick else 3.0, runs))
+        lines += index_growth(runs=3 if a.quick else 7)
         lines += json_cost()
         if not a.skip_short:
             lines += asyncio.run(short_prompts(log_dir, lengths, rate=20.0, probes=10 if a.quick else 30, background=8))
@@ -318,8 +607,7 @@ def main() -> None:
         from tests.bench import sim_vs_real
 
         lines += sim_vs_real.compare()
-    lines.append(f"\n# total run time {time.monotonic() - t0:.0f} s")
-    print("\n".join(lines))
+    lines += [f"\n# total run time {time.monotonic() - t0:.0f} s"]
 
 
 def _machine() -> str:
