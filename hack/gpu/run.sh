@@ -24,7 +24,7 @@
 #                                    #   comparison on one GPU shared by 2 prefill + 1 decode engines (prefix caching
 #                                    #   on, push): our router with --prefill-policy least-outstanding and
 #                                    #   prefix-and-load, vllm-router with cache_aware, on the same engines, the
-#                                    #   multi-turn workload at two session rates, then the no-reuse workload at one
+#                                    #   multi-turn workload at two session rates, then the no-reuse workload at two
 #                                    #   cell (fresh engines); vLLM's prefix-cache counters per engine and cell
 #                                    #   (SHAPE=qwen3-8b: the 8B shape, hack/gpu/qwen3-8b-2p1d.yaml)
 #   hack/gpu/run.sh issue18-dp2      # one GPU (after unpack-a1): prefill and decode each data parallel over two
@@ -187,16 +187,17 @@ case "$stage" in
     # least-outstanding baseline's hit ratio (~0.65) about 1000 of them are computed. 0.6B at 4 and 8 sessions/s
     # (16 and 32 turns/s): 16k and 32k computed tokens/s, busy but below the 33k/s seen unsaturated; 8B at 1 and 2
     # sessions/s (4 and 8 turns/s): 4k and 8k tokens/s, at and below the 8k/s seen unsaturated.
-    # Then the no-reuse workload (random 2048-token prompts, nothing to reuse) at one cell on fresh engines, both
-    # of our policies, at the lower session rate's turns per second (16/s 0.6B, 4/s 8B): prefix-and-load must cost
-    # nothing where there is nothing to gain.
+    # Then the no-reuse workload (random 2048-token prompts, nothing to reuse) at two cells on fresh engines, both
+    # of our policies, at the lower session rate's turns per second and 3/4 of it (12 and 16/s 0.6B, 3 and 4/s 8B;
+    # two cells so that each policy runs first once, bench.cell_order): prefix-and-load must cost nothing where
+    # there is nothing to gain.
     # KV per engine: 24 GiB (0.6B: 219k tokens; the decode holds ~50 streams of ~2.8k at 8 sessions/s), 16 GiB (8B).
     prepare
     peers_ready
     if [ "${SHAPE:-qwen3-0.6b}" = qwen3-8b ]; then
-      MODEL19=hack/gpu/qwen3-8b-2p1d.yaml RATES19=${RATES:-1,2} NOREUSE19=4 ENGINES19="--kv-cache-memory-bytes 17179869184 --gpu-memory-utilization 0.27"
+      MODEL19=hack/gpu/qwen3-8b-2p1d.yaml RATES19=${RATES:-1,2} NOREUSE19=3,4 ENGINES19="--kv-cache-memory-bytes 17179869184 --gpu-memory-utilization 0.27"
     else
-      MODEL19=hack/gpu/qwen3-0.6b-2p1d.yaml RATES19=${RATES:-4,8} NOREUSE19=16 ENGINES19="--kv-cache-memory-bytes 25769803776 --gpu-memory-utilization 0.22"
+      MODEL19=hack/gpu/qwen3-0.6b-2p1d.yaml RATES19=${RATES:-4,8} NOREUSE19=12,16 ENGINES19="--kv-cache-memory-bytes 25769803776 --gpu-memory-utilization 0.22"
     fi
     name19="issue19-routing${SHAPE:+-${SHAPE#qwen3-}}${REP:+-r$REP}"
     MODEL_YAML=$MODEL19 BUDGET=${BUDGET:-270} bench "$name19" --gpus 0 --colocate $ENGINES19 --peer-router-command "$PEER_ROUTER" \

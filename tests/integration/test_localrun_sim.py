@@ -76,6 +76,14 @@ def test_bench_sweeps_modes_and_writes_results(tmp_path: Path) -> None:
     md = (out / "results.md").read_text()
     assert "## Ratio to router-push" in md and "## Where TTFT goes" in md
     assert len(results["warmup"]) == 4 * 2  # one per mode and prompt length
+    # on shared engines each mode runs first in turn: the second to run was slower, whichever it was
+    ran = [(c["prompt_tokens"], c["mode"]) for c in results["cells"]]
+    assert ran[:4] == [(64, "router-push"), (64, "direct-push"), (512, "direct-push"), (512, "router-push")], ran
+    # the engines' scheduler gauges were sampled while each cell ran (the simulator exports vLLM's names)
+    for c in results["cells"]:
+        assert set(c["engine_gauges"]) == {"prefill-0", "decode-0"}, c["engine_gauges"]
+        assert all(g["vllm:kv_cache_usage_perc"]["samples"] >= 1 for g in c["engine_gauges"].values())
+    assert "## The engines' scheduler gauges while each cell ran" in md
 
 
 @pytest.mark.parametrize("bad", ["--gpus 0 --backend UCX", "--modes router-teleport"])

@@ -17,7 +17,7 @@ from disagg_connector.router.config import parse_args as router_args
 from disagg_operator.api.validation import parse
 from disagg_connector.router.discovery import backends_from_pod, pods_from_static
 from disagg_bench.localrun import loadgen, report
-from disagg_bench.localrun.bench import Sweep, mode, parse_series, series_delta
+from disagg_bench.localrun.bench import Sweep, cell_order, gauge_values, mode, parse_series, series_delta
 from disagg_bench.localrun.kube_env import DownwardValues, UnresolvableEnv, expand, resolve_env
 from disagg_bench.localrun.plan import PEER_ROUTER_MODES, LocalOptions, LocalPlan, LocalRunError, describe, flag_value, local_plan
 
@@ -411,6 +411,39 @@ def test_kv_series_are_summed_over_ranks_and_taken_per_cell() -> None:
     assert rep.startswith("| 1024 | 2 | router-push | 2 | 10 | 20.0 |"), rep
     no_series = {**results, "cells": [{**cell, "kv_transfer": {"prefill-0": {}, "decode-0": {}}}]}
     assert report.kv_transfer_table(no_series) == []  # engines without vllm:nixl_* (the simulator): no table
+
+
+GAUGES_PAGE = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 9.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 100.0
+"""
+
+
+def test_scheduler_gauges_sum_requests_over_ranks_and_take_the_fullest_ranks_kv() -> None:
+    assert gauge_values(GAUGES_PAGE) == {"vllm:num_requests_running": 5.0, "vllm:num_requests_waiting": 5.0,
+                                         "vllm:kv_cache_usage_perc": 0.75}  # a longer name sharing a prefix is not summed in
+    assert gauge_values("") == {}
+    cell = {"prompt_tokens": 16384, "rate": 8.0, "mode": "router-push", "engine_gauges": {
+        "decode-0": {"vllm:num_requests_waiting": {"mean": 2.5, "max": 6.0, "samples": 10},
+                     "vllm:kv_cache_usage_perc": {"mean": 0.5, "max": 0.97, "samples": 10}}}}
+    sweep = {"modes": ["router-push"], "prompts": [16384], "rates": [8.0]}
+    (row,) = report.gauges_table({"sweep": sweep, "cells": [cell]})[2:]
+    assert row == "| 16384 | 8 | router-push | decode-0 | - | 2.5 | 6 | 0.50 | 0.97 | 10 |", row
+    assert report.gauges_table({"sweep": sweep, "cells": [{**cell, "engine_gauges": {}}]}) == []  # older results: no table
+
+
+def test_each_mode_of_a_cell_runs_first_in_turn() -> None:
+    modes = [mode("router-push"), mode("direct-push"), mode("router-push-sequential")]
+    firsts = [cell_order(modes, k)[0].name for k in range(6)]
+    assert firsts == ["router-push", "direct-push", "router-push-sequential"] * 2
+    assert all(sorted(m.name for m in cell_order(modes, k)) == sorted(m.name for m in modes) for k in range(6))
+    assert cell_order([], 3) == []
 
 
 def test_peer_router_counters_tell_its_sequential_and_concurrent_legs_apart() -> None:

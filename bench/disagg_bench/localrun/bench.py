@@ -31,6 +31,7 @@ reason), and each request which replica it went to. `--prompt-format token-ids` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -39,15 +40,18 @@ import math
 import platform
 import random
 import shlex
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import aiohttp
+
+from disagg_connector import vllm_metrics
 
 from . import loadgen, report
 from .plan import PEER_POLICIES, PEER_ROUTER_MODES, PREFILL_POLICIES, LocalOptions, LocalPlan, describe, local_plan, split_policy
@@ -109,6 +113,14 @@ class Sweep:
         for m in self.modes:
             out.setdefault(m.transfer_mode, []).append(m)
         return list(out.items())
+
+
+def cell_order(modes: Sequence[Mode], k: int) -> list[Mode]:
+    """The order the modes of cell k run in on the shared engines: rotated by one each cell, so that each mode
+    runs first as often as the others. The mode that ran second on the same engines was slower whichever it was
+    (vLLM's own NIXL transfer times 3-5x the first's, bench/results/h200-issue19-routing.md)."""
+    shift = k % len(modes) if modes else 0
+    return [*modes[shift:], *modes[:shift]]
 
 
 def seed_of(*parts: Any) -> int:
@@ -241,6 +253,48 @@ def split_cell_series(delta: Mapping[str, Mapping[str, float]]) -> tuple[dict[st
     return kv, routing
 
 
+# The scheduler's own gauges (vLLM's v1/metrics/loggers.py), sampled while a cell runs: what each engine ran and
+# queued (WAITING holds requests waiting for a remote KV too) and how full its KV cache was. Issue 20's inversion
+# question needs them (h200-issue20-inversion.md: "Not recorded"); counters before and after cannot show a queue.
+SCHEDULER_GAUGES = (vllm_metrics.RUNNING, vllm_metrics.WAITING, vllm_metrics.KV_USAGE)
+GAUGE_SAMPLE_SECONDS = 0.5
+
+
+def gauge_values(text: str) -> dict[str, float]:
+    """One /metrics page -> each SCHEDULER_GAUGES value of the engine: requests summed over its DP ranks, the KV
+    cache usage of its fullest rank."""
+    out: dict[str, float] = {}
+    for series, value in parse_labelled(text, SCHEDULER_GAUGES).items():
+        name = series.split("{", 1)[0]
+        if name not in SCHEDULER_GAUGES:  # a longer name sharing the prefix
+            continue
+        combine = max if name == vllm_metrics.KV_USAGE else (lambda a, b: a + b)
+        out[name] = combine(out[name], value) if name in out else value
+    return out
+
+
+async def _sample_gauges(session: aiohttp.ClientSession, plan: LocalPlan, stop: asyncio.Event) -> dict[str, dict[str, dict[str, float]]]:
+    """Every GAUGE_SAMPLE_SECONDS until `stop`: each engine's gauges; then per engine and gauge its mean, max and
+    number of samples. A failed scrape is a missing sample, not an error: the cell's own figures come first."""
+    samples: dict[str, dict[str, list[float]]] = {}
+    timeout = aiohttp.ClientTimeout(total=GAUGE_SAMPLE_SECONDS * 4)
+    while True:
+        for e in plan.engines:
+            try:
+                async with session.get(e.url + "/metrics", timeout=timeout) as r:
+                    text = await r.text() if r.status == 200 else ""
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                continue
+            for name, value in gauge_values(text).items():
+                samples.setdefault(e.label, {}).setdefault(name, []).append(value)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), GAUGE_SAMPLE_SECONDS)
+        if stop.is_set():
+            break
+    return {label: {name: {"mean": statistics.fmean(v), "max": max(v), "samples": len(v)} for name, v in gauges.items()}
+            for label, gauges in samples.items()}  # fmt: skip
+
+
 # A peer router's own counters (vllm-router 0.1.17: vllm_router_pd_{prefill,decode}_requests_total{worker}, whose
 # worker label is the URL on its sequential path and host:port without the scheme on its concurrent push path).
 PEER_ROUTER_PREFIX = "vllm_router_pd_"
@@ -329,36 +383,47 @@ async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, resu
                     body = loadgen.completion_body(plan.served_model_name, prompt_text, sweep.max_tokens)
                     results["warmup"].append((await _warm_up(session, each, m.name, prompt, body)).as_dict())
         save()
-        for prompt in sweep.prompts:
-            for rate in sweep.rates:
-                n = loadgen.requests_per_cell(rate, sweep.cell_seconds, sweep.min_requests)
-                for m in modes:
-                    before = await _engine_snapshot(session, plan)
-                    routers_before = await _router_snapshot(session, plan, m)
-                    if sweep.workload == "multi-turn":  # same arrivals and think times for every mode, own words
-                        sessions = loadgen.multi_turn_sessions(sweep.multi_turn(prompt, rate), seed_of(sweep.seed, prompt, rate),
-                                                               seed_of(sweep.seed, prompt, rate, m.name))
-                        records = await loadgen.run_sessions(
-                            session, target(plan, m, sweep.replica_spread), sessions, mode=m.name, model=plan.served_model_name,
-                            cell_tokens=prompt, rate=rate, max_tokens=sweep.max_tokens, drain_timeout=sweep.drain_timeout,
-                            prompt_format=sweep.prompt_format)  # fmt: skip
-                    else:
-                        records = await loadgen.run_cell(
-                            session, target(plan, m, sweep.replica_spread), mode=m.name, model=plan.served_model_name, prompt_tokens=prompt,
-                            rate=rate, n=n, max_tokens=sweep.max_tokens,
-                            arrival_rng=random.Random(seed_of(sweep.seed, prompt, rate)),
-                            prompt_rng=random.Random(seed_of(sweep.seed, prompt, rate, m.name)),
-                            drain_timeout=sweep.drain_timeout, prompt_format=sweep.prompt_format,
-                        )  # fmt: skip
-                    summary = loadgen.summarize(records, sweep.workload)
-                    kv, routing = split_cell_series(series_delta(before, await _engine_snapshot(session, plan)))
-                    router_series = series_delta(routers_before, await _router_snapshot(session, plan, m))
-                    results["cells"].append({**report.summary_dict(summary), "kv_transfer": kv, "engine_series": routing,
-                                             "engine_roles": {e.label: e.role for e in plan.engines},
-                                             "router_series": router_series})
-                    results["records"] += [r.as_dict() for r in records]
-                    print(report.cell_line(summary), flush=True)
-                    save()
+        cells = [(prompt, rate) for prompt in sweep.prompts for rate in sweep.rates]
+        for k, (prompt, rate) in enumerate(cells):
+            n = loadgen.requests_per_cell(rate, sweep.cell_seconds, sweep.min_requests)
+            for m in cell_order(modes, k):
+                before = await _engine_snapshot(session, plan)
+                routers_before = await _router_snapshot(session, plan, m)
+                stop_sampling = asyncio.Event()
+                sampler = asyncio.create_task(_sample_gauges(session, plan, stop_sampling))
+                try:
+                    records = await _run_cell(session, plan, m, sweep, prompt, rate, n)
+                finally:
+                    stop_sampling.set()
+                    gauges = await sampler
+                summary = loadgen.summarize(records, sweep.workload)
+                kv, routing = split_cell_series(series_delta(before, await _engine_snapshot(session, plan)))
+                router_series = series_delta(routers_before, await _router_snapshot(session, plan, m))
+                results["cells"].append({**report.summary_dict(summary), "kv_transfer": kv, "engine_series": routing,
+                                         "engine_roles": {e.label: e.role for e in plan.engines}, "engine_gauges": gauges,
+                                         "router_series": router_series})
+                results["records"] += [r.as_dict() for r in records]
+                print(report.cell_line(summary), flush=True)
+                save()
+
+
+async def _run_cell(session: aiohttp.ClientSession, plan: LocalPlan, m: Mode, sweep: Sweep, prompt: int, rate: float,
+                    n: int) -> list[loadgen.RequestRecord]:
+    """One mode's run of a cell: its sessions (multi-turn) or its requests (no-reuse)."""
+    if sweep.workload == "multi-turn":  # same arrivals and think times for every mode, own words
+        sessions = loadgen.multi_turn_sessions(sweep.multi_turn(prompt, rate), seed_of(sweep.seed, prompt, rate),
+                                               seed_of(sweep.seed, prompt, rate, m.name))
+        return await loadgen.run_sessions(
+            session, target(plan, m, sweep.replica_spread), sessions, mode=m.name, model=plan.served_model_name,
+            cell_tokens=prompt, rate=rate, max_tokens=sweep.max_tokens, drain_timeout=sweep.drain_timeout,
+            prompt_format=sweep.prompt_format)  # fmt: skip
+    return await loadgen.run_cell(
+        session, target(plan, m, sweep.replica_spread), mode=m.name, model=plan.served_model_name, prompt_tokens=prompt,
+        rate=rate, n=n, max_tokens=sweep.max_tokens,
+        arrival_rng=random.Random(seed_of(sweep.seed, prompt, rate)),
+        prompt_rng=random.Random(seed_of(sweep.seed, prompt, rate, m.name)),
+        drain_timeout=sweep.drain_timeout, prompt_format=sweep.prompt_format,
+    )  # fmt: skip
 
 
 def run_bench(

@@ -9,6 +9,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from disagg_connector import vllm_metrics
+
 from .loadgen import CellSummary
 
 
@@ -387,6 +389,29 @@ def routing_table(runs: list[dict[str, Any]], baseline: str) -> list[str]:
     return lines
 
 
+def gauges_table(results: dict[str, Any]) -> list[str]:
+    """Per cell and engine, the scheduler's gauges sampled while the cell ran (bench.SCHEDULER_GAUGES)."""
+    rows = [c for c in _cells(results) if c.get("engine_gauges")]
+    if not rows:
+        return []
+    lines = ["| prompt | rate/s | mode | engine | running mean | waiting mean | waiting max | KV usage mean | KV usage max | samples |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for c in rows:
+        for engine, g in sorted(c["engine_gauges"].items()):
+            get = lambda name, stat: g.get(name, {}).get(stat)  # noqa: E731
+            lines.append(
+                f"| {c['prompt_tokens']} | {c['rate']:g} | {c['mode']} | {engine} | {_num(get(vllm_metrics.RUNNING, 'mean'), '.1f')} | "
+                f"{_num(get(vllm_metrics.WAITING, 'mean'), '.1f')} | {_num(get(vllm_metrics.WAITING, 'max'), '.0f')} | "
+                f"{_num(get(vllm_metrics.KV_USAGE, 'mean'), '.2f')} | {_num(get(vllm_metrics.KV_USAGE, 'max'), '.2f')} | "
+                f"{max((s.get('samples', 0) for s in g.values()), default=0)} |"
+            )
+    return lines
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
     sweep = results["sweep"]
     baseline = baseline or sweep["modes"][0]
@@ -434,6 +459,9 @@ def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
     kv = kv_transfer_table(results)
     if kv:
         out += ["", "## vLLM's own KV-transfer metrics per cell (/metrics `vllm:nixl_*`, after - before the cell, all engines)", ""] + kv
+    gauges = gauges_table(results)
+    if gauges:
+        out += ["", "## The engines' scheduler gauges while each cell ran (/metrics, sampled every 0.5 s)", ""] + gauges
     peers = [(mode, counters) for g in results.get("groups", []) for mode, counters in (g.get("peer_router_counters") or {}).items()]
     for mode, counters in peers:
         out += ["", f"## {mode}: the peer router's own counters at the end of its group", ""]
