@@ -9,7 +9,8 @@ simulator instead: role, transfer mode, engine_id, lease and load-failure policy
 with vLLM's defaults. Flags the simulator has no use for are ignored (vLLM's own parser judges the flags
 in CI: tests/unit/test_vllm_cmdlines.py). The timing model is a calibration profile
 (tests/vllm_sim/calibration.json) named by DISAGG_SIM_PROFILE (default "default": the simulator's own
-defaults).
+defaults); the release it answers as, DISAGG_SIM_VLLM_VERSION (default: the simulator's, 0.33.0), as an
+image would fix it (vLLM's command line does not name its release).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def sim_argv(argv: Sequence[str], env: dict[str, str], timing: dict[str, float])
         out += ["--prefix-caching-hash-algo", a.prefix_caching_hash_algo]
     if a.kv_events_config:
         out += ["--kv-events-config", a.kv_events_config]
+    if env.get("DISAGG_SIM_VLLM_VERSION"):  # the release the image would run (the sim answers as 0.33.0 by default)
+        out += ["--vllm-version", env["DISAGG_SIM_VLLM_VERSION"]]
     if env.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "0") not in ("", "0"):
         out.append("--disable-request-id-randomization")
     for name, value in timing.items():

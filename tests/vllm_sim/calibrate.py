@@ -183,6 +183,10 @@ def fit_pull_fair(pull: dict[str, Any], reads: dict[int, dict[str, float]], timi
 
 FAIR_RUNS = ["h200-issue20-1gpu-r1.json", "h200-issue20-1gpu-r2.json", "h200-issue20-1gpu-r3.json"]
 PEER_RUNS = ["h200-issue20-peers-r1.json", "h200-issue20-peers-r2.json", "h200-issue20-peers-r3.json"]
+# Issue 19's routing runs: 2 prefill + 1 decode engines of the same shape on one H200 (vLLM 0.26.0, push). They have
+# no direct-push or sequential cells and no low-rate cell without reuse, so nothing here fits compute, transfer or
+# pick-up anew: they are replayed with the fair profile's timing (what they measure is the routing).
+ROUTING_RUNS = [f"h200-issue19-{kind}-r{i}.json" for kind in ("routing", "noreuse") for i in range(1, 6)]
 
 
 def fitted_profiles(load: Any) -> dict[str, dict[str, Any]]:
@@ -214,6 +218,13 @@ def fitted_profiles(load: Any) -> dict[str, dict[str, Any]]:
                       "compute, TTFT and pick-up; vLLM's vllm:nixl_* counters of h200-issue20-peers-r{1,2,3}.json (the same "
                       "engines and settings, router-push and router-pull cells at 2/s) for the WRITE and READ rates and "
                       "READ's post time; fitted by tests/vllm_sim/calibrate.py",
+            "timing": fair_timing,
+        },
+        "h200-issue19-routing": {
+            "runs": ROUTING_RUNS,
+            "source": "bench/results/h200-issue19-{routing,noreuse}-r{1..5}.json (vLLM 0.26.0, Qwen3-0.6B shape, 2 prefill + "
+                      "1 decode engines on one H200, push, prefix caching on): the timing of h200-1gpu-fair, the same shape, "
+                      "release, GPU and transfer settings; the runs have no cell that fits compute, transfer or pick-up anew",
             "timing": fair_timing,
         },
     }

@@ -4,7 +4,8 @@ Its behaviour follows vLLM 0.33.0's code (file names below are under ``vllm/``; 
 ``distributed/kv_transfer/kv_connector/v1/nixl/``); ``--push-match transfer-id`` follows vLLM main.
 
 **HTTP protocol (vLLM's OpenAI server).** ``POST /v1/completions`` and ``/v1/chat/completions``, streamed
-(SSE, ``data: [DONE]``) or not; ``GET /v1/models``; ``GET /health`` (503 once the engine is dead).
+(SSE, ``data: [DONE]``) or not; ``GET /v1/models``; ``GET /health`` (503 once the engine is dead); ``GET
+/version`` (``--vllm-version``).
 ``X-Request-Id: <id>`` gives the engine request id ``cmpl-<id>-0`` (completions; the response id is
 ``cmpl-<id>``) or ``chatcmpl-<id>`` (chat), to which the engine appends ``-<8 hex>`` unless
 ``--disable-request-id-randomization`` (``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1``). ``kv_transfer_params`` is a top-level request and response field. Errors use
@@ -38,7 +39,9 @@ factor of the hash in 0.33.0 (``metadata.py``): a push engine and a pull engine 
   ``P_pp * max(1, min(tp_size, P_tp) // D_tp)`` (its real topology, limited to the ranks D addressed).
   Too few: D never completes. Enough with a wrong tp/pp: D completes with a wrong KV (garbage tokens ``??``).
 - Pull: P's prefill answer carries its ``kv_transfer_params`` (``remote_block_ids``, ``remote_engine_id``,
-  ``remote_request_id`` = P's internal id, host, port, sizes, expiry, ``transfer_mode: "pull"``). D without
+  ``remote_request_id`` = P's internal id, host, port, sizes, expiry, ``transfer_mode: "pull"``; push's answer
+  ``transfer_mode: "push"``; ``--vllm-version 0.26.0`` or older: no ``transfer_mode``, as those releases,
+  so that vllm-router, which moves a prefill URL to concurrent push on seeing it, stays sequential). D without
   ``remote_block_ids`` prefills locally without a word (``pull_scheduler.py``: nothing to read); with block
   ids but another key missing it logs "Got invalid KVTransferParams" and prefills locally; otherwise it reads
   (``POST /pull_read``).
@@ -151,6 +154,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from disagg_connector import contract
 from disagg_connector.contract import kv_blocks
 from tests.vllm_sim import prefix_cache as pc
 
@@ -998,12 +1002,17 @@ class Engine:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/sim/stats", self.stats)
         app.router.add_get("/sim/events", self.get_events)
         app.router.add_get("/sim/body/{xid}", self.body)
         app.router.add_post("/sim/control", self.control)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
+
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /version``: the release this engine answers as (``--vllm-version``)."""
+        return web.json_response({"version": self.a.vllm_version})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """vLLM's dev endpoint: every rank forgets its cached blocks (AllBlocksCleared), or nothing changes
@@ -1196,7 +1205,8 @@ class Engine:
         if self.a.mode == "pull":
             d["remote_blocks_expiry_time"] = time.time() + self.a.lease_seconds
             d["remote_registration_generation"] = 0
-        d["transfer_mode"] = self.a.mode
+        if contract.VllmProtocol(self.a.vllm_version).returns_transfer_mode:  # 0.33.0 on; a peer router learns push from it
+            d["transfer_mode"] = self.a.mode
         return d
 
     def _text(self, seq: Seq, i: int) -> str:
@@ -1323,6 +1333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compat-hash", default="sim", help="stands for vLLM's NIXL compatibility hash (one per revision)")
     p.add_argument("--watchdog-seconds", type=float, default=5.0, help="vLLM's VLLM_WATCHDOG_TIME_S: a dead engine's server exits by then")
     p.add_argument("--disable-request-id-randomization", action="store_true")
+    p.add_argument("--vllm-version", choices=contract.VLLM_VERSIONS, default="0.33.0",
+                   help="the release whose answers P gives: transfer_mode in kv_transfer_params from 0.33.0 on "
+                   "(the rest of the protocol is 0.33.0's either way)")
     p.add_argument(
         "--push-match",
         choices=("request-id", "transfer-id"),

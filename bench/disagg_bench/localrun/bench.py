@@ -123,6 +123,9 @@ def cell_order(modes: Sequence[Mode], k: int) -> list[Mode]:
     return [*modes[shift:], *modes[:shift]]
 
 
+ModeOrder = Callable[[Sequence[Mode], int], list[Mode]]
+
+
 def seed_of(*parts: Any) -> int:
     """A generator seed for these parts, different for any difference in them. (Until issue 19 this was the JSON's
     bytes read little-endian modulo 2**63: only its first 8 bytes counted, so every mode of a cell drew the same
@@ -370,7 +373,8 @@ async def _warm_up(session: aiohttp.ClientSession, t: loadgen.Target, name: str,
         await asyncio.sleep(1.0)
 
 
-async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, results: dict[str, Any], save: Callable[[], None]) -> None:
+async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, results: dict[str, Any], save: Callable[[], None],
+                         order: ModeOrder) -> None:
     plan = running.plan
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
@@ -386,7 +390,7 @@ async def _measure_group(running: Running, modes: list[Mode], sweep: Sweep, resu
         cells = [(prompt, rate) for prompt in sweep.prompts for rate in sweep.rates]
         for k, (prompt, rate) in enumerate(cells):
             n = loadgen.requests_per_cell(rate, sweep.cell_seconds, sweep.min_requests)
-            for m in cell_order(modes, k):
+            for m in order(modes, k):
                 before = await _engine_snapshot(session, plan)
                 routers_before = await _router_snapshot(session, plan, m)
                 stop_sampling = asyncio.Event()
@@ -434,7 +438,10 @@ def run_bench(
     startup_timeout: float,
     command: list[str],
     secrets: Mapping[str, str] | None = None,
+    order: ModeOrder = cell_order,
 ) -> dict[str, Any]:
+    """The sweep, group by group (the modes that share engines), cell by cell; `order` says in which order the modes
+    of cell k run (a replay of a real run passes the order that run had)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "command": shlex.join(command),
@@ -472,7 +479,7 @@ def run_bench(
             group["engine_version"] = asyncio.run(_engine_version(plan))
             save()
             try:
-                asyncio.run(_measure_group(running, modes, sweep, results, save))
+                asyncio.run(_measure_group(running, modes, sweep, results, save, order))
             finally:
                 group["engine_counters"] = asyncio.run(_engine_counters(plan))
                 if any(r.metrics_port is not None for r in plan.routers):
