@@ -28,14 +28,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
 TIMING = {"prefill_us_per_token": 800.0, "prefill_base_ms": 10.0, "tpot_ms": 10.0, "step_ms": 10.0, "registration_rtt_ms": 1.0}
 POLICIES = ("router-push:least-outstanding", "router-push:prefix-and-load")
 PEER = "vllmrouter-push:cache_aware"
@@ -51,15 +49,13 @@ def model_doc() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def bench_command(model: Path, out: Path, modes: list[str], port_base: int, cell_seconds: float, seed: int) -> list[str]:
+def bench_options(modes: list[str], cell_seconds: float, seed: int) -> list[str]:
+    """The sweep: the multi-turn shape above, our router's modes and vllm-router's on the same engines."""
     return [
-        sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), "--gpus", "0,1,2,3,4,5,6,7",
-        "--vllm", f"{sys.executable} -m tests.bench.routing_sim --as-vllm", "--port-base", str(port_base),
         "--peer-router-command", f"{sys.executable} -m vllm_router.launch_router",
         "--workload", "multi-turn", "--modes", ",".join(modes), "--system-tokens", str(SYSTEM_TOKENS), "--turns", str(TURNS),
         "--user-tokens", str(USER_TOKENS), "--think-time", str(THINK_S), "--rates", str(SESSION_RATE),
         "--cell-seconds", str(cell_seconds), "--min-requests", "8", "--max-tokens", str(ANSWER_TOKENS), "--seed", str(seed),
-        "--load-format", "dummy", "--out", str(out),
     ]  # fmt: skip
 
 
@@ -110,9 +106,9 @@ def run(runs: int, cell_seconds: float, peer: bool, workdir: Path) -> None:
     for r in range(runs):
         out = workdir / f"run{r}"
         order = rotated(modes, r)
-        cmd = bench_command(model, out, order, h.free_port_block(64), cell_seconds, seed=r)
         print(f"run {r + 1}/{runs}: {', '.join(order)}", flush=True)
-        proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, text=True, capture_output=True)
+        proc = h.localrun_bench(model, out, 8, *bench_options(order, cell_seconds, seed=r),
+                                vllm=f"{sys.executable} -m tests.bench.routing_sim --as-vllm", profile=None)
         if proc.returncode != 0:
             raise SystemExit(f"run {r + 1} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         print("\n".join(line for line in proc.stdout.splitlines() if " x " in line), flush=True)

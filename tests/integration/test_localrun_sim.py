@@ -19,7 +19,7 @@ from tests.vllm_sim import harness as h
 
 from tests.conftest import REPO, dm
 
-SIM = (sys.executable, "-m", "tests.vllm_sim.as_vllm")
+SIM = h.AS_VLLM
 FAST = (("DISAGG_SIM_PROFILE", "fast"),)
 
 
@@ -51,13 +51,10 @@ def test_bench_sweeps_modes_and_writes_results(tmp_path: Path) -> None:
     model = tmp_path / "dm.yaml"
     model.write_text(json.dumps(dm({"engine": {"enablePrefixCaching": False}}, name="bench")))
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), "--gpus", "0,1",
-        "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port_block(64)),
-        "--modes", "router-push,direct-push,router-pull,direct-pull", "--prompts", "64,512", "--rates", "8",
-        "--cell-seconds", "0.5", "--min-requests", "4", "--max-tokens", "6", "--load-format", "dummy", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = h.localrun_bench(
+        model, out, 2, "--modes", "router-push,direct-push,router-pull,direct-pull", "--prompts", "64,512", "--rates", "8",
+        "--cell-seconds", "0.5", "--min-requests", "4", "--max-tokens", "6", timeout=240,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     cells = {(c["prompt_tokens"], c["mode"]): c for c in results["cells"]}
@@ -106,14 +103,11 @@ def test_bench_runs_vllm_router_as_a_peer_on_the_same_engines(tmp_path: Path) ->
     model = tmp_path / "dm.yaml"
     model.write_text(json.dumps(dm({"engine": {"enablePrefixCaching": False}}, name="peer")))
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), "--gpus", "0,1",
-        "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port_block(64)),
-        "--peer-router-command", str(_peer_router_command()),
+    proc = h.localrun_bench(
+        model, out, 2, "--peer-router-command", str(_peer_router_command()),
         "--modes", "router-push,vllmrouter-push,vllmrouter-pull", "--prompts", "512", "--rates", "8",
-        "--cell-seconds", "0.5", "--min-requests", "4", "--max-tokens", "6", "--load-format", "dummy", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+        "--cell-seconds", "0.5", "--min-requests", "4", "--max-tokens", "6", timeout=240,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     for c in results["cells"]:
@@ -138,14 +132,11 @@ def test_multi_turn_sessions_compare_prefill_policies_by_the_engines_own_prefix_
     model.write_text(json.dumps(dm(spec, name="turns")))
     out = tmp_path / "out"
     modes = ("router-push:least-outstanding", "router-push:prefix-and-load")
-    cmd = [
-        sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), "--gpus", "0,1,2",
-        "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port_block(64)),
-        "--workload", "multi-turn", "--modes", ",".join(modes), "--system-tokens", "512", "--turns", "4", "--user-tokens", "128",
-        "--think-time", "0.2", "--rates", "4", "--cell-seconds", "2", "--min-requests", "8", "--max-tokens", "8",
-        "--load-format", "dummy", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = h.localrun_bench(
+        model, out, 3, "--workload", "multi-turn", "--modes", ",".join(modes), "--system-tokens", "512", "--turns", "4",
+        "--user-tokens", "128", "--think-time", "0.2", "--rates", "4", "--cell-seconds", "2", "--min-requests", "8",
+        "--max-tokens", "8", timeout=240,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["sweep"]["workload"] == "multi-turn" and [g["modes"] for g in results["groups"]] == [list(modes)]

@@ -13,17 +13,13 @@ printed, not asserted (2 shared cores)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from disagg_bench.localrun.report import ideal_hit_ratio, router_replicas, routing
 from tests.vllm_sim import harness as h
 
-from tests.conftest import REPO, dm
+from tests.conftest import dm
 
-SIM = (sys.executable, "-m", "tests.vllm_sim.as_vllm")
 MODES = ("router-push:least-outstanding", "router-push:prefix-and-load")
 SYSTEM_TOKENS, RATE = 512, 4.0
 
@@ -34,15 +30,12 @@ def test_two_router_replicas_find_each_conversation_cached_through_the_engines_k
             "router": {"prefillPolicy": "PrefixAndLoad"}}  # fmt: skip
     model.write_text(json.dumps(dm(spec, name="scale")))
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), "--gpus", "0,1,2,3,4,5,6,7",
-        "--vllm", " ".join(SIM), "--env", "DISAGG_SIM_PROFILE=fast", "--port-base", str(h.free_port_block(64)),
-        "--router-replicas", "2", "--replica-spread", "request", "--prompt-format", "token-ids",
+    proc = h.localrun_bench(
+        model, out, 8, "--router-replicas", "2", "--replica-spread", "request", "--prompt-format", "token-ids",
         "--workload", "multi-turn", "--modes", ",".join(MODES), "--system-tokens", str(SYSTEM_TOKENS), "--turns", "4",
         "--user-tokens", "128", "--think-time", "0.3", "--rates", str(RATE), "--cell-seconds", "5", "--min-requests", "20",
-        "--max-tokens", "8", "--load-format", "dummy", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        "--max-tokens", "8", timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     cells = {c["mode"]: c for c in results["cells"]}

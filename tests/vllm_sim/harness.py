@@ -392,3 +392,22 @@ def stop_all(*things: Any) -> None:
     for t in things:
         if t is not None:
             t.proc.stop()
+
+
+# `vllm serve` replaced by the simulator, reading the same command line (tests/vllm_sim/as_vllm.py)
+AS_VLLM = (sys.executable, "-m", "tests.vllm_sim.as_vllm")
+
+
+def localrun_bench(model: Path, out: Path, gpus: int, *options: str, vllm: str = " ".join(AS_VLLM),
+                   profile: str | None = "fast", port_base: int | None = None, timeout: float | None = None,
+                   ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """`disagg-localrun bench` of MODEL on GPUS local "GPUs" (engines placed by localrun), with the simulator
+    (timed by PROFILE) in place of vLLM and dummy weights, writing to OUT; OPTIONS are the sweep's."""
+    cmd = [
+        sys.executable, "-m", "disagg_bench.localrun", "bench", "-f", str(model), "--gpus", ",".join(map(str, range(gpus))),
+        "--vllm", vllm, *(("--env", f"DISAGG_SIM_PROFILE={profile}") if profile else ()),
+        "--port-base", str(port_base if port_base is not None else free_port_block(64)), "--load-format", "dummy",
+        "--out", str(out), *options,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
