@@ -41,11 +41,8 @@ def read_samples(text: str | bytes, names: Collection[str], only_their_lines: bo
     and text that is not Prometheus text format raises (ValueError, mostly).
     """
     if isinstance(text, bytes):
-        if only_their_lines:
-            prefixes = tuple(n.encode() for n in names)
-            text = b"\n".join(line for line in text.splitlines() if line.startswith(prefixes)) + b"\n"
         text = text.decode()
-    elif only_their_lines:
+    if only_their_lines:
         text = "\n".join(line for line in text.splitlines() if line.startswith(tuple(names))) + "\n"
     for family in text_string_to_metric_families(text):
         for s in family.samples:

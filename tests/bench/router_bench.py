@@ -4,6 +4,8 @@
     python -m tests.bench.router_bench --quick          # about 6 min, one run per cell
     python -m tests.bench.router_bench --skip-peers     # about 5 min: headroom, index fill, JSON, short prompts
     python -m tests.bench.router_bench --toy-proxy PATH # also vLLM's toy proxy (its file, fetched by you)
+    python -m tests.bench.router_bench --only-cpu       # about 6 min: the router's CPU per request by policy pair
+    python -m tests.bench.router_bench --only-cpu --cpu-compare DIR/connector  # and another checkout's, interleaved
 
 Everything runs as separate processes on this machine: simulated vLLM engines (``tests.vllm_sim``), the
 real router (``disagg_connector.router``) and the client. Every figure is a median of ``--runs`` runs
@@ -40,6 +42,13 @@ real router (``disagg_connector.router``) and the client. Every figure is a medi
    is (0 to its cap of 500k chunks), prefix-and-load and least-outstanding: the cost must not grow with the index.
 5. **JSON per request**: the router parses the client's body and writes both legs' bodies; the standard
    library against orjson (which the router uses), per prompt length.
+6. **Router CPU per request** (issue 19: the router's cost must not grow with the new policies): each policy pair's
+   router on the same 2P+2D zero-cost engines under the same closed loop (the peers' prompts, 64 streams), the router
+   process's own CPU seconds (``/proc/<pid>/task/*/schedstat``) over the requests it completed, runs interleaved; against
+   least-outstanding/least-outstanding. On a busy machine throughput swings with what else runs; the CPU a
+   request takes much less. ``--cpu-compare`` runs another checkout's routers beside these: before and after, in
+   one run.
+7. **Policy work per request**: the chunk keys and both picks of each pair, in process, in CPU microseconds.
 """
 
 from __future__ import annotations
@@ -94,6 +103,7 @@ def pct(xs: list[float], p: float) -> float:
 class Cell:
     rps: float
     p50_ms: float
+    n: int = 0  # requests completed
 
 
 async def closed_loop(fn: Callable[[], Awaitable[None]], concurrency: int, seconds: float) -> Cell:
@@ -109,7 +119,7 @@ async def closed_loop(fn: Callable[[], Awaitable[None]], concurrency: int, secon
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return Cell(len(lat) / (time.perf_counter() - t0), pct(lat, 50) * 1e3)
+    return Cell(len(lat) / (time.perf_counter() - t0), pct(lat, 50) * 1e3, len(lat))
 
 
 async def read_stream(r: aiohttp.ClientResponse) -> None:
@@ -426,6 +436,105 @@ def peer_paths_note(engines: str, prompts: str, transfer: str, theirs: dict[str,
     return f"- {engines}, {prompts}, {transfer}: vllm-router prefill legs sequential/concurrent push: {', '.join(parts)}"
 
 
+# --- Router CPU per request, by policy pair ---------------------------------------------------------------
+CPU_BASELINE = ("least-outstanding", "least-outstanding", "")  # the router's only policies before issue 19, this tree
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's own CPU seconds so far: the time its threads ran (/proc/<pid>/task/*/schedstat, in nanoseconds; its
+    stat's utime + stime count 10 ms ticks, a tenth of the 0.15 s a router at 0.05 cores uses in 3 s)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return total / 1e9
+
+
+@dataclasses.dataclass
+class CpuRun:
+    ms_per_request: float  # the router's CPU milliseconds per completed request
+    rps: float
+    cores: float  # the router's CPU seconds per second of the run
+    to_base: float = 1.0  # ms_per_request over the baseline's in the same run
+
+
+def launch_router_from(src: Path | None, *args: Any, **kw: Any) -> h.Router:
+    """h.launch_router, with the disagg_connector package of ``src`` (another checkout's connector/) when given."""
+    saved = os.environ.get("PYTHONPATH")
+    if src is not None:  # the harness puts the repository first, which holds no disagg_connector package itself
+        os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (str(src), saved) if x)
+    try:
+        return h.launch_router(*args, **kw)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+async def cpu_per_request(log_dir: Path, transfers: list[str], prompt_kinds: list[str], streams: int, seconds: float, runs: int,
+                          compare: Path | None = None, pairs: list[tuple[str, str]] = OUR_POLICIES) -> list[str]:
+    """The router's own CPU time per completed request, per policy pair, on the same zero-cost engines under the
+    same closed-loop client: what the policies cost, whatever else the machine runs (a busy machine slows the
+    requests far more than it changes the CPU each takes). Runs interleaved, each run starting one router later;
+    medians, and the median of each run's ratio to the baseline router's. With ``compare`` (another checkout's
+    connector/ directory), that code's routers run too, interleaved with these: before and after in one run."""
+    rows: list[str] = []
+    sources = {"": None, **({"before": compare} if compare is not None else {})}
+    for transfer in transfers:
+        tag = f"cpu-{transfer}"
+        prefills = [h.launch_sim(log_dir, "prefill", transfer, revision=tag, **ZERO) for _ in range(PEER_PAIRS)]
+        decodes = [h.launch_sim(log_dir, "decode", transfer, revision=tag, **ZERO) for _ in range(PEER_PAIRS)]
+        static = log_dir / f"{tag}.json"
+        h.write_static(static, [e.static_entry() for e in (*prefills, *decodes)])
+        ours = {(p, d, code): launch_router_from(src, log_dir, static, transfer, extra=["--prefill-policy", p, "--decode-policy", d],
+                                                 name=f"router-{tag}-{p}-{d}{'-' + code if code else ''}")
+                for code, src in sources.items() for p, d in dict.fromkeys([*pairs, CPU_BASELINE[:2]])}  # fmt: skip
+        try:
+            await asyncio.to_thread(h.wait_ready, *prefills, *decodes)
+            await asyncio.to_thread(h.wait_ready, *ours.values(), timeout=120)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=120)) as s:
+                for kind in prompt_kinds:
+                    prompts = Prompts(kind)
+                    fns = {key: sent_to(s, lambda u=R.url: loadgen.RouterTarget(u), prompts) for key, R in ours.items()}
+                    for fn in fns.values():  # warm up connections and code paths
+                        await closed_loop(fn, 4, 0.5)
+                    order = list(ours)
+                    measured: dict[tuple[str, str, str], list[CpuRun]] = {key: [] for key in order}
+                    for run in range(runs):
+                        for key in order[run % len(order):] + order[:run % len(order)]:
+                            pid = ours[key].proc.pid
+                            before, t0 = cpu_seconds(pid), time.perf_counter()
+                            cell = await closed_loop(fns[key], streams, seconds)
+                            used, wall = cpu_seconds(pid) - before, time.perf_counter() - t0
+                            measured[key].append(CpuRun(used / max(cell.n, 1) * 1e3, cell.rps, used / wall))
+                        base = measured[CPU_BASELINE][-1].ms_per_request
+                        for runs_of in measured.values():
+                            runs_of[-1].to_base = runs_of[-1].ms_per_request / base
+                    rows += cpu_rows(transfer, prompts.label, measured)
+        finally:
+            h.stop_all(*ours.values(), *prefills, *decodes)
+    return ["", f"## Router CPU per request: each policy pair on the same {PEER_PAIRS} prefill + {PEER_PAIRS} decode zero-cost "
+            f"engines, {streams} streams, closed loop, medians of {runs} run(s) of {seconds:g} s, routers interleaved",
+            "", "The router process's own CPU time (its threads' run time, /proc/<pid>/task/*/schedstat) over the requests it completed: a "
+            "busy machine slows the requests far more than it changes the CPU each takes. /base: the median over runs of "
+            "the ratio to least-outstanding/least-outstanding (the router before issue 19) in the same run; extra: the "
+            "difference of the medians in microseconds; cores: the router's CPU seconds per second"
+            + ("; (before): the same routers from " + str(compare) + ", interleaved with these" if compare else "") + ".",
+            "", "| transfer | prompts | policies | req/s | cores | CPU ms/req | /base | extra us/req |", "|---|---|---|---|---|---|---|---|",
+            *rows]  # fmt: skip
+
+
+def cpu_rows(transfer: str, prompts: str, measured: dict[tuple[str, str, str], list[CpuRun]]) -> list[str]:
+    med = {key: CpuRun(*(statistics.median(getattr(r, f.name) for r in runs) for f in dataclasses.fields(CpuRun)))
+           for key, runs in measured.items()}  # fmt: skip
+    base = med[CPU_BASELINE].ms_per_request
+    return [f"| {transfer} | {prompts} | {p}/{d}{f' ({code})' if code else ''} | {m.rps:.0f} | {m.cores:.2f} | "
+            f"{m.ms_per_request:.3f} | {m.to_base:.2f} | {(m.ms_per_request - base) * 1e3:.0f} |" for (p, d, code), m in med.items()]
+
+
 def index_growth(runs: int, picks: int = 200) -> list[str]:
     """What one prefix-and-load prefill pick costs as the prefix index fills: the router's own code
     (policy.Policies.prefill, with the prompt's chunk keys made as dispatch makes them), PEER_PAIRS backends,
@@ -469,6 +578,55 @@ def index_growth(runs: int, picks: int = 200) -> list[str]:
     for level in levels:
         pl, lo = (statistics.median(timings[level, p]) for p in ("prefix-and-load", "least-outstanding"))
         out.append(f"| {level:,} | {pl:.1f} | {lo:.1f} | {pl - lo:.1f} |")
+    return out
+
+
+def policy_work(runs: int, picks: int = 400) -> list[str]:
+    """The policies' own work per request, in process: the prompt's chunk keys (as dispatch makes them), the
+    prefill pick and the decode pick of the router's code, PEER_PAIRS backends of each role, every one with a
+    fresh load read (so that the load-aware policies weigh load), each pair on a prefix index of its own;
+    this thread's CPU time (the clock's own cost included, alike for all). Medians of `runs` runs of `picks` requests, pairs interleaved."""
+    from disagg_connector.contract.vllm_pd import estimate_prompt_tokens
+    from disagg_connector.router.discovery import Backend
+    from disagg_connector.router.load import LoadBoard, parse_engine_metrics
+    from disagg_connector.router.pairing import Balancer
+    from disagg_connector.router.policy import Policies
+    from disagg_connector.router.prefix import PrefixIndex, prompt_key
+
+    def backends(role: str, port: int) -> list[Backend]:
+        return [Backend(role, "r1", f"{role}{i}", "uid", h.HOST, EngineIdentity(f"{role}{i}.uid", h.HOST, port + i, 1, 1)) for i in range(PEER_PAIRS)]
+
+    prefills, decodes = backends("prefill", 5600), backends("decode", 5700)
+    clock = time.thread_time  # CPU time of this thread: what other processes run meanwhile does not count
+    page = parse_engine_metrics('vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+                                'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n')  # fmt: skip
+    out = ["", f"## Policy work per request: chunk keys, prefill pick and decode pick, in process, {PEER_PAIRS}P/{PEER_PAIRS}D with "
+           f"fresh load reads (CPU microseconds, median of {runs} runs of {picks} requests)", "",
+           "| prompts | policies | keys us | prefill us | decode us | total us |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for kind in ("short", "shared-prefix"):
+        timings: dict[tuple[str, str], list[tuple[float, float, float]]] = {pair: [] for pair in OUR_POLICIES}
+        for _ in range(runs):
+            prompts = Prompts(kind)
+            bodies = [prompts.next() for _ in range(picks)]
+            for pair in OUR_POLICIES:
+                board = LoadBoard(3600.0)  # reads stay fresh for the run
+                for b in (*prefills, *decodes):
+                    board.record(b, page, 0)
+                policies = Policies(*pair, Balancer(), board, PrefixIndex())
+                keys = prefill = decode = 0.0
+                for body in bodies:
+                    t0 = clock()
+                    key = prompt_key("completions", body, estimate_prompt_tokens("completions", body))
+                    t1 = clock()
+                    policies.prefill(prefills, key)
+                    t2 = clock()
+                    policies.decode(decodes)
+                    t3 = clock()
+                    keys, prefill, decode = keys + t1 - t0, prefill + t2 - t1, decode + t3 - t2
+                timings[pair].append((keys / picks * 1e6, prefill / picks * 1e6, decode / picks * 1e6))
+        for (p, d), ts in timings.items():
+            k, pf, dc = (statistics.median(t[i] for t in ts) for i in range(3))
+            out.append(f"| {Prompts(kind).label} | {p}/{d} | {k:.1f} | {pf:.1f} | {dc:.1f} | {k + pf + dc:.1f} |")
     return out
 
 
@@ -570,12 +728,22 @@ def main() -> None:
     ap.add_argument("--skip-headroom", action="store_true")
     ap.add_argument("--skip-short", action="store_true")
     ap.add_argument("--skip-peers", action="store_true")
+    ap.add_argument("--skip-cpu", action="store_true")
+    ap.add_argument("--only-cpu", action="store_true", help="only the router CPU per request section")
+    ap.add_argument("--cpu-transfers", default="push,pull", help="transfer modes of the CPU section (default push,pull)")
+    ap.add_argument("--cpu-pairs", default=",".join(f"{p}/{d}" for p, d in OUR_POLICIES),
+                    help="policy pairs of the CPU section, prefill/decode, comma-separated (least-outstanding/least-outstanding always)")
+    ap.add_argument("--cpu-compare", type=Path, metavar="DIR",
+                    help="the CPU section also runs the routers of another checkout's connector/ directory, interleaved "
+                         "(before/after: git archive HEAD connector | tar -x -C DIR, then pass DIR/connector)")
     ap.add_argument("--peer-streams", default="64", help="stream counts of the peers section, comma-separated (default 64)")
     ap.add_argument("--peer-engines", default="zero-cost,timed", help="engine models of the peers section: zero-cost, timed")
     ap.add_argument("--sim-vs-real", action="store_true",
                     help="also replay the committed H200 runs with the calibrated simulator (tests/bench/sim_vs_real.py, ~12 min)")
     a = ap.parse_args()
     runs = a.runs or (1 if a.quick else 3)
+    if a.only_cpu:
+        a.skip_headroom = a.skip_peers = a.skip_short = True
     seconds = 2.0 if a.quick else 4.0
     lengths = [128, 512, 1024] if a.quick else [64, 128, 256, 512, 1024, 2048]
     lines = ["# disagg-router benchmark", f"# command: python -m tests.bench.router_bench {shlex.join(sys.argv[1:])}".rstrip(),
@@ -592,6 +760,10 @@ def main() -> None:
     lines = Out(lines)
     with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp:
         log_dir = Path(tmp)
+        if not a.skip_cpu:
+            lines += asyncio.run(cpu_per_request(log_dir, a.cpu_transfers.split(","), ["short", "shared-prefix"], 64,
+                                                 2.0 if a.quick else 4.0, runs, a.cpu_compare,
+                                                 [tuple(x.split("/")) for x in a.cpu_pairs.split(",")]))  # type: ignore[misc]
         if not a.skip_headroom:
             lines += asyncio.run(headroom(log_dir, [1, 16, 64], seconds, runs, a.toy_proxy))
         if not a.skip_peers:
@@ -599,8 +771,10 @@ def main() -> None:
             engine_models = [(m if m == "zero-cost" else "timed 10 ms/token", models[m]) for m in a.peer_engines.split(",")]
             lines += asyncio.run(peers(log_dir, engine_models, ["short", "shared-prefix"], [int(x) for x in a.peer_streams.split(",")],
                                        1.5 if a.quick else 3.0, runs))
-        lines += index_growth(runs=3 if a.quick else 7)
-        lines += json_cost()
+        lines += policy_work(runs=3 if a.quick else 7)
+        if not a.only_cpu:
+            lines += index_growth(runs=3 if a.quick else 7)
+            lines += json_cost()
         if not a.skip_short:
             lines += asyncio.run(short_prompts(log_dir, lengths, rate=20.0, probes=10 if a.quick else 30, background=8))
     if a.sim_vs_real:

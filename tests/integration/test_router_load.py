@@ -21,14 +21,17 @@ def _words(tag: str, n: int) -> str:
 
 # Prompt words per router (the simulator counts a word a token): how the engines' records tell the routers apart.
 WORDS = {"prefix-and-load": 300, "least-outstanding": 400}
+# Requests kept queued on the busy engine: 4.8 s of prefill, while eight short requests go through the routers.
+BACKGROUND = 24
 
 
 async def _through_router_while_busy(busy: h.Sim, routers: list[h.Router], per_router: int) -> list[h.Reply]:
-    """Eight long prompts straight to ``busy`` (each prefill 200 ms, one at a time), and, once the routers read
-    the queue, ``per_router`` short prompts through each router, one after the other."""
+    """BACKGROUND long prompts straight to ``busy`` (each prefill 200 ms, one at a time), and, once the routers
+    read the queue, ``per_router`` short prompts through each router, one after the other, all sent while that
+    queue lasts (asserted: on a loaded machine eight of them, 1.6 s, once drained before the last was sent)."""
     background = [
         asyncio.create_task(h.post(busy.url + "/v1/completions", {**h.completion(max_tokens=1), "prompt": _words(f"bg{i}-", 2000)}))
-        for i in range(8)
+        for i in range(BACKGROUND)
     ]
     try:
         for router in routers:
@@ -40,6 +43,7 @@ async def _through_router_while_busy(busy: h.Sim, routers: list[h.Router], per_r
             for router in routers:
                 body = {**h.completion(max_tokens=2), "prompt": _words(f"fg{i}-", WORDS[router.proc.name])}
                 replies.append(await h.post(router.url + "/v1/completions", body))
+        assert not all(t.done() for t in background), f"{busy.name}'s queue drained before the last request was sent"
         return replies
     finally:
         await asyncio.gather(*background)
@@ -60,7 +64,7 @@ def test_an_engine_busy_with_traffic_the_router_did_not_send_stops_attracting_ne
         replies = asyncio.run(_through_router_while_busy(p0, [by_load, outstanding], per_router=4))
         assert [r.status for r in replies] == [200] * 8
         legs = [e for s in (p0, p1) for e in s.events("leg_received")]
-        assert len(legs) == sum(before.values()) + 8 + 8  # the background's eight, both routers' four each
+        assert len(legs) == sum(before.values()) + BACKGROUND + 8  # the background's, both routers' four each
 
         def served(router: h.Router) -> dict[str, int]:
             words = WORDS[router.proc.name]

@@ -5,7 +5,7 @@ replica sees the same numbers (a router's own in-flight count sees only its own 
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
   ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens), and the KV cache's size
   from ``vllm:cache_config_info`` (labels ``block_size``, ``num_gpu_blocks``). Only those lines are parsed
-  (with prometheus_client's parser): a vLLM ``/metrics`` page is mostly histograms, tens of kB.
+  (:func:`vllm_metrics.parse_sample_line`): a vLLM ``/metrics`` page is mostly histograms, tens of kB.
 - **A backend's load** is what its engine said at the last read (running + waiting) plus the legs this router
   sent it since that read and still has in flight: between two reads the router's own traffic is the only news. A read older than
   :data:`STALE_READS` intervals counts as none, and the load is then this router's in-flight count alone, as
@@ -23,7 +23,7 @@ import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import aiohttp
 
@@ -109,17 +109,31 @@ class LoadBoard:
             self.on_restart(b.key)
         self.readings[b.key] = Reading(now, self.clock(), sent_before)
 
-    def fresh(self, key: str) -> Reading | None:
+    def fresh(self, key: str, now: float | None = None) -> Reading | None:
         r = self.readings.get(key)
-        if r is None or self.interval <= 0 or self.clock() - r.at > STALE_READS * self.interval:
+        if r is None or self.interval <= 0 or (self.clock() if now is None else now) - r.at > STALE_READS * self.interval:
             return None
         return r
 
-    def load(self, key: str, inflight: int) -> float:
+    def load(self, key: str, inflight: int, now: float | None = None) -> float:
         """Requests ahead of a new one on this backend: the engine's running + waiting at the last fresh read
         plus this router's legs sent since and still in flight (``inflight`` bounds them); without a fresh read,
         this router's in-flight legs."""
-        r = self.fresh(key)
+        return self._ahead(key, self.fresh(key, now), inflight)
+
+    def loads(self, keys: Iterable[str], inflight: Mapping[str, int]) -> tuple[dict[str, float], bool]:
+        """:meth:`load` of each of ``keys`` (``inflight``: this router's legs per key) at one look at the clock, and
+        whether any of them had a fresh read: what a pick asks, in one pass."""
+        now = self.clock()
+        out: dict[str, float] = {}
+        any_fresh = False
+        for key in keys:
+            r = self.fresh(key, now)
+            any_fresh = any_fresh or r is not None
+            out[key] = self._ahead(key, r, inflight.get(key, 0))
+        return out, any_fresh
+
+    def _ahead(self, key: str, r: Reading | None, inflight: int) -> float:
         if r is None:
             return float(inflight)
         # Legs sent since the read and still in flight: those that already finished are no load any more.

@@ -64,8 +64,9 @@ class Policies:
         self.kv = kv if kv is not None else KvIndex()
         self.mean_uncached_tokens = 0.0  # per prefill request sent: the unit a queued request costs
 
-    def _load(self, b: Backend) -> float:
-        return self.board.load(b.key, self.balancer.inflight.get(b.key, 0))
+    def _loads(self, cands: Sequence[Backend]) -> tuple[dict[str, float], bool]:
+        """Each candidate's load, and whether any has a fresh reading."""
+        return self.board.loads([b.key for b in cands], self.balancer.inflight)
 
     def _fewest(self, cands: Sequence[Backend], cost: dict[str, float], role: str) -> Backend:
         low = min(cost[b.key] for b in cands)
@@ -79,12 +80,11 @@ class Policies:
             return self._sent(Pick(b, self.prefill_policy, "in_flight", self._hit_tokens(b, key)), key)
         hits = self._hits(cands, key)
         tokens = key.tokens if key is not None else 0
-        fresh = any(self.board.fresh(b.key) is not None for b in cands)
+        load, fresh = self._loads(cands)
         if not fresh and not any(hits.values()):
             b = self.balancer.least(cands, "prefill")
             return self._sent(Pick(b, self.prefill_policy, "in_flight"), key)
         unit = max(self.mean_uncached_tokens, 1.0)
-        load = {b.key: self._load(b) for b in cands}
         # No engine idles while another queues: one busier than the least busy by more than the slack is out,
         # whatever it holds. Without this a shared system prompt draws every new session to the engine that
         # first cached it, and the other never caches it (vllm-router's cache_aware piles sessions so).
@@ -139,11 +139,12 @@ class Policies:
         if len(cands) == 1:
             self.board.dispatched(cands[0].key)
             return Pick(cands[0], self.decode_policy, "only")
-        if self.decode_policy == "least-outstanding" or not any(self.board.fresh(b.key) is not None for b in cands):
+        load, fresh = self._loads(cands) if self.decode_policy != "least-outstanding" else ({}, False)
+        if not fresh:
             b = self.balancer.least(cands, "decode")
             reason = "in_flight"
         else:
-            b = self._fewest(cands, {c.key: self._load(c) for c in cands}, "decode")
+            b = self._fewest(cands, load, "decode")
             reason = "load"
         self.board.dispatched(b.key)
         return Pick(b, self.decode_policy, reason)

@@ -109,8 +109,10 @@ class PrefixIndex:
         self.evictions = 0
 
     def set_capacity(self, key: str, tokens: int) -> None:
-        self._capacity[key] = max(1, tokens // CHUNK_TOKENS)
-        self._trim(key)
+        chunks = max(1, tokens // CHUNK_TOKENS)
+        if self._capacity.get(key) != chunks:  # every prefill pick says it again: trim only on a change
+            self._capacity[key] = chunks
+            self._trim(key)
 
     def match(self, chunks: Sequence[int], keys: Iterable[str]) -> dict[str, int]:
         """How many leading chunks each of ``keys`` holds (absent: none)."""
