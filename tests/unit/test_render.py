@@ -13,7 +13,7 @@ from disagg_connector import contract
 from disagg_operator.api.models import DisaggregatedRoleSpec
 from disagg_operator.api.validation import parse
 from disagg_operator.manifests import dump_all
-from disagg_operator.render import render
+from disagg_operator.render import gang, render
 
 from ..conftest import EXAMPLES, REPO, dm, load_example
 
@@ -219,6 +219,18 @@ def test_each_role_has_a_scale_target_and_autoscaling_an_hpa_on_it() -> None:
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "disagg.dev/v1alpha1", "kind": contract.ROLE_KIND, "name": "m-decode"}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"], hpa["spec"]["metrics"]) == (2, 6, [WAITING])
     assert not [o for o in by_kind(objects, "HorizontalPodAutoscaler") if o["metadata"]["name"] == "m-prefill"]
+
+
+@pytest.mark.parametrize("pair_gang", [True, False])
+def test_every_role_with_autoscaling_gets_its_hpa(pair_gang: bool) -> None:
+    """Whichever roles autoscale, with or without a pair PodGroup (063ad76 rendered only the last role's HPA, and
+    only with one: prefill's never)."""
+    scaled = {"autoscaling": {"minReplicas": 1, "maxReplicas": 4, "metrics": [WAITING]}}
+    spec = {"prefill": scaled, "decode": scaled, **({} if pair_gang else {"decode": {**scaled, "priorityClassName": "low"}})}
+    model = parse(dm(spec))
+    assert gang.pairs(model) == pair_gang
+    hpas = by_kind(render(model).objects, "HorizontalPodAutoscaler")
+    assert sorted(h["spec"]["scaleTargetRef"]["name"] for h in hpas) == ["m-decode", "m-prefill"]
 
 
 def test_data_parallel_ports_and_identity() -> None:

@@ -76,12 +76,12 @@ def render(dm: DisaggregatedModel, defaults: RenderDefaults | None = None) -> Re
         ]
         if engines["kind"] == LWS_KIND:  # the planner sizes them with the LWS, where the cluster serves them
             objects += gang.pod_groups(engines, engines["spec"]["replicas"])
-    if gang.pairs(dm):  # the same: made where served, its minCount from the roles' targets
-        sizes = {r: getattr(dm.spec, r).replicas for r in contract.ENGINE_ROLES}
-        objects.append(gang.pair_pod_group(dm, revision, gang.pair_min_count(dm, sizes)))
         hpa = scaling.horizontal_pod_autoscaler(dm, role)
         if hpa is not None:
             objects.append(hpa)
+    if gang.pairs(dm):  # the same: made where served, its minCount from the roles' targets
+        sizes = {r: getattr(dm.spec, r).replicas for r in contract.ENGINE_ROLES}
+        objects.append(gang.pair_pod_group(dm, revision, gang.pair_min_count(dm, sizes)))
     objects += [
         router.service_account(dm),
         router.role(dm),
