@@ -1,7 +1,8 @@
 """The real `prometheus` and `promtool` that hack/cluster.sh builds from the github.com/prometheus/prometheus Go
 module, for the alert rule tests, the dashboard query checks and the e2e's Prometheus; the `promql` helper
 (hack/k8s-tools/promql, Prometheus's own parser at that version) that names the metrics a query selects; and
-the names the operator and the router export, from their real registries.
+the names the operator and the router export, from their real registries; and the scrape config
+prometheus-operator generates for a PodMonitor (the chart's, for the e2e's Prometheus).
 
 Found at $DISAGG_PROMTOOL / $DISAGG_PROMETHEUS, else $DISAGG_CACHE/bin/<name>-<version>/<name> with the version
 of that name's line in hack/cluster.sh's COMPONENTS (the helper: `hack/cluster.sh path promql`). A missing
@@ -104,6 +105,58 @@ def exported_metric_names() -> set[str]:
     router = RouterMetrics(lambda: RouterHealth("ok", True, "Push", 60.0, (), {}))
     return {family.name + suffix for registry in (operator.registry, router.registry)
             for family in registry.collect() for suffix in _SUFFIXES[family.type]}  # fmt: skip
+
+
+def _label_name(name: str) -> str:
+    """A Kubernetes label key as Prometheus's service discovery spells it in its meta labels."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+# The parts of a PodMonitor that pod_monitor_scrape_config translates; anything else is refused rather than dropped.
+_POD_MONITOR_SPEC = {"namespaceSelector", "selector", "podMetricsEndpoints"}
+_POD_METRICS_ENDPOINT = {"port", "path", "interval"}
+
+
+def pod_monitor_scrape_config(pod_monitor: dict[str, Any], kubeconfig: Path | None = None) -> list[dict[str, Any]]:
+    """The scrape configs prometheus-operator generates for POD_MONITOR (one per podMetricsEndpoint, its
+    pkg/prometheus/promcfg.go: generatePodMonitorConfig): pods found through the API server (KUBECONFIG's, else
+    in-cluster), kept by the selector's labels and the endpoint's port name, labelled namespace, container, pod,
+    job <namespace>/<name> and endpoint <port>. Only the fields the chart sets are translated (the operator's
+    sharding relabels, an identity with one shard, are left out); any other is a ValueError naming it."""
+    meta, spec = pod_monitor["metadata"], pod_monitor["spec"]
+    if extra := set(spec) - _POD_MONITOR_SPEC:
+        raise ValueError(f"PodMonitor fields not translated: {sorted(extra)}")
+    selector = spec.get("selector") or {}
+    if set(selector) - {"matchLabels"}:
+        raise ValueError(f"PodMonitor selector fields not translated: {sorted(set(selector) - {'matchLabels'})}")
+    namespaces = spec.get("namespaceSelector") or {}
+    sd: dict[str, Any] = {"role": "pod"}
+    if not namespaces.get("any"):
+        sd["namespaces"] = {"names": namespaces.get("matchNames") or [meta["namespace"]]}
+    if kubeconfig is not None:
+        sd["kubeconfig_file"] = str(kubeconfig)
+    configs = []
+    for index, endpoint in enumerate(spec["podMetricsEndpoints"]):
+        if extra := set(endpoint) - _POD_METRICS_ENDPOINT:
+            raise ValueError(f"podMetricsEndpoints fields not translated: {sorted(extra)}")
+        relabel: list[dict[str, Any]] = [
+            {"source_labels": ["job"], "target_label": "__tmp_prometheus_job_name"},
+            {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "(Failed|Succeeded)", "action": "drop"},
+            *({"source_labels": [f"__meta_kubernetes_pod_label_{_label_name(k)}", f"__meta_kubernetes_pod_labelpresent_{_label_name(k)}"],
+               "regex": f"({v});true", "action": "keep"} for k, v in sorted((selector.get("matchLabels") or {}).items())),
+            {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": endpoint["port"], "action": "keep"},
+            {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+            {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
+            {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+            {"target_label": "job", "replacement": f"{meta['namespace']}/{meta['name']}"},
+            {"target_label": "endpoint", "replacement": endpoint["port"]},
+        ]  # fmt: skip
+        config = {"job_name": f"podMonitor/{meta['namespace']}/{meta['name']}/{index}", "honor_labels": False,
+                  "kubernetes_sd_configs": [sd], "metrics_path": endpoint.get("path", "/metrics"), "relabel_configs": relabel}  # fmt: skip
+        if "interval" in endpoint:
+            config["scrape_interval"] = endpoint["interval"]
+        configs.append(config)
+    return configs
 
 
 class PrometheusServer:

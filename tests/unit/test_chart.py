@@ -30,7 +30,7 @@ RELEASE = "dop"
 FULLNAME = f"{RELEASE}-disagg-operator"
 # Kinds that are not in Kubernetes' own schemas: checked against the chart's CRDs / by hand below.
 CUSTOM_KINDS = {("kopf.dev/v1", "KopfPeering"), ("kopf.dev/v1", "ClusterKopfPeering"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
-                ("monitoring.coreos.com/v1", "PrometheusRule")}  # fmt: skip
+                ("monitoring.coreos.com/v1", "PrometheusRule"), ("monitoring.coreos.com/v1", "PodMonitor")}  # fmt: skip
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -57,7 +57,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "podLabels": {"example.com/cost-center": "42"},
         "extraEnv": [{"name": "TZ", "value": "UTC"}],
         "serviceAccount": {"annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/none"}},
-        "metrics": {"service": {"port": 9090}, "serviceMonitor": {"enabled": True, "interval": "1m", "labels": {"release": "prom"}}},
+        "metrics": {"service": {"port": 9090}, "serviceMonitor": {"enabled": True, "interval": "1m", "labels": {"release": "prom"}},
+                    "routerPodMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}}},
         "alerts": {"enabled": True, "labels": {"release": "prom"}, "rolloutStuck": {"for": "4h"}},
         "dashboards": {"enabled": True, "labels": {"release": "prom"}, "annotations": {"example.com/owner": "ml"}},
     },
