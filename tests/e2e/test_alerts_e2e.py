@@ -14,14 +14,16 @@ The rules run with a short window and `for` (values), so the tests take seconds,
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from kubernetes import client
 
 from disagg_connector import contract
-from tests.support import dashboards
+from tests.support import dashboard_png, dashboards
 from tests.support.helm import CHART, helm, values_args
 from tests.support.prometheus import PrometheusServer, pod_monitor_scrape_config
 from tests.vllm_sim.harness import FAST
@@ -222,6 +224,7 @@ def test_day_2_panels_answer(operator, cluster, api_client, namespace, tmp_path:
     with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 2), timing={**FAST, "tpot_ms": TPOT_MS}) as serving, prom:
         wait_for("router table 1P2D", lambda: serving.router.table() == {revision: (1, 2)}, 60)
         wait_for_targets(prom, router_job, {router_pod.metadata.name})
+        shown_from = time.time()
         before = {what: counter(prom, what) for what in (deleted_policies, conflicts)}
         assert not panel_series(prom, DRAINING, ours), "nothing drains yet"
 
@@ -253,6 +256,11 @@ def test_day_2_panels_answer(operator, cluster, api_client, namespace, tmp_path:
         check_whole(streams.wait(), "scale-in")
         wait_for("scaled in to 1 decode", lambda: decode_settled(custom, namespace, name, 1), 120)
         wait_for("nothing draining on the panel", lambda: not panel_series(prom, DRAINING, ours), 30)
+        if out := os.environ.get("DISAGG_DASHBOARD_PNG_DIR"):  # the operator dashboard drawn (docs/observability.md)
+            dashboard_png.render_board(prom, "disagg-operator.json", board_values(ours, "disagg-operator.json"), shown_from,
+                                       time.time(), "the e2e's day-2 test on the local control plane (a decode scaled in "
+                                       "under streams, a NetworkPolicy deleted, a model blocked by OwnershipConflict), "
+                                       "a real Prometheus", Path(out))  # fmt: skip
 
 
 def test_no_ready_pair_alert_pending_firing_resolved(operator, cluster, api_client, namespace, tmp_path: Path) -> None:

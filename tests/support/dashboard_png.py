@@ -63,6 +63,19 @@ MAIN: dict[str, tuple[tuple[str, str], ...]] = {
         ("timeseries", "Expected prefix hit ratio"),
         ("timeseries", "Load per backend"),
     ),
+    # drawn by tests/e2e/test_alerts_e2e.py's day-2 test (DISAGG_DASHBOARD_PNG_DIR): its series need the operator
+    # reconciling on a cluster
+    "disagg-operator.json": (
+        ("timeseries", "Reconciles by result"),
+        ("timeseries", "Reconcile errors"),
+        ("timeseries", "Errors by reason"),
+        ("timeseries", "Reconcile latency"),
+        ("timeseries", "Active workers"),
+        ("timeseries", "Work queue"),
+        ("timeseries", "Children applied"),
+        ("timeseries", "Children deleted"),
+        ("timeseries", "Models by phase"),
+    ),
 }
 
 
@@ -251,9 +264,22 @@ async def traffic(router_url: str, sims: dict[str, h.Sim], seconds: float, concu
     return statuses
 
 
+def render_board(prom: PrometheusServer, board_name: str, values: dict[str, str], start: float, end: float, what: str,
+                 out: Path) -> Path:
+    """BOARD_NAME's MAIN panels over [START, END] from PROM, into OUT/<board>.png, titled with WHAT ran."""
+    board = dashboards.load(board_name)
+    panels = main_panels(board, MAIN[board_name], values)
+    data = [fetch(prom, p, start, end) for p in panels]
+    for p, d in zip(panels, data, strict=True):
+        print(f"{p.title}: {len(d)} series", file=sys.stderr)
+    path = out / board_name.replace(".json", ".png")
+    draw(f"{board['title']}: main panels, {what}", panels, data, end - start, path)
+    return path
+
+
 def run(out: Path, seconds: float) -> list[Path]:
     board_name = "disagg-model.json"
-    panels = main_panels(dashboards.load(board_name), MAIN[board_name], variables(h.MODEL))
+    main_panels(dashboards.load(board_name), MAIN[board_name], variables(h.MODEL))  # a stale MAIN fails before starting
     with tempfile.TemporaryDirectory(prefix="dashboard-png-") as tmp:
         work = Path(tmp)
         sims = {name: h.launch_sim(work, "prefill" if name[0] == "p" else "decode", name=name, revision=REVISION)
@@ -275,15 +301,11 @@ def run(out: Path, seconds: float) -> list[Path]:
                              15.0, interval=0.2, what="a scrape after the traffic")  # fmt: skip
                 end = time.time()
                 print(f"answers by status: {statuses}", file=sys.stderr)
-                data = [fetch(prom, p, start, end) for p in panels]
+                path = render_board(prom, board_name, variables(h.MODEL), start, end,
+                                    f"{seconds:.0f} s of simulated traffic (our router, 2 prefill + 2 decode simulated "
+                                    "engines, a real Prometheus)", out)  # fmt: skip
         finally:
             h.stop_all(router, *sims.values())
-    for p, d in zip(panels, data, strict=True):
-        print(f"{p.title}: {len(d)} series", file=sys.stderr)
-    board = dashboards.load(board_name)
-    path = out / board_name.replace(".json", ".png")
-    draw(f"{board['title']}: main panels, {seconds:.0f} s of simulated traffic (our router, 2 prefill + 2 decode "
-         f"simulated engines, a real Prometheus)", panels, data, end - start, path)  # fmt: skip
     return [path]
 
 
