@@ -5,7 +5,7 @@ replica sees the same numbers (a router's own in-flight count sees only its own 
   ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
   ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens), and the KV cache's size
   from ``vllm:cache_config_info`` (labels ``block_size``, ``num_gpu_blocks``). Only those lines are parsed
-  (:func:`vllm_metrics.parse_sample_line`): a vLLM ``/metrics`` page is mostly histograms, tens of kB.
+  (with prometheus_client's parser, :func:`vllm_metrics.read_samples`): a vLLM ``/metrics`` page is mostly histograms, tens of kB.
 - **A backend's load** is what its engine said at the last read (running + waiting) plus the legs this router
   sent it since that read and still has in flight: between two reads the router's own traffic is the only news. A read older than
   :data:`STALE_READS` intervals counts as none, and the load is then this router's in-flight count alone, as
@@ -115,11 +115,11 @@ class LoadBoard:
             return None
         return r
 
-    def load(self, key: str, inflight: int, now: float | None = None) -> float:
+    def load(self, key: str, inflight: int) -> float:
         """Requests ahead of a new one on this backend: the engine's running + waiting at the last fresh read
         plus this router's legs sent since and still in flight (``inflight`` bounds them); without a fresh read,
         this router's in-flight legs."""
-        return self._ahead(key, self.fresh(key, now), inflight)
+        return self._ahead(key, self.fresh(key), inflight)
 
     def loads(self, keys: Iterable[str], inflight: Mapping[str, int]) -> tuple[dict[str, float], bool]:
         """:meth:`load` of each of ``keys`` (``inflight``: this router's legs per key) at one look at the clock, and
