@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import IO, Callable
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # e2e runs resync often enough to be seen within a test (production default: 300 s).

@@ -13,7 +13,6 @@ Waits are on conditions; nothing sleeps to synchronise.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,6 +21,7 @@ import pytest
 from kubernetes import client
 
 from disagg_connector import contract
+from tests.support.ports import free_port
 
 from .conftest import CLUSTER_SH, model_manifest
 from .test_operator import pods_of, wait_ready
@@ -50,12 +50,6 @@ def built(name: str) -> Path:
     path = Path(subprocess.run(["bash", str(CLUSTER_SH), "path", name], check=True, capture_output=True, text=True).stdout.strip())
     assert path.is_file() and os.access(path, os.X_OK), f"{name} not built at {path}: run bash hack/cluster.sh build"
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -30,9 +30,10 @@ from disagg_operator.manifests import dump_all
 from disagg_operator.rbac import rules
 from tests.support import chart_sync
 from tests.support.helm import CHART, helm, values_args
+from tests.support.ports import free_port
 
 from .conftest import model_manifest
-from .operator_process import OperatorProcess, free_port
+from .operator_process import OperatorProcess
 from .test_resilience import scrape
 from .waiting import condition, wait_for
 

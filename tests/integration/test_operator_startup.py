@@ -14,7 +14,8 @@ import yaml
 
 from tests.conftest import REPO
 from tests.e2e import operator_process
-from tests.e2e.operator_process import OperatorProcess, free_port
+from tests.e2e.operator_process import OperatorProcess
+from tests.support.ports import free_port
 
 FAIL_WITHIN_S = 5
 

@@ -2,7 +2,8 @@
 
 502 when decode fails before the first byte, 504 on a deadline, an SSE error event and the end of the
 stream mid-body, 503 when no pair is ready; the prefill leg cancelled before the decode leg; engines that
-answer 503, close their port or fail their probe ejected and re-admitted; retries only before the first
+answer 503, close their port or fail their probe ejected and re-admitted, and routed to anyway when ejection
+left no pair; retries only before the first
 byte, with fresh ids, never onto the pair that just failed. Nothing hangs.
 """
 
@@ -194,6 +195,42 @@ def test_engine_that_answers_503_then_closes_is_ejected_and_readmitted(log_dir):
             assert D1.counter("requests") > before  # traffic returns to it
     finally:
         h.stop_all(probing, lazy, P, D1, D2)
+
+
+def test_engines_ejected_by_a_stall_still_serve(log_dir):
+    """A machine stalls (CPU starved: two CI runs on two cores did it) and every health probe times out at once:
+    the router ejects every engine, though none died. It does not answer 503 from then until a probe re-admits
+    one: ejection left no pair, so the ejected engines stand in (panic routing), and the request waits for them."""
+    P = h.launch_sim(log_dir, "prefill", "push", name="p-stalled")
+    D = h.launch_sim(log_dir, "decode", "push", name="d-stalled")
+    static = log_dir / "stalled.json"
+    h.write_static(static, [P.static_entry(), D.static_entry()])
+    R = h.launch_router(log_dir, static, "push", extra=["--probe-interval-seconds", "0.2"], name="router-stalled")
+    try:
+        h.wait_ready(P, D, R)
+        h.wait_until(lambda: not any(b["ejected"] for b in R.health()["backends"]), 10, what="both engines admitted")
+        for engine in (P, D):
+            engine.proc.signal(signal.SIGSTOP)  # the kernel still accepts connections; nothing answers them
+        h.wait_until(lambda: all(b["ejected"] for b in R.health()["backends"]), 20, what="both ejected by timed-out probes")
+
+        async def go():
+            request = asyncio.create_task(h.post(R.url + "/v1/completions", h.completion(max_tokens=2)))
+            # Dispatched while both are stopped (so still ejected: no probe can pass): only panic routing sends it.
+            await asyncio.to_thread(h.wait_until, lambda: R.metric("disagg_router_routed_despite_ejections_total", revision="r1"),
+                                    20, 0.05, "the request routed despite the ejections")  # fmt: skip
+            for engine in (P, D):
+                engine.proc.signal(signal.SIGCONT)
+            return await request
+
+        reply = asyncio.run(go())
+        assert reply.status == 200, reply.body
+        assert reply.xid in [e["xid"] for e in D.events("leg_received")]
+        h.wait_until(lambda: not any(b["ejected"] for b in R.health()["backends"]), 20, what="both re-admitted by a probe")
+        assert "routing to ejected backends of revision r1" in R.proc.log_text()
+    finally:
+        for engine in (P, D):
+            engine.proc.signal(signal.SIGCONT)
+        h.stop_all(R, P, D)
 
 
 def test_unavailable_prefill_is_ejected_and_the_request_moves(log_dir):

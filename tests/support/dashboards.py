@@ -224,6 +224,10 @@ def model_dashboard() -> gd.Dashboard:
                                   "{{revision}} {{cause}}"), stacked=True))
     d = d.with_panel(series("Retries", "Retries on another pair with fresh ids, per second.", "ops",
                             query(f"sum by (revision) ({rate('disagg_router_retries_total', ROUTER_REV)})", "{{revision}}")))
+    d = d.with_panel(series("Routed despite ejections", "Attempts sent to ejected backends because ejections left no pair, "
+                            "per second (panic routing: a stall ejected every engine at once, or they are dead).", "ops",
+                            query(f"sum by (revision) ({rate('disagg_router_routed_despite_ejections_total', ROUTER_REV)})",
+                                  "{{revision}}")))
     d = d.with_panel(series("Requests in flight", "Client requests in progress per router replica.", "none",
                             query(f"sum by (pod) (disagg_router_requests_in_flight{{{ROUTER}}})", "{{pod}}")))
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SH = REPO / "hack" / "cluster.sh"
@@ -165,7 +165,7 @@ class PrometheusServer:
     context manager: started on enter (ready), stopped on exit."""
 
     def __init__(self, config: dict[str, Any], workdir: Path, rules: dict[str, dict[str, Any]] | None = None):
-        self.workdir, self.port = workdir, _free_port()
+        self.workdir, self.port = workdir, free_port()
         self.config = {**config, "rule_files": sorted(rules or {})}
         self.rules = rules or {}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -240,7 +240,3 @@ class PrometheusServer:
                 self.proc.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

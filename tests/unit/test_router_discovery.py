@@ -207,10 +207,32 @@ def test_exclusions_ejections_and_draining_are_never_ignored():
     ejections.eject("r-p1")
     assert {bal.choose_pair(snap)[0].pod for _ in range(4)} == {"r-p0"}
     ejections.eject("r-p0")
-    assert bal.choose_pair(snap) is None  # everything ejected: no pair (503), not a fallback onto them
+    assert bal.choose_pair(snap) is None  # everything ejected: no usable pair (the last resort is the caller's)
     t.replace([pod("r-p0", revision="r"), pod("r-d0", "decode", revision="r", annotations={contract.ANNOTATION_DRAINING: "now"})])
     ejections.probed("r-p0", True)
     assert bal.choose_pair(t.snapshot()) is None and not t.snapshot().revision("r").eligible
+
+
+def test_the_last_resort_routes_despite_ejections_but_never_to_drained_or_excluded_backends():
+    ejections = Ejections()
+    bal = Balancer(ejections)
+    t = _pairs(("r", 2, 2))
+    snap = t.snapshot()
+    for key in ("r-p0", "r-p1", "r-d0"):
+        ejections.eject(key)
+    assert bal.pick(snap) is None
+    last = bal.pick(snap, despite_ejections=True)
+    assert last is not None and last.despite_ejections
+    # only the role with nothing left stands in with its ejected backends; the other keeps its usable one
+    assert {b.pod for b in last.prefill} == {"r-p0", "r-p1"} and [b.pod for b in last.decode] == ["r-d1"]
+    assert [b.pod for b in bal.pick(snap, {"r-p0"}, despite_ejections=True).prefill] == ["r-p1"]  # a retry's exclusions hold
+    assert bal.usable_decodes(snap, "r") == ((next(b for b in snap.revisions[0].decode if b.pod == "r-d1"),), False)
+    ejections.eject("r-d1")
+    assert bal.usable_decodes(snap, "r") == (snap.revisions[0].decode, True)  # pull's decode, the same way
+    t.replace([pod("r-p0", revision="r"), pod("r-d0", "decode", revision="r", annotations={contract.ANNOTATION_DRAINING: "now"})])
+    assert bal.pick(t.snapshot(), despite_ejections=True) is None  # a draining pod is never a stand-in
+    healthy = _pairs(("r", 1, 1), ("next", 1, 1))
+    assert not Balancer().pick(healthy.snapshot(), despite_ejections=True).despite_ejections  # nothing ejected: no panic
 
 
 def test_ejection_backoff_suspects_and_readmission():

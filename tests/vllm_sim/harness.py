@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -21,50 +20,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from disagg_connector import contract
+from tests.support.ports import free_port, free_port_block, free_ports  # noqa: F401 - the harness's port picks
 
 REPO = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 MODEL = "sim-model"
-
-
-# Below Linux's default ephemeral range (32768-60999): no outgoing connection is given a local port here, so a
-# block of consecutive ports that binds now stays free (a base from free_port() lies inside that range, and the
-# ports after it may be taken by any client socket a moment later).
-_BLOCK_RANGE = (21000, 32768)
-
-
-def free_port_block(n: int) -> int:
-    """The first of n consecutive ports that all bind now, for a harness that numbers its ports from a base."""
-    for _ in range(200):
-        base = random.randrange(_BLOCK_RANGE[0], _BLOCK_RANGE[1] - n)
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((HOST, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports in {_BLOCK_RANGE}")
-
-
-def free_port() -> int:
-    """A port a process of ours binds a moment later: below the ephemeral range, so no client socket on this busy
-    machine is given it in between (a port from bind(0) was, under CI load: "address already in use")."""
-    return free_port_block(1)
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct ports, each as free_port()."""
-    ports: list[int] = []
-    while len(ports) < n:
-        if (port := free_port()) not in ports:
-            ports.append(port)
-    return ports
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

@@ -238,9 +238,13 @@ class Dispatcher:
         chosen = self.balancer.pick(snap, ctx.excluded | ctx.avoided) if ctx.avoided else None
         if chosen is None:  # nothing pairs without the implicated backends: they may serve after all
             chosen = self.balancer.pick(snap, ctx.excluded)
+        if chosen is None and len(self.balancer.ejections):  # nor without the ejected ones (panic routing)
+            chosen = self.balancer.pick(snap, ctx.excluded, despite_ejections=True)
         if chosen is None:
             raise self._no_pair()
         rev = chosen.revision
+        if chosen.despite_ejections:
+            self.outcomes.despite_ejections(rev.revision, len(self.balancer.ejections))
         ctx.revision, ctx.flow = rev.revision, "local" if local else "push" if rev.mode == "Push" else "pull"
         self.outcomes.attempt(rev.revision, ctx.flow, retry)
         xid, transfer_id = mint_ids()
@@ -302,9 +306,11 @@ class Dispatcher:
         # P counts as in flight until D has its first token: in pull, D reads P's blocks only after P's leg ended.
         with self.balancer.track(p):
             returned = await self.legs.prefill(req, p, rev.mode, tl, self.cfg.leg_timeout)
-            usable = self.balancer.usable_decodes(self.table.snapshot(), p.revision, ctx.excluded)
+            usable, despite_ejections = self.balancer.usable_decodes(self.table.snapshot(), p.revision, ctx.excluded)
             if not usable:
                 raise LegFailure("no_backend", f"revision {p.revision} lost its decode engines", 503, ())
+            if despite_ejections:
+                self.outcomes.despite_ejections(p.revision, len(self.balancer.ejections))
             d = self._pick_decode(usable)
             held.enter_context(self.balancer.track(d))
             answer = await self._open_decode(req, d, decode_params(returned), tl, *self._decode_deadline(ctx), held)

@@ -90,6 +90,10 @@ class RouterMetrics:
         )  # fmt: skip
         self.failures = Counter("disagg_router_failures", "Failed attempts and streams by cause", [*_LABELS, "cause"], registry=r)
         self.retries = Counter("disagg_router_retries", "Retries on another pair with fresh ids", ["revision"], registry=r)
+        self.despite_ejections = Counter(
+            "disagg_router_routed_despite_ejections",
+            "Attempts sent to a pair with an ejected backend because ejections left no other (panic routing)", ["revision"], registry=r,
+        )  # fmt: skip
         self.in_flight = Gauge("disagg_router_requests_in_flight", "Client requests in progress", registry=r)
         self.discovery_errors = Counter("disagg_router_discovery_errors", "Discovery failures (the last table is kept)", registry=r)
         self.discovery_events = Counter("disagg_router_discovery_events", "Pod watch events applied", registry=r)

@@ -6,6 +6,10 @@ request is neither a success nor a failure of a revision's KV transfer).
 
 from __future__ import annotations
 
+import logging
+import time
+from typing import Callable
+
 from disagg_connector.router.discovery import Backend
 from disagg_connector.router.legs import Timeline
 from disagg_connector.router.metrics import RouterMetrics
@@ -13,9 +17,14 @@ from disagg_connector.router.policy import Pick
 from disagg_connector.router.stats import RouterStats
 
 
+log = logging.getLogger("disagg_router.dispatch")
+PANIC_LOG_EVERY_S = 10.0
+
+
 class OutcomeRecorder:
-    def __init__(self, metrics: RouterMetrics, stats: RouterStats) -> None:
-        self.metrics, self.stats = metrics, stats
+    def __init__(self, metrics: RouterMetrics, stats: RouterStats, clock: Callable[[], float] = time.monotonic) -> None:
+        self.metrics, self.stats, self.clock = metrics, stats, clock
+        self._panic_logged_at: float | None = None
 
     def request_started(self) -> None:
         self.metrics.in_flight.inc()
@@ -38,6 +47,16 @@ class OutcomeRecorder:
             m.child(m.prompt_tokens, b.key).inc(prompt_tokens)
             self.stats.prefix_expected(b.key, pick.expected_hit_tokens, prompt_tokens)
         return b
+
+    def despite_ejections(self, revision: str, ejected: int) -> None:
+        """An attempt sent to a pair with an ejected backend: ejection left no pair (panic routing). Counted; logged
+        at most every PANIC_LOG_EVERY_S (a storm of them is one condition)."""
+        self.metrics.child(self.metrics.despite_ejections, revision).inc()
+        now = self.clock()
+        if self._panic_logged_at is None or now - self._panic_logged_at >= PANIC_LOG_EVERY_S:
+            self._panic_logged_at = now
+            log.warning("every pair lost a backend to ejection (%d ejected): routing to ejected backends of revision %s "
+                        "until a probe re-admits one", ejected, revision)  # fmt: skip
 
     def attempt(self, revision: str, flow: str, retry: bool) -> None:
         """An attempt dispatched to a pair (``flow`` push|pull) or a decode alone (``local``) of ``revision``."""

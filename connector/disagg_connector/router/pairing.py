@@ -9,6 +9,10 @@
 - Within a revision the role's policy picks (:mod:`policy`); :meth:`Balancer.least` is their common ground:
   least outstanding requests (this router's own in-flight count per backend), ties broken round-robin per
   role. A pair never spans two revisions.
+- **Ejections never leave the router with nothing.** When no revision has a pair and ejections are the reason, a
+  role whose every backend is ejected is routed as if none were (Envoy's panic routing: ejection is a guess
+  from failures and timeouts, and a CPU stall that times out every probe at once ejects healthy engines; trying
+  them beats a sure 503). A dead engine then fails the attempt at once, and the retry avoids it.
 - Nothing usable means no pair: the caller answers 503 (or, on a retry, the failure it already has).
 """
 
@@ -94,6 +98,7 @@ class Candidates:
     revision: RevisionView
     prefill: tuple[Backend, ...]
     decode: tuple[Backend, ...]
+    despite_ejections: bool = False  # a role's ejected backends stand in: none of them is left (panic routing)
 
     @property
     def pairs(self) -> int:
@@ -147,6 +152,14 @@ class Balancer:
     def usable(self, b: Backend, exclude: frozenset[str] | set[str] = frozenset()) -> bool:
         return not b.draining and b.key not in exclude and b.key not in self.ejections
 
+    def _usable_or_ejected(self, backends: Sequence[Backend], exclude: frozenset[str] | set[str]) -> tuple[tuple[Backend, ...], bool]:
+        """The role's usable backends; when ejection took every one of them, the ejected ones (and True)."""
+        usable = tuple(b for b in backends if self.usable(b, exclude))
+        if usable:
+            return usable, False
+        ejected = tuple(b for b in backends if not b.draining and b.key not in exclude)
+        return ejected, bool(ejected)
+
     def candidates(self, snap: Snapshot, exclude: frozenset[str] | set[str] = frozenset()) -> list[Candidates]:
         """Every revision with its usable backends, newest first (also those with no pair: /health).
         Without exclusions (every first attempt) computed once per table and ejection change."""
@@ -174,9 +187,19 @@ class Balancer:
         total = sum(serving.values())
         return {rev: n / total for rev, n in serving.items()}
 
-    def pick(self, snap: Snapshot, exclude: frozenset[str] | set[str] = frozenset()) -> Candidates | None:
-        """The revision of the next request, in proportion to ready pairs; None when none can serve."""
-        serving = [c for c in self.candidates(snap, exclude) if c.pairs]
+    def _despite_ejections(self, snap: Snapshot, exclude: frozenset[str] | set[str]) -> list[Candidates]:
+        """Every revision as if the ejections of a role that has nothing else did not stand (panic routing)."""
+        cands = []
+        for r in snap.revisions:
+            (prefill, p_panic), (decode, d_panic) = self._usable_or_ejected(r.prefill, exclude), self._usable_or_ejected(r.decode, exclude)
+            cands.append(Candidates(r, prefill, decode, p_panic or d_panic))
+        return cands
+
+    def pick(self, snap: Snapshot, exclude: frozenset[str] | set[str] = frozenset(), despite_ejections: bool = False) -> Candidates | None:
+        """The revision of the next request, in proportion to ready pairs; None when none can serve.
+        ``despite_ejections``: the last resort, where a role's ejected backends stand in when none is left."""
+        cands = self._despite_ejections(snap, exclude) if despite_ejections else self.candidates(snap, exclude)
+        serving = [c for c in cands if c.pairs]
         if len(serving) <= 1:
             return serving[0] if serving else None
         total = sum(c.pairs for c in serving)
@@ -199,7 +222,8 @@ class Balancer:
         c = self.pick(snap, exclude)
         return None if c is None else (self.least(c.prefill, "prefill"), self.least(c.decode, "decode"))
 
-    def usable_decodes(self, snap: Snapshot, revision: str, exclude: frozenset[str] | set[str] = frozenset()) -> list[Backend]:
-        """Pull: the decode is chosen after the prefill answered, within the prefill's revision."""
+    def usable_decodes(self, snap: Snapshot, revision: str, exclude: frozenset[str] | set[str] = frozenset()) -> tuple[tuple[Backend, ...], bool]:
+        """Pull: the decode is chosen after the prefill answered, within the prefill's revision; when ejection took
+        every decode of it, the ejected ones (and True: panic routing, as in :meth:`pick`)."""
         r = snap.revision(revision)
-        return [b for b in r.decode if self.usable(b, exclude)] if r is not None else []
+        return self._usable_or_ejected(r.decode, exclude) if r is not None else ((), False)
