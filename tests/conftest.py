@@ -42,6 +42,17 @@ def merge(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return target
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--dashboard-png-dir", type=Path, default=None,
+                     help="where the e2e's day-2 test draws the operator dashboard's panels (docs/observability.md)")  # fmt: skip
+
+
+@pytest.fixture
+def dashboard_png_dir(request: pytest.FixtureRequest) -> Path | None:
+    """--dashboard-png-dir: a test that can draw a dashboard from its real Prometheus does, into it (None: not asked)."""
+    return request.config.getoption("--dashboard-png-dir")
+
+
 @pytest.fixture(params=EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def example(request: pytest.FixtureRequest) -> dict[str, Any]:
     return load_example(request.param)

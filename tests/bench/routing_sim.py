@@ -59,11 +59,6 @@ def bench_options(modes: list[str], cell_seconds: float, seed: int) -> list[str]
     ]  # fmt: skip
 
 
-def rotated(modes: list[str], k: int) -> list[str]:
-    k %= len(modes)
-    return modes[k:] + modes[:k]
-
-
 def table(runs: list[dict[str, Any]], modes: list[str]) -> tuple[list[str], dict[str, float]]:
     """The markdown table of medians over the runs, and each mode's median TTFT p50 (s)."""
     from disagg_bench.localrun.report import ideal_hit_ratio, routing
@@ -96,6 +91,7 @@ def table(runs: list[dict[str, Any]], modes: list[str]) -> tuple[list[str], dict
 
 
 def run(runs: int, cell_seconds: float, peer: bool, workdir: Path) -> None:
+    from disagg_bench.localrun.bench import cell_order
     from tests.vllm_sim import harness as h
 
     modes = [*POLICIES, *([PEER] if peer else [])]
@@ -105,7 +101,7 @@ def run(runs: int, cell_seconds: float, peer: bool, workdir: Path) -> None:
     results, started = [], time.monotonic()
     for r in range(runs):
         out = workdir / f"run{r}"
-        order = rotated(modes, r)
+        order = cell_order(modes, r)  # run r starts with its own mode, as the real sweeps' cells do
         print(f"run {r + 1}/{runs}: {', '.join(order)}", flush=True)
         proc = h.localrun_bench(model, out, 8, *bench_options(order, cell_seconds, seed=r),
                                 vllm=f"{sys.executable} -m tests.bench.routing_sim --as-vllm", profile=None)

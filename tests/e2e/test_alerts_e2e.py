@@ -14,7 +14,6 @@ The rules run with a short window and `for` (values), so the tests take seconds,
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from pathlib import Path
@@ -203,7 +202,7 @@ def counter(prom: PrometheusServer, expr: str) -> float:
     return sum(float(s["value"][1]) for s in prom.query(expr))
 
 
-def test_day_2_panels_answer(operator, cluster, api_client, namespace, tmp_path: Path) -> None:
+def test_day_2_panels_answer(operator, cluster, api_client, namespace, tmp_path: Path, dashboard_png_dir: Path | None) -> None:
     """A 1P2D model under long streams (tests/e2e/test_no_cut_streams.py's): its decode scaled in while streams run
     on both decodes (the draining one's backend, with what is in flight on it, on "Draining backends: in flight");
     its NetworkPolicy turned off in the spec (the policy deleted: "Children deleted" by kind); a second model
@@ -256,11 +255,11 @@ def test_day_2_panels_answer(operator, cluster, api_client, namespace, tmp_path:
         check_whole(streams.wait(), "scale-in")
         wait_for("scaled in to 1 decode", lambda: decode_settled(custom, namespace, name, 1), 120)
         wait_for("nothing draining on the panel", lambda: not panel_series(prom, DRAINING, ours), 30)
-        if out := os.environ.get("DISAGG_DASHBOARD_PNG_DIR"):  # the operator dashboard drawn (docs/observability.md)
+        if dashboard_png_dir is not None:  # the operator dashboard drawn (docs/observability.md)
             dashboard_png.render_board(prom, "disagg-operator.json", board_values(ours, "disagg-operator.json"), shown_from,
                                        time.time(), "the e2e's day-2 test on the local control plane (a decode scaled in "
                                        "under streams, a NetworkPolicy deleted, a model blocked by OwnershipConflict), "
-                                       "a real Prometheus", Path(out))  # fmt: skip
+                                       "a real Prometheus", dashboard_png_dir)  # fmt: skip
 
 
 def test_no_ready_pair_alert_pending_firing_resolved(operator, cluster, api_client, namespace, tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ MAIN: dict[str, tuple[tuple[str, str], ...]] = {
         ("timeseries", "Expected prefix hit ratio"),
         ("timeseries", "Load per backend"),
     ),
-    # drawn by tests/e2e/test_alerts_e2e.py's day-2 test (DISAGG_DASHBOARD_PNG_DIR): its series need the operator
+    # drawn by tests/e2e/test_alerts_e2e.py's day-2 test (--dashboard-png-dir): its series need the operator
     # reconciling on a cluster
     "disagg-operator.json": (
         ("timeseries", "Reconciles by result"),
@@ -215,16 +215,10 @@ def draw(title: str, panels: list[Panel], data: list[Series], seconds: float, pa
 
 
 # --- the run: real engines, router and Prometheus --------------------------------------------------------
-def query_range(prom: PrometheusServer, expr: str, start: float, end: float) -> list[dict[str, Any]]:
-    data = prom.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{STEP}s")
-    assert data["resultType"] == "matrix", data
-    return list(data["result"])
-
-
 def fetch(prom: PrometheusServer, panel: Panel, start: float, end: float) -> Series:
     out: Series = []
     for target in panel.targets:
-        for s in sorted(query_range(prom, target.expr, start, end), key=lambda s: sorted(s["metric"].items())):
+        for s in sorted(prom.query_range(target.expr, start, end, STEP), key=lambda s: sorted(s["metric"].items())):
             points = [(float(t) - start, float(v)) for t, v in s["values"] if not math.isnan(float(v))]
             if points:
                 out.append((legend(target.legend, s["metric"]), [t for t, _ in points], [v for _, v in points]))

@@ -223,6 +223,12 @@ class PrometheusServer:
         assert data["resultType"] == "vector", data
         return list(data["result"])
 
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        """A range query's matrix: [{"metric": {...}, "values": [[ts, "v"], ...]}, ...]."""
+        data = self.api("query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step}s")
+        assert data["resultType"] == "matrix", data
+        return list(data["result"])
+
     def alerts(self, name: str | None = None) -> list[dict[str, Any]]:
         """Active alerts (state pending or firing), of NAME only if given."""
         return [a for a in self.api("alerts")["alerts"] if name is None or a["labels"].get("alertname") == name]

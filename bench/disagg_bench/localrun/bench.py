@@ -47,7 +47,7 @@ import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import aiohttp
 
@@ -115,7 +115,10 @@ class Sweep:
         return list(out.items())
 
 
-def cell_order(modes: Sequence[Mode], k: int) -> list[Mode]:
+T = TypeVar("T")
+
+
+def cell_order(modes: Sequence[T], k: int) -> list[T]:
     """The order the modes of cell k run in on the shared engines: rotated by one each cell, so that each mode
     runs first as often as the others. The mode that ran second on the same engines was slower whichever it was
     (vLLM's own NIXL transfer times 3-5x the first's, bench/results/h200-issue19-routing.md)."""
@@ -267,12 +270,9 @@ def gauge_values(text: str) -> dict[str, float]:
     """One /metrics page -> each SCHEDULER_GAUGES value of the engine: requests summed over its DP ranks, the KV
     cache usage of its fullest rank."""
     out: dict[str, float] = {}
-    for series, value in parse_labelled(text, SCHEDULER_GAUGES).items():
-        name = series.split("{", 1)[0]
-        if name not in SCHEDULER_GAUGES:  # a longer name sharing the prefix
-            continue
-        combine = max if name == vllm_metrics.KV_USAGE else (lambda a, b: a + b)
-        out[name] = combine(out[name], value) if name in out else value
+    for s in vllm_metrics.read_samples(text, SCHEDULER_GAUGES, only_their_lines=True):
+        combine = max if s.name == vllm_metrics.KV_USAGE else (lambda a, b: a + b)
+        out[s.name] = combine(out[s.name], s.value) if s.name in out else s.value
     return out
 
 
@@ -285,10 +285,10 @@ async def _sample_gauges(session: aiohttp.ClientSession, plan: LocalPlan, stop: 
         for e in plan.engines:
             try:
                 async with session.get(e.url + "/metrics", timeout=timeout) as r:
-                    text = await r.text() if r.status == 200 else ""
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                    values = gauge_values(await r.text()) if r.status == 200 else {}
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):  # ValueError: not Prometheus text
                 continue
-            for name, value in gauge_values(text).items():
+            for name, value in values.items():
                 samples.setdefault(e.label, {}).setdefault(name, []).append(value)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), GAUGE_SAMPLE_SECONDS)

@@ -489,14 +489,14 @@ class KubernetesDiscovery:
                             if self._on_event:
                                 self._post(self._on_event)
                     rv = w.resource_version or rv
-            except ApiException as e:
-                if e.status == 410:
+            except Exception as e:  # API outage, DNS, TLS, token: keep the last table and retry
+                if self._stop.is_set():  # stop() closed the watch under us: the end, not a failure
+                    return
+                if isinstance(e, ApiException) and e.status == 410:
                     log.info("watch expired (410 Gone); relisting")
                     continue
-                self._failed(f"API error {e.status}: {e.reason}", backoff)
-                backoff = min(backoff * 2, 30.0)
-            except Exception as e:  # API outage, DNS, TLS, token: keep the last table and retry
-                self._failed(f"{type(e).__name__}: {e}", backoff)
+                why = f"API error {e.status}: {e.reason}" if isinstance(e, ApiException) else f"{type(e).__name__}: {e}"
+                self._failed(why, backoff)
                 backoff = min(backoff * 2, 30.0)
 
     def _failed(self, why: str, backoff: float) -> None:
