@@ -58,6 +58,10 @@ class Serving:
         finally:
             try:
                 code = self.router.proc.stop()
-                print(f"router exited with {code}; log tail:\n{self.router.proc.log_text()[-2000:]}")
+                log = self.router.proc.log_text()
+                print(f"router exited with {code}; log tail:\n{log[-2000:]}")
+                if exc[0] is None:  # a quiet end: its watch closed by stop() is no discovery failure
+                    _, _, shutdown = log.partition("shutting down")
+                    assert "pod discovery failed" not in shutdown, shutdown[-2000:]
             finally:
                 self.engines.stop()

@@ -68,3 +68,19 @@ def test_push_sequential_is_the_benchmarks_dispatcher_not_a_router_mode():
     argv = router_argv(["--served-model-name", "q", "--mode", "push-sequential", "--static-endpoints", "f"])
     assert parse_args(argv).mode == "push"
     assert parse_args(router_argv(["--served-model-name", "q", "--mode=push-sequential", "--static-endpoints", "f"])).mode == "push"
+
+
+def test_routing_despite_ejections_is_counted_from_zero_and_logged_once_per_spell(caplog):
+    now = [0.0]
+    stats = RouterStats(clock=lambda: 100.0)
+    metrics = RouterMetrics(lambda: RouterHealth("ok", True, "Push", 60.0, (), {}))
+    outcomes = OutcomeRecorder(metrics, stats, clock=lambda: now[0])
+    outcomes.attempt("r1", "push", retry=False)
+    assert _sample(metrics, "disagg_router_routed_despite_ejections_total", revision="r1") == 0  # a series before any
+    with caplog.at_level("WARNING", logger="disagg_router.dispatch"):
+        for t in (0.0, 1.0, 9.9, 10.0):
+            now[0] = t
+            outcomes.despite_ejections("r1", 4)
+    assert _sample(metrics, "disagg_router_routed_despite_ejections_total", revision="r1") == 4
+    logged = [r.getMessage() for r in caplog.records if "routing to ejected backends" in r.getMessage()]
+    assert len(logged) == 2 and "(4 ejected)" in logged[0]  # at 0 and at 10 s: a storm is one line per spell

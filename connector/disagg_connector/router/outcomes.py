@@ -61,6 +61,7 @@ class OutcomeRecorder:
     def attempt(self, revision: str, flow: str, retry: bool) -> None:
         """An attempt dispatched to a pair (``flow`` push|pull) or a decode alone (``local``) of ``revision``."""
         retries = self.metrics.child(self.metrics.retries, revision)  # at 0 from a revision's first attempt
+        self.metrics.child(self.metrics.despite_ejections, revision)  # likewise: a panel shows 0, not "no data"
         if retry:
             retries.inc()
         if flow == "local":
