@@ -19,7 +19,6 @@ Generated:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import yaml
 from disagg_connector import contract
 from disagg_operator.api.crd import CRD_FILE
 from disagg_operator.rbac import rules
+from tests.support import generated
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "disagg-operator"
@@ -104,24 +104,11 @@ def expected() -> dict[Path, str]:
 
 
 def stale() -> list[Path]:
-    return [path for path, text in expected().items() if not path.exists() or path.read_text() != text]
+    return generated.stale(expected())
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.support.chart_sync", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only report stale files (exit 1)")
-    args = parser.parse_args(argv)
-    if args.check:
-        out = stale()
-        for path in out:
-            print(f"stale: {path.relative_to(REPO)}", file=sys.stderr)
-        return 1 if out else 0
-    for path, text in expected().items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            print(f"wrote {path.relative_to(REPO)}")
-    return 0
+    return generated.main("python -m tests.support.chart_sync", __doc__.splitlines()[0], expected, argv)
 
 
 if __name__ == "__main__":

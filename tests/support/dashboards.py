@@ -23,7 +23,6 @@ by ``backend`` (the pod, or ``pod#dpN`` for one data-parallel rank) instead.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -45,6 +44,7 @@ from grafana_foundation_sdk.models.dashboard import (
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from disagg_operator.metrics import CONTROLLER  # the controller / work queue name label
+from tests.support import generated
 
 REPO = Path(__file__).resolve().parents[2]
 OUT_DIR = REPO / "charts" / "disagg-operator" / "dashboards"
@@ -394,32 +394,19 @@ def expected() -> dict[Path, str]:
     return {OUT_DIR / name: render(build) for name, build in DASHBOARDS.items()}
 
 
+def strays(want: dict[Path, str]) -> list[Path]:
+    """Dashboards in the chart that nothing builds any more."""
+    return [p for p in OUT_DIR.glob("*.json") if p not in want] if OUT_DIR.is_dir() else []
+
+
 def stale() -> list[Path]:
     want = expected()
-    extra = [p for p in OUT_DIR.glob("*.json") if p not in want] if OUT_DIR.is_dir() else []
-    return [path for path, text in want.items() if not path.exists() or path.read_text() != text] + extra
-
-
-def _shown(path: Path) -> Path:
-    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    return generated.stale(want, strays(want))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.support.dashboards", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only report stale files (exit 1)")
-    args = parser.parse_args(argv)
-    if args.check:
-        out = stale()
-        for path in out:
-            print(f"stale: {_shown(path)}", file=sys.stderr)
-        return 1 if out else 0
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    for path, text in expected().items():
-        json.loads(text)  # the encoder's output is JSON, or nothing is written
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            print(f"wrote {_shown(path)}")
-    return 0
+    return generated.main("python -m tests.support.dashboards", __doc__.splitlines()[0], expected, argv, strays=strays,
+                          check_text=json.loads)  # the encoder's output is JSON, or nothing is written
 
 
 if __name__ == "__main__":
