@@ -173,15 +173,13 @@ class _Engines:
     current_replicas: dict[str, int] = field(default_factory=dict)  # role -> size of the current revision
     pod_actions: list[Action] = field(default_factory=list)
     old_actions: list[Action] = field(default_factory=list)
-    draining: list[str] = field(default_factory=list)
-    holding: dict[str, str] = field(default_factory=dict)  # draining pod -> what still holds it
+    draining: dict[str, str] = field(default_factory=dict)  # pod still draining -> what holds it, in words ("": none said)
     overdue: list[str] = field(default_factory=list)  # let go at the drain bound, not seen idle
 
     def add(self, result: Retirement, now: str) -> None:
         self.pod_actions += _retirement_actions(result) + [
             Annotate(p, {contract.ANNOTATION_DRAINING: now}, "leaving") for p in result.mark]
-        self.draining += result.waiting
-        self.holding.update(result.holding)
+        self.draining.update((p, result.holding.get(p, "")) for p in result.waiting)
         self.overdue += result.overdue
 
 
@@ -352,7 +350,7 @@ def plan(desired: Desired, observed: Observed, now: str) -> Plan:
     return Plan(
         actions=(*engines.pod_actions, *applies, *engines.old_actions, *stale, *_role_scaler_statuses(desired, observed)),
         status=status_mod.compute(desired, after, targets, now,
-                                  draining={n: engines.holding.get(n, "") for n in engines.draining}),
+                                  draining=engines.draining),
         requeue_after=DRAIN_POLL_SECONDS if engines.draining else None,
         draining=tuple(engines.draining),
         overdue=tuple(engines.overdue),
