@@ -6,7 +6,8 @@ its path), NOT with the project's venv:
     echo '[{"id": "p", "argv": ["vllm", "serve", "Qwen/Qwen3-32B", "--port", "8000"]}]' \
         | VLLM_TARGET_DEVICE=cpu "$(bash hack/vllm-env.sh | tail -n1)" tests/support/vllm_cli_check.py
 
-stdin:  a JSON list of {"id": str, "argv": [str, ...]}; argv is the container
+stdin:  a JSON list of {"id": str, "argv": [str, ...]} (with --serve: one such list per line, answered by one
+        line each, until stdin closes); argv is the container
         command line as rendered (after `$(VAR)` expansion), starting with
         "vllm", "serve", "<model>".
 stdout: a JSON list, one entry per input and in the same order:
@@ -248,38 +249,63 @@ def check_one(argv: Any) -> dict[str, Any]:
     return result
 
 
-def main() -> int:
-    try:
-        items = json.load(sys.stdin)
-    except json.JSONDecodeError as e:
-        print(f"vllm_cli_check: stdin is not JSON: {e}", file=sys.stderr)
-        return 2
-    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        print("vllm_cli_check: stdin must be a JSON list of objects", file=sys.stderr)
-        return 2
-
+def judge(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One result per item, in order."""
     collector = _Collect()
     vllm_logger = logging.getLogger("vllm")
     vllm_logger.addHandler(collector)
     results = []
-    for item in items:
-        collector.records = []
-        try:
-            res = check_one(item.get("argv"))
-        except BaseException as e:  # never lose the other results to one bad line
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            res = {"ok": False, "error": _exc(e) + "\n" + traceback.format_exc(), "stage": "internal",
-                   "warnings": [], "parsed": None}
-        res["warnings"] = list(collector.records)
-        results.append({"id": item.get("id"), **res})
-    vllm_logger.removeHandler(collector)
+    try:
+        for item in items:
+            collector.records = []
+            try:
+                res = check_one(item.get("argv"))
+            except BaseException as e:  # never lose the other results to one bad line
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                res = {"ok": False, "error": _exc(e) + "\n" + traceback.format_exc(), "stage": "internal",
+                       "warnings": [], "parsed": None}
+            res["warnings"] = list(collector.records)
+            results.append({"id": item.get("id"), **res})
+    finally:
+        vllm_logger.removeHandler(collector)
+    return results
 
-    json.dump(results, _RESULT_OUT, indent=1)
+
+def _items(text: str) -> list[dict[str, Any]] | None:
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError as e:
+        print(f"vllm_cli_check: input is not JSON: {e}", file=sys.stderr)
+        return None
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        print("vllm_cli_check: input must be a JSON list of objects", file=sys.stderr)
+        return None
+    return items
+
+
+def _answer(results: list[dict[str, Any]], indent: int | None) -> None:
+    json.dump(results, _RESULT_OUT, indent=indent)
     _RESULT_OUT.write("\n")
     _RESULT_OUT.flush()
+
+
+def main(argv: list[str]) -> int:
+    """One batch from stdin; with --serve, one batch per line until stdin closes, one answer line each (the
+    test session keeps one process per release: vLLM is imported once)."""
+    if argv == ["--serve"]:
+        for line in sys.stdin:
+            items = _items(line)
+            if items is None:
+                return 2
+            _answer(judge(items), None)
+        return 0
+    items = _items(sys.stdin.read())
+    if items is None:
+        return 2
+    _answer(judge(items), 1)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

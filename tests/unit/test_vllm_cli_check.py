@@ -179,3 +179,20 @@ def test_dotted_kv_flags_parse_like_vllm(results: dict[str, dict[str, Any]]) -> 
 def test_only_vllm_serve_lines_are_judged(results: dict[str, dict[str, Any]]) -> None:
     r = results["not-vllm-serve"]
     assert not r["ok"] and r["stage"] == "argv"
+
+
+@pytest.mark.parametrize("version", CHECKED_VERSIONS)
+def test_one_checker_per_release_serves_every_batch_and_a_dead_one_is_replaced(version: str) -> None:
+    from tests.support import vllm_cli
+
+    def judged() -> bool:
+        [r] = check_command_lines([{"id": "p", "argv": PUSH_PREFILL}], version)
+        return r["ok"]
+
+    assert judged()
+    first = vllm_cli._CHECKERS[version].proc
+    assert judged() and vllm_cli._CHECKERS[version].proc is first  # vLLM imported once for the session
+    first.kill()
+    first.wait()
+    assert judged() and vllm_cli._CHECKERS[version].proc is not first
+    assert check_command_lines([], version) == []
