@@ -33,6 +33,9 @@ def sims(tmp_path_factory):
         "Plong": h.launch_sim(d, "prefill", "pull", lease_seconds=3.0),
         # one 4.5 s descriptor prep per read (one block), engine steps of 0.2 s (= heartbeat period here)
         "Dslow": h.launch_sim(d, "decode", "pull", lease_seconds=3.0, descriptor_prep_us_per_block=4.5e6, step_ms=200.0),
+        # its API server takes a prompt in at 1 ms per token (a 200-word prompt: 0.2 s and more)
+        "Pintake": h.launch_sim(d, "prefill", "push"),
+        "Dintake": h.launch_sim(d, "decode", "push", intake_us_per_token=1000.0),
     }
     try:
         h.wait_ready(*s.values())
@@ -75,6 +78,24 @@ def test_push_legs_rendezvous_by_request_id_and_wrong_pp_completes_wrong(sims):
     xid = uuid.uuid4().hex
     _, d_reply = asyncio.run(legs(1))  # pp_size too small: D completes after too few notices
     assert d_reply.json()["choices"][0]["text"] == " ??0 ??1 ??2"
+
+
+def test_the_decodes_engine_sees_a_leg_only_after_its_api_server_took_the_prompt_in(sims):
+    P, D = sims["Pintake"], sims["Dintake"]
+    xid = uuid.uuid4().hex
+
+    async def legs():
+        return await asyncio.gather(
+            _post(P, h.completion(prompt_words=200, max_tokens=1, kv_transfer_params=PREFILL), xid),
+            _post(D, h.completion(prompt_words=200, max_tokens=3, kv_transfer_params=_push_params(P, xid)), xid),
+        )
+
+    _, d_reply = asyncio.run(legs())
+    assert d_reply.json()["choices"][0]["text"] == " tok0 tok1 tok2"
+    [arrived] = [e for e in D.events("leg_received") if e["xid"] == xid]
+    [registered] = [e for e in D.events("registration_sent") if e["xid"] == xid]
+    intake = arrived["prompt_tokens"] * 1000.0 * 1e-6
+    assert arrived["prompt_tokens"] >= 200 and registered["t"] - arrived["t"] >= intake - 0.005  # timers: ms granularity
 
 
 def test_mismatched_request_ids_never_complete(sims):

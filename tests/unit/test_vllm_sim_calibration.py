@@ -81,7 +81,7 @@ def _cell(mode: str, prompt: int, rate: float, **p50: float) -> dict[str, Any]:
 
 def test_fit_from_runs_whose_figures_follow_the_model() -> None:
     # A world that follows the simulator's own model with known parameters, 1 GB/s link, 1 KB of KV per token.
-    base, per_token, tpot, rtt, pickup, kv = 0.02, 10e-6, 0.025, 0.05, 0.03, 1000
+    base, per_token, tpot, rtt, pickup, kv, intake = 0.02, 10e-6, 0.025, 0.05, 0.03, 1000, 5e-6
     lengths = [1000, 4000, 16000]
     xfer = lambda n: n * kv * 8 / 8e9  # noqa: E731
     prefill = lambda n: base + per_token * n  # noqa: E731
@@ -94,15 +94,19 @@ def test_fit_from_runs_whose_figures_follow_the_model() -> None:
     metrics = f"KV Transfer metrics: Num successful transfers=10, Avg xfer time (ms)={xfer(4000) * 1e3}, Avg MB per transfer=4.0"
     push = {"sweep": {"rates": [1.0, 8.0]}, "cells": push_cells,
             "groups": [{"key_log_lines": {"prefill-0-push": [metrics], "decode-0-push": []}}]}
-    seq_extra = rtt / 2 + calibrate.STEP_MS / 2000
+    seq_extra = lambda n: rtt / 2 + calibrate.STEP_MS / 2000 + intake * n  # noqa: E731 - D's intake on the path
     sequential = {"sweep": {"rates": [1.0]}, "cells": [
-        c for n in lengths for c in (_cell("router-push", n, 1.0, ttft=0.2), _cell("router-push-sequential", n, 1.0, ttft=0.2 + seq_extra))]}
+        c for n in lengths for c in (_cell("router-push", n, 1.0, ttft=0.2), _cell("router-push-sequential", n, 1.0, ttft=0.2 + seq_extra(n)))]}
     fitted = calibrate.fit_push(push, sequential, kv)
     assert fitted["prefill_base_ms"] == pytest.approx(20.0, abs=0.01)
     assert fitted["prefill_us_per_token"] == pytest.approx(10.0, abs=0.001)
     assert fitted["tpot_ms"] == pytest.approx(25.0) and fitted["link_gbps"] == pytest.approx(8.0)
     assert fitted["registration_rtt_ms"] == pytest.approx(50.0, abs=0.1)
+    assert fitted["intake_us_per_token"] == pytest.approx(5.0, abs=0.001)
     assert fitted["kv_pickup_ms"] == pytest.approx(30.0, abs=0.1)
+    flat = {"sweep": {"rates": [1.0]}, "cells": [  # no growth with the prompt: no intake, all of it the message
+        c for n in lengths for c in (_cell("router-push", n, 1.0, ttft=0.2), _cell("router-push-sequential", n, 1.0, ttft=0.2 + seq_extra(0)))]}
+    assert (calibrate.fit_push(push, flat, kv)["intake_us_per_token"], calibrate.fit_push(push, flat, kv)["registration_rtt_ms"]) == (0.0, pytest.approx(50.0, abs=0.1))
 
 
 def test_the_committed_profiles_are_what_calibrate_fits_from_the_committed_results() -> None:
@@ -150,9 +154,10 @@ def test_fair_pull_fit_recovers_a_world_that_follows_the_model() -> None:
                                                                        "prefill-0": counters}}]  # loaded: ignored
     reads = calibrate.nixl_counters([{"sweep": {"rates": [2.0, 8.0]}, "cells": peer_cells}], "router-pull", "decode-0")
     assert calibrate.counters_gbps(reads) == pytest.approx(128.0)
+    intake = 7e-6  # D's intake of the prompt: on pull's path (its leg follows the prefill)
     pull = {"sweep": {"rates": [2.0]}, "cells": [
-        _cell("direct-pull", n, 2.0, after_prefill=blocks[n] * prep + read(n) + pickup + tpot) for n in lengths]}
-    push_timing = {"tpot_ms": tpot * 1e3, "kv_bytes_per_token": kv, "link_gbps": 100.0}
+        _cell("direct-pull", n, 2.0, after_prefill=intake * n + blocks[n] * prep + read(n) + pickup + tpot) for n in lengths]}
+    push_timing = {"tpot_ms": tpot * 1e3, "kv_bytes_per_token": kv, "link_gbps": 100.0, "intake_us_per_token": intake * 1e6}
     fitted = calibrate.fit_pull_fair(pull, reads, push_timing, block)
     assert fitted["read_gbps"] == pytest.approx(128.0) and fitted["link_gbps"] == 100.0
     assert fitted["descriptor_prep_us_per_block"] == pytest.approx(50.0)

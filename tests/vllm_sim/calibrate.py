@@ -9,8 +9,10 @@ run: per cell, the median of the runs' p50s):
 - link_gbps: the bytes-weighted rate of the transfers the issuing engine logged (vLLM's "KV Transfer
   metrics" lines: prefill's WRITEs in push, decode's READs in pull) or, where a run recorded them per cell,
   its `vllm:nixl_*` counters (`kv_transfer`: prefill's WRITEs in router-push cells);
-- registration_rtt_ms: push-sequential minus push-concurrent TTFT through the router is one side-channel
-  message plus prefill's wait for its next engine step (half of step_ms) in the simulator's model;
+- intake_us_per_token, registration_rtt_ms: push-sequential minus push-concurrent TTFT through the router is,
+  in the simulator's model, the decode's intake of the prompt (its API server, on the path once the leg is sent
+  after the prefill) plus one side-channel message plus prefill's wait for its next engine step (half of
+  step_ms): a line over prompt length, its slope the intake per token (never below 0), its intercept the rest;
 - kv_pickup_ms: what remains of direct-push's "after prefill" (first token - prefill answered) once the
   transfer, the completion notice and one decode step are taken out (never below 0).
 Pull made fair (h200-issue20-*: READ zero-copy over cuda_ipc), from the same engines' pull cells, the compute
@@ -18,8 +20,8 @@ and registration figures being push's:
 - read_gbps: the bytes-weighted rate of decode's READs in router-pull cells (`vllm:nixl_*` counters);
 - descriptor_prep_us_per_block: decode's post time per READ (prep + submission, inline in D's engine loop
   in pull) over the blocks read (prompt / the engines' --block-size), pooled;
-- pull_pickup_ms: what remains of direct-pull's "after prefill" once the inline prep, the READ and one
-  decode step are taken out (a READ is one-sided: no side-channel message on D's path).
+- pull_pickup_ms: what remains of direct-pull's "after prefill" once the decode's intake, the inline prep, the
+  READ and one decode step are taken out (a READ is one-sided: no side-channel message on D's path).
 kv_bytes_per_token comes from the model (hack/gpu/make_model.py); the block size from the engines' own
 command line. Pure functions but `main`.
 """
@@ -139,8 +141,12 @@ def fit_push(push: dict[str, Any], sequential: dict[str, Any], kv_bytes_per_toke
     tpot = statistics.median(c["tpot"]["p50"] for m in ("router-push", "direct-push") for c in lowest_rate(push, m).values())
     link = transfer_gbps(engine_log_lines(push, "prefill")) if link_gbps is None else link_gbps
     seq, conc = lowest_rate(sequential, "router-push-sequential"), lowest_rate(sequential, "router-push")
-    extra = statistics.fmean(seq[n]["ttft"]["p50"] - conc[n]["ttft"]["p50"] for n in seq if n in conc)
-    rtt = max(0.0, 2 * (extra - STEP_MS / 2000))
+    both = sorted(n for n in seq if n in conc)
+    extra = [seq[n]["ttft"]["p50"] - conc[n]["ttft"]["p50"] for n in both]
+    fixed, intake = least_squares([float(n) for n in both], extra)
+    if intake <= 0:  # no growth with the prompt: all of it is the message and the step
+        fixed, intake = statistics.fmean(extra), 0.0
+    rtt = max(0.0, 2 * (fixed - STEP_MS / 2000))
     pickup = statistics.median(
         direct[n]["after_prefill"]["p50"] - n * kv_bytes_per_token * 8 / (link * 1e9) - rtt / 2 - tpot for n in lengths
     )
@@ -153,6 +159,7 @@ def fit_push(push: dict[str, Any], sequential: dict[str, Any], kv_bytes_per_toke
         "registration_rtt_ms": round(rtt * 1e3, 1),
         "step_ms": STEP_MS,
         "kv_pickup_ms": round(max(0.0, pickup) * 1e3, 1),
+        "intake_us_per_token": round(intake * 1e6, 3),
     }
 
 
@@ -169,7 +176,7 @@ def fit_pull_fair(pull: dict[str, Any], reads: dict[int, dict[str, float]], timi
     prep_s_per_block = sum(a["post_s"] for a in reads.values()) / sum(a["transfers"] * blocks(n) for n, a in reads.items())
     direct = lowest_rate(pull, "direct-pull")
     pickup = statistics.median(
-        direct[n]["after_prefill"]["p50"] - blocks(n) * prep_s_per_block
+        direct[n]["after_prefill"]["p50"] - n * timing.get("intake_us_per_token", 0.0) * 1e-6 - blocks(n) * prep_s_per_block
         - n * timing["kv_bytes_per_token"] * 8 / (read_gbps * 1e9) - timing["tpot_ms"] / 1e3
         for n in sorted(direct)
     )

@@ -106,6 +106,9 @@ evicted, AllBlocksCleared on a reset.
   costs half of ``registration_rtt_ms``. A READ is one-sided (``pull_worker.py``: D posts it and polls its
   own completion; P hears of it by a notification off D's path), so D's path in pull is the inline prep,
   the READ and the pick-up, with no side-channel message.
+- D's API server takes a prompt in (tokenizing and processing it) for ``intake_us_per_token`` per prompt token
+  before its engine sees the request: on D's path when its leg is sent after the prefill (pull, sequential
+  push), behind the prefill in concurrent push. (P's own intake is inside its fitted prefill time.)
 - P notices a notification at its next engine step: at the end of the prefill it is computing, or,
   when idle, at the next multiple of ``step_ms``. This is the engine step boundary that push pays when
   the legs are sequential (the registration reaches an idle P after the prefill); concurrent push hides
@@ -206,6 +209,7 @@ class Timing:
     kv_pickup_ms: float = 0.0
     read_gbps: float = 0.0  # D's READ in pull; 0: link_gbps
     pull_pickup_ms: float | None = None  # D's pick-up of a READ's KV; None: kv_pickup_ms
+    intake_us_per_token: float = 0.0  # D's API server taking in a prompt before its engine sees it
 
     def prefill(self, n: int) -> float:
         return (self.prefill_base_ms * 1e3 + n * self.prefill_us_per_token) * 1e-6 * self.scale
@@ -213,6 +217,9 @@ class Timing:
     def kv_pickup(self, pull: bool = False) -> float:
         ms = self.pull_pickup_ms if pull and self.pull_pickup_ms is not None else self.kv_pickup_ms
         return ms / 1000 * self.scale
+
+    def intake(self, n: int) -> float:
+        return n * self.intake_us_per_token * 1e-6 * self.scale
 
     def xfer(self, n: int, read: bool = False) -> float:
         gbps = self.read_gbps if read and self.read_gbps > 0 else self.link_gbps
@@ -485,7 +492,7 @@ class Engine:
             a.prefill_us_per_token, a.tpot_ms, a.kv_bytes_per_token, a.link_gbps, a.registration_rtt_ms,
             a.step_ms, a.descriptor_prep_us_per_block, a.block_size, a.time_scale,
             prefill_base_ms=a.prefill_base_ms, kv_pickup_ms=a.kv_pickup_ms, read_gbps=a.read_gbps,
-            pull_pickup_ms=a.pull_pickup_ms,
+            pull_pickup_ms=a.pull_pickup_ms, intake_us_per_token=a.intake_us_per_token,
         )
         self.compute = asyncio.Lock()
         self.compute_until = 0.0
@@ -1165,6 +1172,8 @@ class Engine:
                     log.warning("Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", params)
                     self.counters["invalid_kv_params"] += 1
                     self.counters["recomputed"] += 1
+            if (intake := self.t.intake(seq.prompt_tokens)) > 0:
+                await asyncio.sleep(intake)
             self.arrivals.append(seq)
             self.wake.set()
             return await self.respond(request, body, seq, stream, None, None)
@@ -1356,6 +1365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-pickup-ms", type=float, default=t.kv_pickup_ms, help="D notices received KV this much after the last notice")
     p.add_argument("--read-gbps", type=float, default=t.read_gbps, help="D's READ rate in pull (0: --link-gbps)")
     p.add_argument("--pull-pickup-ms", type=float, default=t.pull_pickup_ms, help="D notices a READ's KV this much later (unset: --kv-pickup-ms)")
+    p.add_argument("--intake-us-per-token", type=float, default=t.intake_us_per_token,
+                   help="the decode engine's API server takes a prompt in this long per token before its engine sees it")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--record-bodies", action="store_true", help="keep every response's bytes for /sim/body")
     p.add_argument("--log-events", action="store_true")
