@@ -235,7 +235,7 @@ import yaml  # noqa: E402
 from disagg_connector import contract  # noqa: E402
 from disagg_operator.api.crd import CRD_FILE  # noqa: E402
 
-from .operator_process import OperatorProcess  # noqa: E402
+from disagg_bench.operator_process import OperatorProcess  # noqa: E402
 
 @pytest.fixture(scope="session")
 def crd_installed(cluster) -> None:
@@ -253,7 +253,7 @@ PRODUCTION_DRAIN_TIMEOUT = {"rollout": {"drainTimeoutSeconds": 3600}}
 
 def model_manifest(name: str, patch: dict | None = None, example: str = "minimal") -> dict:
     """An example DisaggregatedModel named `name`, with FAST_DRAIN and then `patch` merged into its spec."""
-    from ..conftest import load_example, merge
+    from tests.conftest import load_example, merge
 
     obj = load_example(REPO / "examples" / f"{example}.yaml")
     obj["metadata"] = {"name": name}

@@ -22,18 +22,18 @@ from typing import Any, Callable
 from kubernetes import client
 
 from disagg_connector import contract
-from tests.support import dashboard_png, dashboards
-from tests.support.helm import CHART, helm, values_args
-from tests.support.prometheus import PrometheusServer, pod_monitor_scrape_config
-from tests.vllm_sim.harness import FAST
-from tests.vllm_sim.pods import router_kubeconfig
+from hack.gen import dashboard_png, dashboards
+from tests.fixtures.helm import CHART, helm, values_args
+from hack.gen.prometheus import PrometheusServer, pod_monitor_scrape_config
+from disagg_bench.vllm_sim.harness import FAST
+from disagg_bench.vllm_sim.pods import router_kubeconfig
 
-from .conftest import OPERATOR_NAMESPACE, model_manifest
-from .serving import Serving
-from .test_kv_health import control
-from .test_no_cut_streams import TPOT_MS, LongStreams, check_whole, decode_settled, draining_pod, long_model
-from .test_router_e2e import wait_for
-from .waiting import condition
+from tests.e2e.conftest import OPERATOR_NAMESPACE, model_manifest
+from tests.fixtures.e2e.serving import Serving
+from tests.e2e.test_kv_health import control
+from tests.e2e.test_no_cut_streams import TPOT_MS, LongStreams, check_whole, decode_settled, draining_pod, long_model
+from tests.e2e.test_router_e2e import wait_for
+from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 ALERT = "DisaggKVTransfersFailing"

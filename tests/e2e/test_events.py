@@ -13,9 +13,9 @@ from disagg_connector import contract
 from disagg_operator.events import Event
 from disagg_operator.kube import EventRecorder
 
-from .conftest import model_manifest
-from .test_operator import get_model, wait_ready
-from .waiting import condition, wait_for
+from tests.e2e.conftest import model_manifest
+from tests.e2e.test_operator import get_model, wait_ready
+from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 

@@ -23,8 +23,8 @@ from kubernetes.client.exceptions import ApiException
 from disagg_connector import contract
 from disagg_operator.api.validation import SpecError, parse
 
-from ..strategies import BREAKERS, CHILD_BREAKERS, models
-from .waiting import condition, wait_for
+from tests.fixtures.strategies import BREAKERS, CHILD_BREAKERS, models
+from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 BATCH, BATCHES = 25, 8  # hypothesis cannot draw 200 models in one example (its buffer): 8 examples of 25

@@ -32,10 +32,10 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from ..support.helm import CHART, helm
-from .conftest import model_manifest
-from .test_rollout import POOL, Pool, get_model
-from .waiting import condition, pod_ready, wait_for
+from tests.fixtures.helm import CHART, helm
+from tests.e2e.conftest import model_manifest
+from tests.e2e.test_rollout import POOL, Pool, get_model
+from tests.fixtures.e2e.waiting import condition, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 

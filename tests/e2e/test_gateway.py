@@ -21,11 +21,11 @@ import pytest
 from kubernetes import client
 
 from disagg_connector import contract
-from tests.support.ports import free_port
+from disagg_bench.ports import free_port
 
-from .conftest import CLUSTER_SH, model_manifest
-from .test_operator import pods_of, wait_ready
-from .waiting import pod_ready, wait_for
+from tests.e2e.conftest import CLUSTER_SH, model_manifest
+from tests.e2e.test_operator import pods_of, wait_ready
+from tests.fixtures.e2e.waiting import pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 

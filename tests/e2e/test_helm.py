@@ -28,14 +28,14 @@ from kubernetes.client.exceptions import ApiException
 from disagg_connector import contract
 from disagg_operator.manifests import dump_all
 from disagg_operator.rbac import rules
-from tests.support import chart_sync
-from tests.support.helm import CHART, helm, values_args
-from tests.support.ports import free_port
+from hack.gen import chart_sync
+from tests.fixtures.helm import CHART, helm, values_args
+from disagg_bench.ports import free_port
 
-from .conftest import model_manifest
-from .operator_process import OperatorProcess
-from .test_resilience import scrape
-from .waiting import condition, wait_for
+from tests.e2e.conftest import model_manifest
+from disagg_bench.operator_process import OperatorProcess
+from tests.e2e.test_resilience import scrape
+from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 RELEASE_LABEL = "app.kubernetes.io/instance"

@@ -13,11 +13,11 @@ from typing import Any
 from kubernetes import client
 
 from disagg_connector import contract
-from tests.vllm_sim.pods import PodEngines, start_pod_router
+from disagg_bench.vllm_sim.pods import PodEngines, start_pod_router
 
-from .conftest import model_manifest
-from .test_router_e2e import BackgroundClient, wait_for
-from .waiting import condition
+from tests.e2e.conftest import model_manifest
+from tests.e2e.test_router_e2e import BackgroundClient, wait_for
+from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from .waiting import pod_ready, wait_for
+from tests.fixtures.e2e.waiting import pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -24,8 +24,8 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from .conftest import model_manifest
-from .waiting import condition, wait_for
+from tests.e2e.conftest import model_manifest
+from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 STATUS_BOUND = 30.0

@@ -32,13 +32,13 @@ import pytest
 from kubernetes import client
 
 from disagg_connector import contract
-from tests.vllm_sim.harness import FAST
-from tests.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble, at_deletion, start_pod_router
+from disagg_bench.vllm_sim.harness import FAST
+from disagg_bench.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble, at_deletion, start_pod_router
 
-from .conftest import model_manifest
-from .test_rollout import get_model, rolled_out
-from .test_router_e2e import BackgroundClient, wait_for
-from .waiting import condition
+from tests.e2e.conftest import model_manifest
+from tests.e2e.test_rollout import get_model, rolled_out
+from tests.e2e.test_router_e2e import BackgroundClient, wait_for
+from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 DEADLINE_S, LEASE_S = 4, 6

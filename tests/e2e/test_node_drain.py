@@ -40,13 +40,13 @@ import yaml
 from kubernetes import client
 
 from disagg_connector import contract
-from tests.vllm_sim.harness import FAST
+from disagg_bench.vllm_sim.harness import FAST
 
-from ..conftest import REPO
-from .conftest import model_manifest
-from .serving import Serving
-from .test_router_e2e import wait_for
-from .waiting import PodWatch, condition
+from tests.conftest import REPO
+from tests.e2e.conftest import model_manifest
+from tests.fixtures.e2e.serving import Serving
+from tests.e2e.test_router_e2e import wait_for
+from tests.fixtures.e2e.waiting import PodWatch, condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 POOL = f"{contract.API_GROUP}/drain-pool"

@@ -18,10 +18,10 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from ..conftest import REPO, load_example, merge
-from ..unit.test_api import INVALID, VALID_EDGES
-from .conftest import OPERATOR_USER, model_manifest
-from .waiting import condition, pod_ready as is_ready, wait_for
+from tests.conftest import REPO, load_example, merge
+from tests.unit.operator.api.test_api import INVALID, VALID_EDGES
+from tests.e2e.conftest import OPERATOR_USER, model_manifest
+from tests.fixtures.e2e.waiting import condition, pod_ready as is_ready, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 MINIMAL = load_example(REPO / "examples" / "minimal.yaml")

@@ -16,9 +16,9 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from .conftest import model_manifest
-from .operator_process import E2E_RESYNC_SECONDS
-from .waiting import condition, wait_for
+from tests.e2e.conftest import model_manifest
+from disagg_bench.operator_process import E2E_RESYNC_SECONDS
+from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 

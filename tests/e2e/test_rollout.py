@@ -29,13 +29,13 @@ import yaml
 from kubernetes import client
 
 from disagg_connector import contract
-from tests.vllm_sim.pods import assert_idle_when_deleted, assert_no_kv_trouble
+from disagg_bench.vllm_sim.pods import assert_idle_when_deleted, assert_no_kv_trouble
 
-from ..conftest import REPO
-from .conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
-from .serving import Serving
-from .test_router_e2e import wait_for
-from .waiting import PodStates, condition, engine_pods, pod_ready
+from tests.conftest import REPO
+from tests.e2e.conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
+from tests.fixtures.e2e.serving import Serving
+from tests.e2e.test_router_e2e import wait_for
+from tests.fixtures.e2e.waiting import PodStates, condition, engine_pods, pod_ready
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 POOL = f"{contract.API_GROUP}/rollout-pool"

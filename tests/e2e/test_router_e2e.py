@@ -40,11 +40,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
-from tests.vllm_sim.pods import LocalRouter, PodEngine, PodEngines, router_kubeconfig, start_router
+from disagg_bench.vllm_sim.pods import LocalRouter, PodEngine, PodEngines, router_kubeconfig, start_router
 
-from ..conftest import REPO, load_example, merge
-from . import waiting
-from .waiting import DEADLINE, condition
+from tests.conftest import REPO, load_example, merge
+from tests.fixtures.e2e import waiting
+from tests.fixtures.e2e.waiting import DEADLINE, condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 MINIMAL = load_example(REPO / "examples" / "minimal.yaml")

@@ -45,15 +45,15 @@ from typing import Any
 from kubernetes import client
 
 from disagg_connector import contract
-from tests.vllm_sim import harness as h
-from tests.vllm_sim.pods import LocalRouter, PodEngine, PodEngines, assert_idle_when_deleted, assert_no_kv_trouble
+from disagg_bench.vllm_sim import harness as h
+from disagg_bench.vllm_sim.pods import LocalRouter, PodEngine, PodEngines, assert_idle_when_deleted, assert_no_kv_trouble
 
-from .conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
-from .serving import Serving
-from .test_gateway import built
-from .test_rollout import get_model, rolled_out
-from .test_router_e2e import check_legs, wait_for
-from .waiting import condition
+from tests.e2e.conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
+from tests.fixtures.e2e.serving import Serving
+from tests.e2e.test_gateway import built
+from tests.e2e.test_rollout import get_model, rolled_out
+from tests.e2e.test_router_e2e import check_legs, wait_for
+from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 BLOCK = 16  # spec.engine.blockSize: short token-id prompts span several blocks

@@ -1,0 +1,4 @@
+from disagg_bench.vllm_sim.sim import main
+
+if __name__ == "__main__":
+    main()

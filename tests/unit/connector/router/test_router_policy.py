@@ -1,0 +1,239 @@
+"""The router's policies (docs/router.md, Policies): the load read from vLLM's /metrics, the approximate prefix
+index, and the picks they make; pure, with a fake clock. vLLM's own /metrics text is test_drain's fixture."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from disagg_connector.contract import EngineIdentity
+from disagg_connector.router.discovery import Backend
+from disagg_connector.router.load import LoadBoard, parse_engine_metrics
+from disagg_connector.router.pairing import Balancer
+from disagg_connector.router.policy import Policies
+from disagg_connector.router.prefix import CHUNK_BYTES, CHUNK_TOKENS, PrefixIndex, PromptKey, chunk_keys, prompt_key
+from tests.unit.connector.test_drain import RELEASES, with_values
+
+RUNNING, WAITING, QUERIES = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prefix_cache_queries_total"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def backend(pod: str, role: str = "prefill", dp_rank: int = 0, dp_size: int = 1) -> Backend:
+    ident = EngineIdentity(f"{pod}.uid", "10.0.0.1", 5600 + dp_rank, 1, 1, dp_rank=dp_rank, dp_size=dp_size)
+    return Backend(role, "r1", pod, "uid", "10.0.0.1", ident, dp_size=dp_size)
+
+
+def text_prompt(words: int, start: int = 0) -> dict[str, Any]:
+    return {"prompt": " ".join(f"w{i}" for i in range(start, start + words))}
+
+
+def key(body: dict[str, Any], kind: str = "completions") -> PromptKey:
+    from disagg_connector.contract.vllm_pd import estimate_prompt_tokens
+
+    return prompt_key(kind, body, estimate_prompt_tokens(kind, body))
+
+
+# --- reading vLLM's /metrics ------------------------------------------------------------------------------
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_counters_of_each_engine_core_come_from_vllms_own_metrics_text(release: str) -> None:
+    text = with_values(RELEASES[release], {(RUNNING, "0"): 3.0, (WAITING, "1"): 5.0, (QUERIES, "1"): 640.0})
+    engines = parse_engine_metrics(text)
+    assert set(engines) == {"0", "1"}
+    assert (engines["0"].running, engines["0"].waiting, engines["1"].running, engines["1"].waiting) == (3.0, 0.0, 0.0, 5.0)
+    assert engines["1"].prefix_queries == 640.0 and engines["0"].prefix_queries == 0.0
+    assert engines["0"].cache_tokens is None  # this fixture keeps no cache_config_info
+
+
+def test_the_kv_cache_size_comes_from_cache_config_info() -> None:
+    text = (
+        '# TYPE vllm:cache_config_info gauge\n'
+        'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="4096"} 1.0\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+    )
+    assert parse_engine_metrics(text)["0"].cache_tokens == 16 * 4096
+
+
+def test_a_prefill_rank_reads_its_own_core_and_a_decode_pod_sums_its_cores() -> None:
+    board = LoadBoard(1.0, Clock())
+    engines = parse_engine_metrics(with_values(RELEASES["0.33.0"], {(RUNNING, "0"): 1.0, (RUNNING, "1"): 4.0, (WAITING, "1"): 2.0}))
+    rank1, decode = backend("p", dp_rank=1, dp_size=2), backend("d", role="decode")
+    board.record(rank1, engines, sent_before=0)
+    board.record(decode, engines, sent_before=0)
+    assert board.load(rank1.key, inflight=0) == 6.0
+    assert board.load(decode.key, inflight=0) == 7.0
+
+
+def test_load_is_the_last_read_plus_the_legs_sent_since_and_in_flight_counts_once_the_read_is_stale() -> None:
+    clock = Clock()
+    board = LoadBoard(1.0, clock)
+    b = backend("p")
+    assert board.load(b.key, inflight=2) == 2.0  # never read: this router's own count
+    board.dispatched(b.key)
+    engines = parse_engine_metrics(with_values(RELEASES["0.33.0"], {(RUNNING, "0"): 3.0, (WAITING, "0"): 1.0}))
+    board.record(b, engines, sent_before=board.sent[b.key])
+    assert board.load(b.key, inflight=9) == 4.0  # the engine's numbers: it saw every router's requests
+    board.dispatched(b.key)
+    board.dispatched(b.key)
+    assert board.load(b.key, inflight=9) == 6.0  # plus what this router sent since the read
+    assert board.load(b.key, inflight=1) == 5.0  # of which one is still in flight: the other finished
+    clock.now += 3.5  # more than three intervals: the read no longer says what the engine does
+    assert board.load(b.key, inflight=9) == 9.0
+
+
+def test_a_counter_that_went_back_is_a_restart_and_forgets_the_backends_prefix() -> None:
+    board = LoadBoard(1.0, Clock())
+    forgotten: list[str] = []
+    board.on_restart = forgotten.append
+    b = backend("p")
+    board.record(b, parse_engine_metrics(with_values(RELEASES["0.33.0"], {(QUERIES, "0"): 5000.0})), 0)
+    board.record(b, parse_engine_metrics(with_values(RELEASES["0.33.0"], {(QUERIES, "0"): 6000.0})), 0)
+    assert forgotten == []
+    board.record(b, parse_engine_metrics(with_values(RELEASES["0.33.0"], {(QUERIES, "0"): 16.0})), 0)
+    assert forgotten == [b.key] and board.restarts[b.key] == 1
+
+
+# --- the prefix index -------------------------------------------------------------------------------------
+def test_chunk_keys_are_chained_so_equal_keys_mean_equal_prefixes() -> None:
+    a = chunk_keys(b"x" * CHUNK_BYTES + b"A" * CHUNK_BYTES)
+    b = chunk_keys(b"y" * CHUNK_BYTES + b"A" * CHUNK_BYTES)
+    assert len(a) == 2 and a[1] != b[1]  # the same second chunk after a different first one
+    assert chunk_keys(b"x" * (CHUNK_BYTES * 2 - 1)) == a[:1]  # only whole chunks
+    assert len(chunk_keys(list(range(CHUNK_TOKENS * 2 + 5)))) == 2  # token ids: CHUNK_TOKENS per chunk
+
+
+def test_a_conversations_next_turn_shares_the_previous_turns_chunks() -> None:
+    history = [{"role": "system", "content": "s " * 2000}, {"role": "user", "content": "hello " * 500}]
+    turn1 = key({"messages": history}, "chat")
+    turn2 = key({"messages": [*history, {"role": "assistant", "content": "hi " * 400}, {"role": "user", "content": "more"}]}, "chat")
+    shared = len(turn1.chunks)
+    assert shared > 10 and turn2.chunks[: shared - 1] == turn1.chunks[: shared - 1]
+    parts = key({"messages": [{"role": "system", "content": [{"type": "text", "text": "s " * 2000}]}]}, "chat")
+    assert parts.chunks[:5] == turn1.chunks[:5]  # content parts: their text, as vLLM's template renders it
+
+
+def test_a_match_counts_leading_chunks_only_and_the_lru_bound_evicts_the_oldest() -> None:
+    index = PrefixIndex()
+    index.set_capacity("p0", CHUNK_TOKENS * 10)  # ten chunks
+    first, second = tuple(range(1, 7)), tuple(range(101, 107))
+    index.insert("p0", first)
+    index.insert("p1", first[:3])
+    assert index.match(first, ["p0", "p1", "p2"]) == {"p0": 6, "p1": 3}
+    assert index.match((999, *first), ["p0"]) == {}  # a miss ends the prefix
+    index.insert("p0", second)  # twelve chunks on a ten-chunk backend: the two oldest go
+    assert index.held("p0") == 10 and index.match(first, ["p0"]) == {}
+    assert index.match(second, ["p0"]) == {"p0": 6}
+    index.insert("p0", first[2:])  # touched again: now the most recent
+    index.keep_only({"p0"})
+    assert index.match(first, ["p1"]) == {} and index.size == 10
+
+
+def test_the_index_as_a_whole_stays_within_its_bound() -> None:
+    index = PrefixIndex(max_chunks=50)
+    for i in range(10):
+        index.insert(f"p{i % 3}", tuple(range(i * 100, i * 100 + 20)))
+    assert index.size <= 50 and index.evictions >= 150
+
+
+# --- the picks --------------------------------------------------------------------------------------------
+def make(prefill: str = "prefix-and-load", decode: str = "least-loaded") -> tuple[Policies, LoadBoard, Balancer, Clock]:
+    clock = Clock()
+    board, balancer = LoadBoard(1.0, clock), Balancer()
+    return Policies(prefill, decode, balancer, board, PrefixIndex()), board, balancer, clock
+
+
+def read(board: LoadBoard, b: Backend, running: float = 0.0, waiting: float = 0.0) -> None:
+    text = with_values(RELEASES["0.33.0"], {(RUNNING, "0"): running, (WAITING, "0"): waiting})
+    board.record(b, parse_engine_metrics(text), board.sent[b.key])
+
+
+def test_without_data_the_prefill_pick_is_least_outstanding_round_robin() -> None:
+    policies, _, _, _ = make()
+    ps = [backend("p0"), backend("p1")]
+    picks = [policies.prefill(ps, key(text_prompt(200, start=1000 * i))) for i in range(4)]
+    assert [p.backend.pod for p in picks] == ["p0", "p1", "p0", "p1"] and {p.reason for p in picks} == {"in_flight"}
+
+
+def test_a_repeated_prefix_goes_back_to_the_engine_that_holds_it_while_loads_are_equal() -> None:
+    policies, board, _, _ = make()
+    ps = [backend("p0"), backend("p1")]
+    shared = text_prompt(400)
+    first = policies.prefill(ps, key(shared))
+    again = []
+    for i in range(3):
+        for b in ps:
+            read(board, b)  # each turn finished before the next: both engines idle at the read
+        again.append(policies.prefill(ps, key({"prompt": shared["prompt"] + f" turn{i}"})))
+    assert {p.backend.pod for p in again} == {first.backend.pod} and {p.reason for p in again} == {"cache_hit"}
+    assert all(p.expected_hit_tokens >= 0.9 * key(shared).tokens for p in again)
+
+
+def test_no_engine_idles_while_the_one_holding_the_prefix_queues() -> None:
+    policies, board, _, _ = make()
+    ps = [backend("p0"), backend("p1")]
+    shared = text_prompt(2000)  # a long shared system prompt: a hit worth many requests of queue
+    holder = policies.prefill(ps, key(shared)).backend
+    other = next(b for b in ps if b is not holder)
+    read(board, holder, running=1)
+    read(board, other)
+    first = policies.prefill(ps, key({"prompt": shared["prompt"] + " a"}))
+    assert first.backend is holder  # one ahead: within the slack
+    policies.balancer.acquire(first.backend)  # and that leg stays in flight
+    pick = policies.prefill(ps, key({"prompt": shared["prompt"] + " b"}))  # two ahead of an idle engine: out
+    assert pick.backend is other and pick.reason == "load"
+    assert policies.index.match(key(shared).chunks, [other.key])  # and now the other holds the prefix too
+    second = text_prompt(2000, start=50_000)
+    policies.index.insert(holder.key, key(second).chunks)
+    read(board, holder, running=10)
+    read(board, other, running=8)  # busy both: half the least busy one's load is the slack
+    assert policies.prefill(ps, key({"prompt": second["prompt"] + " c"})).backend is holder
+    read(board, holder, running=13)  # 13 > 8 + 4
+    assert policies.prefill(ps, key({"prompt": second["prompt"] + " d"})).backend is other
+
+
+def test_a_hit_is_worth_nothing_behind_a_long_queue() -> None:
+    policies, board, _, _ = make()
+    ps = [backend("p0"), backend("p1")]
+    shared = text_prompt(400)
+    holder = policies.prefill(ps, key(shared)).backend
+    other = next(b for b in ps if b is not holder)
+    read(board, holder, running=4, waiting=30)
+    read(board, other)
+    pick = policies.prefill(ps, key({"prompt": shared["prompt"] + " next"}))
+    assert pick.backend is other and pick.reason == "load"
+
+
+def test_least_outstanding_ignores_the_cache_but_still_says_what_it_expected() -> None:
+    policies, board, _, _ = make(prefill="least-outstanding")
+    ps = [backend("p0"), backend("p1")]
+    shared = text_prompt(400)
+    picks = [policies.prefill(ps, key(shared)) for _ in range(4)]
+    assert [p.backend.pod for p in picks] == ["p0", "p1", "p0", "p1"]
+    assert [p.expected_hit_tokens > 0 for p in picks] == [False, False, True, True]
+
+
+def test_decode_least_loaded_follows_the_engines_numbers_and_falls_back_without_them() -> None:
+    policies, board, balancer, clock = make()
+    ds = [backend("d0", role="decode"), backend("d1", role="decode")]
+    assert [policies.decode(ds).backend.pod for _ in range(2)] == ["d0", "d1"]  # no reading: round robin
+    read(board, ds[0], running=12)
+    read(board, ds[1], running=3)
+    picks = []
+    for _ in range(11):
+        picks.append(policies.decode(ds))
+        balancer.acquire(picks[-1].backend)  # each leg stays in flight
+    # d1 until the legs sent since the read make it as busy as d0 (3 + 9 = 12), then both in turn
+    assert [p.backend.pod for p in picks[:9]] == ["d1"] * 9 and {p.backend.pod for p in picks[9:]} == {"d0", "d1"}
+    assert {p.reason for p in picks} == {"load"}
+    clock.now += 10  # stale: this router's in-flight counts again
+    assert policies.decode(ds).reason == "in_flight"
+    outstanding, board2, _, _ = make(decode="least-outstanding")
+    read(board2, ds[0], running=12)
+    assert [outstanding.decode(ds).backend.pod for _ in range(2)] == ["d0", "d1"]

@@ -1,0 +1,102 @@
+"""vLLM's own argument parser and KVTransferConfig, of every checked release (0.33.0, 0.26.0), judge
+every command line we render.
+
+The lines are checked after Kubernetes' $(VAR) expansion with sample Downward API values, i.e. as the
+container really receives them.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from disagg_connector import contract
+from disagg_operator.api.validation import parse
+from disagg_bench.localrun.kube_env import expand
+from disagg_bench.localrun.plan import LocalOptions, local_plan
+from disagg_operator.render import render
+
+from tests.conftest import EXAMPLES, REPO, load_example
+from tests.fixtures.strategies import models
+from tests.fixtures.vllm_cli import CHECKED_VERSIONS, check_command_lines
+from tests.unit.operator.render.test_multi_pod_render import pod_argv, shell_argv
+from tests.unit.operator.render.test_render import pod_template
+
+pytestmark = pytest.mark.vllm
+
+POD_UID = "0f8e4a52-7d1c-4c43-9d55-3c2d7a1b9e10"
+
+
+def command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """{"id", "argv", "expect"} for the prefill and decode containers of one rendered model."""
+    items = []
+    for child in render(parse(obj)).objects:
+        role = child["metadata"]["labels"].get(contract.LABEL_ROLE)
+        if child["kind"] not in ("Deployment", "LeaderWorkerSet") or role not in contract.ENGINE_ROLES:
+            continue
+        container = pod_template(child)["spec"]["containers"][0]
+        if child["kind"] == "LeaderWorkerSet":  # the leader's line, as its shell makes it (test_multi_pod_render: every pod's)
+            pod_name = f"{child['metadata']['name']}-0"
+            with tempfile.TemporaryDirectory() as tmp:
+                argv = pod_argv(container, 0, Path(tmp), pod_name, POD_UID)
+        else:
+            pod_name = f"{child['metadata']['name']}-6d4cf56db6-x2x7k"
+            env = {contract.ENV_POD_NAME: pod_name, contract.ENV_POD_UID: POD_UID, contract.ENV_POD_IP: "10.1.2.3"}
+            argv = [expand(a, env) for a in container["command"] + container["args"]]
+        items.append({
+            "id": f"{obj['metadata']['name']}/{role}",
+            "argv": argv,
+            "expect": {"engine_id": contract.engine_id(pod_name, POD_UID),
+                       "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"},
+        })  # fmt: skip
+    return items
+
+
+def judge(items: list[dict[str, Any]], version: str) -> None:
+    results = check_command_lines([{"id": i["id"], "argv": i["argv"]} for i in items], version)
+    for item, result in zip(items, results):
+        assert result["ok"], f"{item['id']}: vLLM refused {item['argv']}: {result['error']}"
+        parsed = result["parsed"]
+        assert parsed["engine_id"] == item["expect"]["engine_id"], item["id"]
+        assert parsed["kv_role"] == item["expect"]["kv_role"], item["id"]
+        config = json.loads(item["argv"][item["argv"].index("--kv-transfer-config") + 1])
+        assert parsed["kv_connector"] == config["kv_connector"]
+        assert parsed["kv_connector_extra_config"] == config["kv_connector_extra_config"]
+
+
+def local_command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """The lines disagg-localrun starts for a model, with the H200 runs' overrides (hack/gpu/run.sh)."""
+    options = LocalOptions(gpus=tuple(str(i) for i in range(64)), colocate=True, backend="UCX", model_path="/tmp/model", load_format="dummy",
+                           enforce_eager=True, kv_cache_memory_bytes=30 << 30, gpu_memory_utilization=0.35)
+    plan = local_plan(obj, options, secrets={"HF_TOKEN": "t"})
+    with tempfile.TemporaryDirectory() as tmp:  # a pod of an engine that spans pods runs vLLM through its shell
+        return [{"id": f"local {obj['metadata']['name']}/{e.role}-{e.index}",
+                 "argv": shell_argv(list(e.argv), dict(e.env), Path(tmp)) if e.argv[0] == "/bin/sh" else list(e.argv),
+                 "expect": {"engine_id": e.engine_id, "kv_role": "kv_producer" if e.role == "prefill" else "kv_consumer"}}
+                for e in plan.engines]  # fmt: skip
+
+
+@pytest.mark.parametrize("version", CHECKED_VERSIONS)
+def test_examples_parse_with_vllm(version: str) -> None:
+    items = [i for path in EXAMPLES for i in command_lines(load_example(path))]
+    assert len(items) == 2 * len(EXAMPLES)
+    local = [load_example(p) for p in (*EXAMPLES, REPO / "hack" / "gpu" / "qwen3-0.6b-h200.yaml", REPO / "hack" / "gpu" / "qwen3-0.6b-2p1d.yaml")
+             if not p.stem.startswith("trn2")]  # Trainium: no local run
+    judge(items + [i for obj in local for i in local_command_lines(obj)], version)
+
+
+# No shrinking: the failure message names the refused line. Each release's checker is imported once per session
+# (tests/support/vllm_cli.py), so an example costs its rendering and two batches of milliseconds per line.
+@settings(max_examples=5, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(models(), min_size=20, max_size=20))
+def test_any_accepted_spec_renders_lines_vllm_accepts(objs: list[dict[str, Any]]) -> None:
+    items = [i for n, obj in enumerate(objs) for i in command_lines({**obj, "metadata": {**obj["metadata"], "name": f"m{n}"}})]
+    for version in CHECKED_VERSIONS:
+        judge(items, version)

@@ -1,0 +1,191 @@
+"""The Reconciler's outcomes, as a table: one pass against a scripted cluster and an in-memory cache, for every
+way a pass can end (the spec invalid, first create, steady, a child refused, a name taken, a write that fails
+half-way, the API server away, a bug, the model gone). Each row checks the pass's result, the writes it made,
+the status it wrote and the Events it recorded."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from disagg_operator.config import RenderDefaults
+from disagg_operator.metrics import OperatorMetrics
+from disagg_operator.reconcile import Reconciler
+from disagg_operator.state import Desired, SpecProblems, desire
+
+from tests.conftest import dm
+from tests.fixtures.memory_cache import MemoryCache
+from tests.fixtures.world import UID, children, desired, steady
+
+NOW = "2026-12-01T00:00:00Z"
+KEY = ("ns", "m")
+
+
+class ScriptedCluster:
+    """The calls the executor and the reconciler make, answering from a script: which GETs find a foreign
+    object, which dry runs the API server refuses, which real write fails and how."""
+
+    def __init__(self, foreign: dict[str, Any] | None = None, refuse: dict[str, tuple[int, str]] | None = None,
+                 fail_write: tuple[int, BaseException] | None = None, get_raises: BaseException | None = None):  # fmt: skip
+        self.foreign, self.refuse, self.fail_write, self.get_raises = foreign or {}, refuse or {}, fail_write, get_raises
+        self.writes: list[tuple[str, str]] = []  # (verb, kind/name)
+        self.statuses: list[dict[str, Any]] = []
+
+    def serves(self, api_version: str, kind: str) -> bool:
+        return False  # no Workload API (GenericWorkload is off by default): no PodGroups
+
+    def get(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        if self.get_raises is not None:
+            raise self.get_raises
+        return self.foreign.get(obj["metadata"]["name"])
+
+    def _write(self, verb: str, obj: dict[str, Any]) -> None:
+        if self.fail_write is not None and len(self.writes) == self.fail_write[0]:
+            raise self.fail_write[1]
+        self.writes.append((verb, f"{obj['kind']}/{obj['metadata']['name']}"))
+
+    def apply(self, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        if dry_run:
+            refused = self.refuse.get(obj["metadata"]["name"])
+            if refused:
+                raise ApiException(status=refused[0], reason="x", body=json.dumps({"message": refused[1]}))
+            return obj
+        self._write("apply", obj)
+        return obj
+
+    def delete(self, obj: dict[str, Any]) -> None:
+        self._write("delete", obj)
+
+    def scale(self, obj: dict[str, Any], replicas: int) -> None:
+        self._write("scale", obj)
+
+    def annotate(self, obj: dict[str, Any], annotations: dict[str, Any]) -> None:
+        self._write("annotate", obj)
+
+    def set_status(self, obj: dict[str, Any], status: dict[str, Any]) -> None:
+        self._write("set_status", obj)
+
+    def write_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        self.statuses.append(copy.deepcopy(status))
+        return {"metadata": {"resourceVersion": str(100 + len(self.statuses))}, "status": status}
+
+
+class Events:
+    def __init__(self) -> None:
+        self.recorded: list[tuple[str, str]] = []
+
+    def record(self, model: dict[str, Any], event: Any) -> None:
+        self.recorded.append((event.type, event.reason))
+
+
+def model(spec: dict[str, Any] | None = None, status: dict[str, Any] | None = None) -> dict[str, Any]:
+    body = dm(spec, uid=UID)
+    body["metadata"].update(generation=3, resourceVersion="7")
+    if status is not None:
+        body["status"] = status
+    return body
+
+
+def steady_objects() -> list[dict[str, Any]]:
+    observed = steady(desired())
+    return [*observed.children.values(), *({**p, "kind": "Pod"} for p in observed.pods)]
+
+
+def steady_status() -> dict[str, Any]:
+    from disagg_operator import planner
+
+    return planner.plan(desired(), steady(desired()), NOW).status
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    cache: Callable[[], MemoryCache]
+    cluster: Callable[[], ScriptedCluster]
+    result: tuple[str, str | None]
+    writes: Callable[[list[tuple[str, str]]], bool]
+    ready: tuple[str, str] | None  # the written status's Ready (status, reason); None: no status written
+    events: Callable[[list[tuple[str, str]]], bool] = field(default=lambda e: True)
+
+
+def _conflict() -> ApiException:
+    return ApiException(status=409, reason="Conflict", body=json.dumps({"message": "the object has been modified"}))
+
+
+ROWS = [
+    Row("model-gone", lambda: MemoryCache(), ScriptedCluster, ("gone", None), lambda w: w == [], None),
+    Row("invalid-spec", lambda: MemoryCache([model({"kvTransfer": {"mode": "Push", "bidirectional": True}})]), ScriptedCluster,
+        ("invalid", "InvalidSpec"), lambda w: w == [], ("False", "InvalidSpec"), lambda e: e == [("Warning", "InvalidSpec")]),
+    Row("first-create", lambda: MemoryCache([model()]), ScriptedCluster, ("success", None),
+        lambda w: len(w) == len(children(desired())) and {v for v, _ in w} == {"apply"}, ("False", "WaitingForPods"),
+        lambda e: e == []),
+    # Steady: no child is written; the first pass of an operator asks the routers (none has an IP here), which
+    # KVTransferHealthy then says.
+    Row("steady", lambda: MemoryCache([model(status=steady_status())], steady_objects()), ScriptedCluster, ("success", None),
+        lambda w: w == [], ("True", "Ready"), lambda e: e == []),
+    Row("child-refused", lambda: MemoryCache([model({"engine": {"image": "x/y:new"}}, steady_status())], steady_objects()),
+        lambda: ScriptedCluster(refuse={n: (422, "spec.template: Invalid value") for n in _engine_names({"engine": {"image": "x/y:new"}})}),
+        ("blocked", "ChildRejected"), lambda w: w == [], ("False", "ChildRejected"),
+        lambda e: ("Warning", "ChildRejected") in e and "Normal" not in {t for t, _ in e}),
+    Row("name-taken", lambda: MemoryCache([model()]),
+        lambda: ScriptedCluster(foreign={"m-router": {"metadata": {"name": "m-router", "ownerReferences": []}}}),
+        ("blocked", "OwnershipConflict"), lambda w: w == [], ("False", "OwnershipConflict"),
+        lambda e: e[0] == ("Warning", "OwnershipConflict")),
+    Row("write-fails-half-way", lambda: MemoryCache([model()]), lambda: ScriptedCluster(fail_write=(3, _conflict())),
+        ("error", "Conflict"), lambda w: len(w) == 3, ("False", "Conflict"), lambda e: ("Warning", "Conflict") in e),
+    Row("write-fails-while-serving", lambda: MemoryCache([model({"engine": {"image": "x/y:new"}}, steady_status())], steady_objects()),
+        lambda: ScriptedCluster(fail_write=(0, _conflict())), ("error", "Conflict"), lambda w: w == [], ("True", "Ready"),
+        lambda e: ("Warning", "Conflict") in e),
+    Row("api-unavailable", lambda: MemoryCache([model()]),
+        lambda: ScriptedCluster(get_raises=urllib3.exceptions.MaxRetryError(None, "/", "connection refused")),
+        ("error", "ApiUnavailable"), lambda w: w == [], ("False", "ApiUnavailable")),
+    Row("operator-bug", lambda: MemoryCache([model()]), lambda: ScriptedCluster(get_raises=KeyError("metadata")),
+        ("error", "InternalError"), lambda w: w == [], ("False", "InternalError")),
+]
+
+
+def _engine_names(spec: dict[str, Any]) -> list[str]:
+    world = desired(spec)
+    return [o["metadata"]["name"] for o in world.rendered.objects if o["kind"] == "Deployment" and "router" not in o["metadata"]["name"]]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_reconciler_outcomes(row: Row) -> None:
+    cluster, events = row.cluster(), Events()
+    reconciler = Reconciler(row.cache(), cluster, RenderDefaults(), OperatorMetrics(workers=1), now=lambda: NOW,  # type: ignore[arg-type]
+                            recorder=events)  # type: ignore[arg-type]
+    result = reconciler.reconcile(KEY)
+    assert (result.result, result.reason) == row.result, result
+    assert row.writes(cluster.writes), cluster.writes
+    if row.ready is None:
+        assert cluster.statuses == []
+    else:
+        ready = next(c for c in cluster.statuses[-1]["conditions"] if c["type"] == "Ready")
+        assert (ready["status"], ready["reason"]) == row.ready, ready
+    assert row.events(events.recorded), events.recorded
+
+
+def test_a_pass_starts_from_the_status_it_wrote_until_the_cache_catches_up() -> None:
+    """The cache still holds the model without status (resourceVersion 7); the second pass must not flip
+    lastTransitionTime back, nor write the same status again."""
+    cluster = ScriptedCluster()
+    reconciler = Reconciler(MemoryCache([model()]), cluster, RenderDefaults(), OperatorMetrics(workers=1), now=lambda: NOW)  # type: ignore[arg-type]
+    reconciler.reconcile(KEY)
+    written = len(cluster.statuses)
+    reconciler.reconcile(KEY)
+    assert len(cluster.statuses) == written, "an unchanged world writes no status"
+
+
+def test_desire_parses_and_renders_in_one_step_or_says_every_problem() -> None:
+    desired = desire(model(), RenderDefaults(), previous_status={"phase": "Ready"})
+    assert isinstance(desired, Desired) and desired.ref.name == model()["metadata"]["name"]
+    assert desired.previous_status == {"phase": "Ready"} and desired.rendered.objects
+    refused = desire(model({"kvTransfer": {"mode": "Push", "bidirectional": True}}), RenderDefaults(), None)
+    assert isinstance(refused, SpecProblems) and refused.problems
+    assert all("bidirectional" in p or "Push" in p for p in refused.problems), refused.problems

@@ -1,4 +1,0 @@
-from tests.vllm_sim.sim import main
-
-if __name__ == "__main__":
-    main()
