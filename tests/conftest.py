@@ -9,38 +9,7 @@ from typing import Any
 import pytest
 
 from disagg_operator.manifests import load_all
-
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-
-
-def load_example(path: Path) -> dict[str, Any]:
-    (doc,) = load_all(path.read_text())
-    return doc
-
-
-def dm(spec: dict[str, Any] | None = None, name: str = "m", namespace: str = "ns", uid: str | None = "uid-1") -> dict[str, Any]:
-    """A valid DisaggregatedModel dict (1 GPU per role, no EFA) with `spec` merged over it."""
-    base: dict[str, Any] = {
-        "apiVersion": "disagg.dev/v1alpha1",
-        "kind": "DisaggregatedModel",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"model": {"name": "Qwen/Qwen3-0.6B"}},
-    }
-    if uid:
-        base["metadata"]["uid"] = uid
-    merge(base["spec"], spec or {})
-    return base
-
-
-def merge(target: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(target.get(key), dict):
-            merge(target[key], value)
-        else:
-            target[key] = copy.deepcopy(value)
-    return target
-
+from tests.fixtures.models import EXAMPLES, load_example
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--dashboard-png-dir", type=Path, default=None,

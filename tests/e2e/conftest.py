@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from tests.fixtures.e2e.cluster import CLUSTER_SH
+from tests.fixtures.e2e.operator import service_account_kubeconfig
 
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER_SH = REPO / "hack" / "cluster.sh"
 E2E_DIR = Path(__file__).resolve().parent
 
 
@@ -247,52 +248,6 @@ def crd_installed(cluster) -> None:
 # operator retires waits for them when no router answers for it (kwok's router pods run nothing), so e2e
 # models that roll out or scale in without a router process use short ones. Tests with a router process
 # that answers keep the production drain timeout (the drain then ends when the routers say the pod is idle).
-FAST_DRAIN = {"router": {"requestDeadlineSeconds": 2}, "kvTransfer": {"leaseSeconds": 5}, "rollout": {"drainTimeoutSeconds": 7}}
-PRODUCTION_DRAIN_TIMEOUT = {"rollout": {"drainTimeoutSeconds": 3600}}
-
-
-def model_manifest(name: str, patch: dict | None = None, example: str = "minimal") -> dict:
-    """An example DisaggregatedModel named `name`, with FAST_DRAIN and then `patch` merged into its spec."""
-    from tests.conftest import load_example, merge
-
-    obj = load_example(REPO / "examples" / f"{example}.yaml")
-    obj["metadata"] = {"name": name}
-    merge(obj["spec"], FAST_DRAIN)
-    merge(obj["spec"], patch or {})
-    return obj
-
-
-OPERATOR_NAMESPACE = "disagg-system"
-OPERATOR_USER = f"system:serviceaccount:{OPERATOR_NAMESPACE}:{contract.OPERATOR_NAME}"
-
-
-def service_account_kubeconfig(cluster, path: Path) -> Path:
-    """A kubeconfig holding only a token of the operator's ServiceAccount, bound to the ClusterRole
-    of disagg_operator.rbac: the operator runs with exactly the permissions it documents."""
-    from disagg_operator.rbac import cluster_role
-
-    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": contract.OPERATOR_NAME, "namespace": OPERATOR_NAMESPACE}}
-    binding = {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": contract.OPERATOR_NAME},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": contract.OPERATOR_NAME},
-        "subjects": [{"kind": "ServiceAccount", "name": contract.OPERATOR_NAME, "namespace": OPERATOR_NAMESPACE}],
-    }  # fmt: skip
-    manifests = path.parent / "operator-rbac.yaml"
-    manifests.write_text(yaml.safe_dump_all([
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}, sa, cluster_role(), binding,
-    ]))  # fmt: skip
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(manifests))
-    token = cluster.kubectl("create", "token", contract.OPERATOR_NAME, "-n", OPERATOR_NAMESPACE, "--duration=2h").stdout.strip()
-    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-    server = admin["clusters"][0]["cluster"]
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "operator",
-        "clusters": [{"name": "local", "cluster": server}],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "operator", "context": {"cluster": "local", "user": "operator"}}],
-    }))  # fmt: skip
-    return path
 
 
 @pytest.fixture(scope="session")

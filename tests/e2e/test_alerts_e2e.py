@@ -28,11 +28,12 @@ from hack.gen.prometheus import PrometheusServer, pod_monitor_scrape_config
 from disagg_bench.vllm_sim.harness import FAST
 from disagg_bench.vllm_sim.pods import router_kubeconfig
 
-from tests.e2e.conftest import OPERATOR_NAMESPACE, model_manifest
+from tests.fixtures.e2e.operator import OPERATOR_NAMESPACE
+from tests.fixtures.e2e.models import model_manifest
 from tests.fixtures.e2e.serving import Serving
-from tests.e2e.test_kv_health import control
-from tests.e2e.test_no_cut_streams import TPOT_MS, LongStreams, check_whole, decode_settled, draining_pod, long_model
-from tests.e2e.test_router_e2e import wait_for
+from tests.fixtures.e2e.traffic import control
+from tests.fixtures.e2e.streams import TPOT_MS, LongStreams, check_whole, decode_settled, draining_pod, long_model
+from tests.fixtures.e2e.traffic import wait_for
 from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

@@ -13,8 +13,8 @@ from disagg_connector import contract
 from disagg_operator.events import Event
 from disagg_operator.kube import EventRecorder
 
-from tests.e2e.conftest import model_manifest
-from tests.e2e.test_operator import get_model, wait_ready
+from tests.fixtures.e2e.models import model_manifest
+from tests.fixtures.e2e.models import get_model, wait_ready
 from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

@@ -33,8 +33,9 @@ from kubernetes import client
 from disagg_connector import contract
 
 from tests.fixtures.helm import CHART, helm
-from tests.e2e.conftest import model_manifest
-from tests.e2e.test_rollout import POOL, Pool, get_model
+from tests.fixtures.e2e.models import model_manifest
+from tests.fixtures.e2e.nodes import POOL, Pool
+from tests.fixtures.e2e.models import get_model
 from tests.fixtures.e2e.waiting import condition, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e

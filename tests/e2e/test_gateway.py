@@ -23,9 +23,11 @@ from kubernetes import client
 from disagg_connector import contract
 from disagg_bench.ports import free_port
 
-from tests.e2e.conftest import CLUSTER_SH, model_manifest
-from tests.e2e.test_operator import pods_of, wait_ready
+from tests.fixtures.e2e.cluster import CLUSTER_SH
+from tests.fixtures.e2e.models import model_manifest
+from tests.fixtures.e2e.models import pods_of, wait_ready
 from tests.fixtures.e2e.waiting import pod_ready, wait_for
+from tests.fixtures.e2e.cluster import built
 
 pytestmark = pytest.mark.e2e
 
@@ -43,13 +45,6 @@ def upstream_crds(cluster) -> None:
     names = {c.metadata.name for c in api.list_custom_resource_definition().items}
     missing = [c for c in UPSTREAM_CRDS if c not in names]
     assert not missing, f"the cluster lacks {missing}: run hack/cluster.sh up (it installs them from their Go modules)"
-
-
-def built(name: str) -> Path:
-    """A binary hack/cluster.sh builds (`lwepp`, `lwepp-ask`): missing is a failure naming the build, never a skip."""
-    path = Path(subprocess.run(["bash", str(CLUSTER_SH), "path", name], check=True, capture_output=True, text=True).stdout.strip())
-    assert path.is_file() and os.access(path, os.X_OK), f"{name} not built at {path}: run bash hack/cluster.sh build"
-    return path
 
 
 @pytest.fixture

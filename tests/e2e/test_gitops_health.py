@@ -32,10 +32,10 @@ from disagg_operator.api.validation import parse
 from disagg_operator.changeplan import change_plan
 from disagg_operator.config import RenderDefaults
 
-from tests.conftest import REPO
+from tests.fixtures.models import REPO
 from tests.fixtures.gitops import argocd_health, kstatus
-from tests.e2e.conftest import model_manifest
-from tests.e2e.test_operator import get_model, pods_of, wait_ready
+from tests.fixtures.e2e.models import model_manifest
+from tests.fixtures.e2e.models import get_model, pods_of, wait_ready
 from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

@@ -32,9 +32,9 @@ from hack.gen import chart_sync
 from tests.fixtures.helm import CHART, helm, values_args
 from disagg_bench.ports import free_port
 
-from tests.e2e.conftest import model_manifest
+from tests.fixtures.e2e.models import model_manifest
 from disagg_bench.operator_process import OperatorProcess
-from tests.e2e.test_resilience import scrape
+from tests.fixtures.e2e.operator import scrape
 from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

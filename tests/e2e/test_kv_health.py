@@ -15,18 +15,12 @@ from kubernetes import client
 from disagg_connector import contract
 from disagg_bench.vllm_sim.pods import PodEngines, start_pod_router
 
-from tests.e2e.conftest import model_manifest
-from tests.e2e.test_router_e2e import BackgroundClient, wait_for
+from tests.fixtures.e2e.models import model_manifest
+from tests.fixtures.e2e.traffic import BackgroundClient, wait_for
 from tests.fixtures.e2e.waiting import condition
+from tests.fixtures.e2e.traffic import control
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
-
-
-def control(url: str, **faults: Any) -> None:
-    req = urllib.request.Request(url + "/sim/control", data=json.dumps(faults).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=5) as r:
-        assert r.status == 200
 
 
 def test_kv_transfer_healthy_follows_the_routers_numbers(operator, cluster, api_client, namespace, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from tests.e2e.conftest import model_manifest
+from tests.fixtures.e2e.models import model_manifest
 from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

@@ -35,9 +35,10 @@ from kubernetes import client
 from disagg_connector import contract
 from disagg_bench.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble
 
-from tests.e2e.conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
+from tests.fixtures.e2e.models import PRODUCTION_DRAIN_TIMEOUT, model_manifest
 from tests.fixtures.e2e.serving import Serving
-from tests.e2e.test_rollout import Pool, get_model, rolled_out
+from tests.fixtures.e2e.nodes import Pool
+from tests.fixtures.e2e.models import get_model, rolled_out
 from tests.fixtures.e2e.waiting import PodStates, condition, engine_pods, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e

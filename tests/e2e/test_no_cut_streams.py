@@ -35,114 +35,13 @@ from disagg_connector import contract
 from disagg_bench.vllm_sim.harness import FAST
 from disagg_bench.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble, at_deletion, start_pod_router
 
-from tests.e2e.conftest import model_manifest
-from tests.e2e.test_rollout import get_model, rolled_out
-from tests.e2e.test_router_e2e import BackgroundClient, wait_for
+from tests.fixtures.e2e.models import model_manifest
+from tests.fixtures.e2e.models import get_model, rolled_out
+from tests.fixtures.e2e.traffic import BackgroundClient, wait_for
 from tests.fixtures.e2e.waiting import condition
+from tests.fixtures.e2e.streams import LongStreams, TPOT_MS, check_whole, decode_settled, draining_pod, long_model
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
-DEADLINE_S, LEASE_S = 4, 6
-TPOT_MS = 100.0
-LONG_TOKENS = 240  # 24 s at TPOT_MS: more than twice deadline + lease
-STREAMS = 4  # two per decode pod (the router balances by in-flight count)
-
-
-def long_model(name: str) -> dict[str, Any]:
-    return model_manifest(name, {
-        "decode": {"replicas": 2},
-        "router": {"replicas": 1, "requestDeadlineSeconds": DEADLINE_S, "maxRetries": 3, "disaggregationThresholdTokens": 0},
-        "kvTransfer": {"leaseSeconds": LEASE_S},
-        "rollout": {"drainTimeoutSeconds": 3600},  # the production default: never shortened here
-        "engine": {"terminationGracePeriodSeconds": 600},
-    })  # fmt: skip
-
-
-@dataclass
-class Stream:
-    index: int
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    finished_at: float | None = None
-    tokens: int = 0
-    finish_reason: str | None = None
-    done: bool = False
-    error: str | None = None
-
-    @property
-    def whole(self) -> bool:
-        return self.error is None and self.done and self.tokens == LONG_TOKENS and self.finish_reason == "length"
-
-
-class LongStreams:
-    """`STREAMS` streaming completions of LONG_TOKENS tokens each through the router, in a thread of their own."""
-
-    def __init__(self, base: str, served: str, first: int):
-        self.base, self.served = base, served
-        self.streams = [Stream(first + i) for i in range(STREAMS)]
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="long-streams", daemon=True)
-        self._thread.start()
-
-    async def _one(self, session: Any, s: Stream) -> None:
-        body = {"model": self.served, "prompt": f"a long answer, please ({s.index})", "max_tokens": LONG_TOKENS, "stream": True}
-        try:
-            async with session.post(self.base + "/v1/completions", json=body) as r:
-                if r.status != 200:
-                    s.error = f"HTTP {r.status}: {(await r.read())[:300]!r}"
-                    return
-                buffer = b""
-                async for chunk in r.content.iter_any():
-                    buffer += chunk
-                    while b"\n\n" in buffer:
-                        event, buffer = buffer.split(b"\n\n", 1)
-                        self._event(s, event.decode())
-        except Exception as e:  # noqa: BLE001 - a cut stream is what this test looks for
-            s.error = f"{type(e).__name__}: {e}"
-        finally:
-            s.finished_at = time.monotonic()
-
-    @staticmethod
-    def _event(s: Stream, event: str) -> None:
-        if not event.startswith("data: "):
-            return
-        data = event[len("data: "):]
-        if data == "[DONE]":
-            s.done = True
-            return
-        doc = json.loads(data)
-        if "error" in doc:
-            s.error = json.dumps(doc["error"])[:300]
-            return
-        choice = doc["choices"][0]
-        if choice.get("text"):
-            s.tokens += 1
-            s.last_token_at = time.monotonic()
-            s.first_token_at = s.first_token_at or s.last_token_at
-        s.finish_reason = choice.get("finish_reason") or s.finish_reason
-
-    async def _main(self) -> None:
-        import aiohttp
-
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
-            await asyncio.gather(*(self._one(session, s) for s in self.streams))
-
-    def all_started(self) -> bool:
-        broken = [s for s in self.streams if s.error or (s.finished_at and not s.whole)]
-        assert not broken, broken
-        return all(s.first_token_at for s in self.streams)
-
-    def wait(self) -> list[Stream]:
-        self._thread.join(timeout=600)
-        assert not self._thread.is_alive(), "the long streams did not end"
-        return self.streams
-
-
-def check_whole(streams: list[Stream], what: str) -> float:
-    """Every stream complete; returns when the last token of any of them arrived."""
-    cut = [s for s in streams if not s.whole]
-    assert not cut, f"{what}: streams cut or incomplete: {cut}"
-    lasted = [s.finished_at - s.first_token_at for s in streams]  # type: ignore[operator]
-    assert min(lasted) > DEADLINE_S + LEASE_S, f"{what}: the streams must outlive deadline + lease: {lasted}"
-    return max(s.last_token_at for s in streams)  # type: ignore[type-var]
 
 
 @pytest.fixture(params=["quiet", "both-cores-busy"])
@@ -156,22 +55,6 @@ def load(request) -> Iterator[str]:
         for hog in hogs:
             hog.kill()
             hog.wait()
-
-
-def draining_pod(core: client.CoreV1Api, namespace: str, name: str) -> str | None:
-    selector = f"{contract.LABEL_MODEL}={contract.model_label_value(name)},{contract.LABEL_ROLE}=decode"
-    for pod in core.list_namespaced_pod(namespace, label_selector=selector).items:
-        if contract.ANNOTATION_DRAINING in (pod.metadata.annotations or {}) and not pod.metadata.deletion_timestamp:
-            return pod.metadata.name
-    return None
-
-
-def decode_settled(custom: client.CustomObjectsApi, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
-    obj = get_model(custom, namespace, name)
-    status = obj.get("status") or {}
-    done = (status.get("decode", {}).get("replicas") == replicas and status["decode"].get("readyReplicas") == replicas
-            and condition(obj, "Progressing").get("reason") == "Complete")  # fmt: skip
-    return obj if done else None
 
 
 def test_streams_outlive_every_bound_through_day_2(load, operator, cluster, api_client, namespace, tmp_path: Path) -> None:

@@ -42,10 +42,10 @@ from kubernetes import client
 from disagg_connector import contract
 from disagg_bench.vllm_sim.harness import FAST
 
-from tests.conftest import REPO
-from tests.e2e.conftest import model_manifest
+from tests.fixtures.models import REPO
+from tests.fixtures.e2e.models import model_manifest
 from tests.fixtures.e2e.serving import Serving
-from tests.e2e.test_router_e2e import wait_for
+from tests.fixtures.e2e.traffic import wait_for
 from tests.fixtures.e2e.waiting import PodWatch, condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

@@ -18,12 +18,13 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from tests.conftest import REPO, load_example, merge
-from tests.unit.operator.api.test_api import INVALID, VALID_EDGES
-from tests.e2e.conftest import OPERATOR_USER, model_manifest
+from tests.fixtures.models import REPO, load_example, merge
+from tests.fixtures.api_cases import INVALID, VALID_EDGES
+from tests.fixtures.e2e.operator import OPERATOR_USER
+from tests.fixtures.e2e.models import model_manifest
 from tests.fixtures.e2e.waiting import condition, pod_ready as is_ready, wait_for
+from tests.fixtures.e2e.models import GROUP, PLURAL, VERSION, get_model, pods_of, wait_ready
 
-GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
 WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
 
@@ -31,24 +32,6 @@ WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection"}
 @pytest.fixture
 def custom(api_client) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api_client)
-
-
-def get_model(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, Any]:
-    return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
-
-
-def wait_ready(custom, ns: str, name: str, timeout: float = 120) -> dict[str, Any]:
-    def ready() -> dict[str, Any] | None:
-        obj = get_model(custom, ns, name)
-        gen_ok = obj.get("status", {}).get("observedGeneration") == obj["metadata"]["generation"]
-        return obj if gen_ok and condition(obj, "Ready").get("status") == "True" else None
-
-    return wait_for(f"{ns}/{name} Ready", ready, timeout)
-
-
-def pods_of(api_client, ns: str, name: str, role: str) -> list[Any]:
-    selector = ",".join(f"{k}={v}" for k, v in contract.selector_labels(name, role).items())
-    return client.CoreV1Api(api_client).list_namespaced_pod(ns, label_selector=selector).items
 
 
 def test_apply_creates_children_and_reports_ready(operator, api_client, custom, namespace) -> None:

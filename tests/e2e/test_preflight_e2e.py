@@ -30,8 +30,8 @@ from kubernetes import client
 from disagg_connector import contract
 from disagg_connector.contract.preflight import REASONS, format_termination_message, parse_termination_message
 
-from tests.conftest import REPO, load_example
-from tests.e2e.conftest import OPERATOR_USER
+from tests.fixtures.models import REPO, load_example
+from tests.fixtures.e2e.operator import OPERATOR_USER
 from tests.fixtures.e2e.waiting import condition, pod_ready, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

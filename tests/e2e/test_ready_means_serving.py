@@ -15,8 +15,8 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from tests.e2e.conftest import model_manifest
-from tests.e2e.test_operator import get_model, pods_of, wait_ready
+from tests.fixtures.e2e.models import model_manifest
+from tests.fixtures.e2e.models import get_model, pods_of, wait_ready
 from tests.fixtures.e2e.waiting import condition, pod_ready, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

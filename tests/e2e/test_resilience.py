@@ -16,9 +16,10 @@ from kubernetes import client
 
 from disagg_connector import contract
 
-from tests.e2e.conftest import model_manifest
+from tests.fixtures.e2e.models import model_manifest
 from disagg_bench.operator_process import E2E_RESYNC_SECONDS
 from tests.fixtures.e2e.waiting import condition, wait_for
+from tests.fixtures.e2e.operator import scrape
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 
@@ -90,18 +91,6 @@ def test_api_server_stopped_mid_pass_loses_no_change(operator, cluster, api_clie
               if (d.metadata.labels or {}).get(contract.LABEL_ROLE) in contract.ENGINE_ROLES}
     assert images == {"registry.example/vllm-runtime:frozen"}, "the change made before the stop is applied, old revision retired"
     assert operator.alive() and operator.proc.pid == pid
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Prometheus text format -> {'name{labels}': value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 def test_metrics_move_with_the_work(operator, api_client, namespace) -> None:

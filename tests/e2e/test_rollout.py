@@ -31,45 +31,16 @@ from kubernetes import client
 from disagg_connector import contract
 from disagg_bench.vllm_sim.pods import assert_idle_when_deleted, assert_no_kv_trouble
 
-from tests.conftest import REPO
-from tests.e2e.conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
+from tests.fixtures.models import REPO
+from tests.fixtures.e2e.models import PRODUCTION_DRAIN_TIMEOUT, model_manifest
 from tests.fixtures.e2e.serving import Serving
-from tests.e2e.test_router_e2e import wait_for
+from tests.fixtures.e2e.traffic import wait_for
 from tests.fixtures.e2e.waiting import PodStates, condition, engine_pods, pod_ready
+from tests.fixtures.e2e.models import GROUP, PLURAL, VERSION, get_model, rolled_out
+from tests.fixtures.e2e.nodes import POOL, Pool
 
-GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
-POOL = f"{contract.API_GROUP}/rollout-pool"
 NODES = 10
 SURGE = 1
-
-
-class Pool:
-    """Fake p5en nodes labelled for one test only, their pod IPs in loopback /24s of their own."""
-
-    def __init__(self, api_client: Any, label: str):
-        self.core = client.CoreV1Api(api_client)
-        self.label = label
-        self.names: list[str] = []
-        self._template = next(n for n in yaml.safe_load_all((REPO / "hack/nodes/p5en.yaml").read_text()) if n)
-        self._offset = 10 * (sum(label.encode()) % 20)
-
-    def add(self, count: int) -> None:
-        for _ in range(count):
-            i = len(self.names)
-            node = copy.deepcopy(self._template)
-            name = f"rollout-{self.label}-{i}"
-            cidr = f"127.210.{i + self._offset}.0/24"
-            node["metadata"]["name"] = name
-            node["metadata"]["labels"].update({"kubernetes.io/hostname": name, POOL: self.label})
-            node["spec"]["podCIDR"], node["spec"]["podCIDRs"] = cidr, [cidr]
-            for address in node["status"].get("addresses", []):
-                address["address"] = name if address["type"] == "Hostname" else cidr.rsplit(".", 1)[0] + ".254"
-            self.core.create_node(node)
-            self.names.append(name)
-
-    def remove(self) -> None:
-        for name in self.names:
-            self.core.delete_node(name)
 
 
 @pytest.fixture
@@ -123,18 +94,6 @@ class Timeline(PodStates[tuple[str, str, bool]]):
                 expected = d * targets["prefill"] / targets["decode"]
                 assert abs(p - expected) <= 1, f"ready P:D {p}:{d} against {targets}: {pods}"
         return peak
-
-
-def get_model(custom: client.CustomObjectsApi, ns: str, name: str) -> dict[str, Any]:
-    return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
-
-
-def rolled_out(custom: client.CustomObjectsApi, ns: str, name: str, old: str) -> dict[str, Any] | None:
-    obj = get_model(custom, ns, name)
-    status = obj.get("status") or {}
-    done = (status.get("observedGeneration") == obj["metadata"]["generation"] and status.get("revision") != old
-            and condition(obj, "Ready").get("status") == "True" and condition(obj, "Progressing").get("reason") == "Complete")
-    return obj if done else None
 
 
 def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, namespace, pool, tmp_path: Path) -> None:

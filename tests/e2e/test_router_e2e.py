@@ -42,18 +42,16 @@ from kubernetes.client.exceptions import ApiException
 from disagg_connector import contract
 from disagg_bench.vllm_sim.pods import LocalRouter, PodEngine, PodEngines, router_kubeconfig, start_router
 
-from tests.conftest import REPO, load_example, merge
+from tests.fixtures.models import REPO, load_example, merge
 from tests.fixtures.e2e import waiting
 from tests.fixtures.e2e.waiting import DEADLINE, condition
+from tests.fixtures.e2e.traffic import BackgroundClient, Result, check_legs, send, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 MINIMAL = load_example(REPO / "examples" / "minimal.yaml")
 
 
 # --- small helpers ----------------------------------------------------------------------------------
-def wait_for(what: str, check: Callable[[], Any], timeout: float = DEADLINE, interval: float = 0.2) -> Any:
-    """Also polls HTTP endpoints of the router and the simulators, which may not listen yet."""
-    return waiting.wait_for(what, check, timeout, interval, retry_on=(ApiException, OSError, ValueError))
 
 
 def model_manifest(name: str, mode: str) -> dict[str, Any]:
@@ -93,48 +91,6 @@ def wait_table(router: LocalRouter, expected: dict[str, tuple[int, int]]) -> Non
 
 
 # --- clients ------------------------------------------------------------------------------------------
-@dataclass
-class Result:
-    xid: str | None
-    status: int
-    ok: bool
-    detail: str
-    started: float
-    finished: float
-
-
-def _payload(served: str, i: int, stream: bool) -> tuple[str, dict[str, Any]]:
-    words = " ".join(["word"] * (8 + i % 24))
-    if i % 3 == 2:
-        return "/v1/chat/completions", {"model": served, "messages": [{"role": "user", "content": words}], "max_tokens": 4, "stream": stream}
-    return "/v1/completions", {"model": served, "prompt": words, "max_tokens": 4, "stream": stream}
-
-
-async def send(session: Any, base: str, served: str, i: int, stream: bool) -> Result:
-    """One request through the router; ok means HTTP 200 and a complete answer (a stream ends in [DONE]
-    and carries no error event)."""
-    path, body = _payload(served, i, stream)
-    started = time.monotonic()
-    try:
-        async with session.post(base + path, json=body) as r:
-            data = await r.read()
-            xid = r.headers.get("X-Request-Id")
-            status = r.status
-    except Exception as e:  # noqa: BLE001 - a transport failure is a failed request
-        return Result(None, 0, False, f"{type(e).__name__}: {e}", started, time.monotonic())
-    text = data.decode(errors="replace")
-    if status != 200:
-        ok = False
-    elif stream:
-        events = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
-        ok = bool(events) and events[-1] == "[DONE]" and not any('"error"' in e for e in events[:-1]) and len(events) > 1
-    else:
-        try:
-            doc = json.loads(text)
-            ok = bool(doc.get("choices")) and "error" not in doc
-        except ValueError:
-            ok = False
-    return Result(xid, status, ok, text[:300], started, time.monotonic())
 
 
 def run_batch(base: str, served: str, n: int, *, concurrency: int, first: int = 0) -> list[Result]:
@@ -153,93 +109,7 @@ def run_batch(base: str, served: str, n: int, *, concurrency: int, first: int = 
     return asyncio.run(main())
 
 
-class BackgroundClient:
-    """Workers that each send one request after another (alternating streaming and not) until stopped."""
-
-    def __init__(self, base: str, served: str, workers: int = 2):
-        self.base, self.served, self.workers = base, served, workers
-        self.results: list[Result] = []
-        self.lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="bg-client", daemon=True)
-        self.last_done: list[float] = [0.0] * workers  # per worker: start time of its last finished request
-
-    async def _main(self) -> None:
-        import aiohttp
-
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
-
-            async def worker(w: int) -> None:
-                i = w
-                while not self._stop.is_set():
-                    r = await send(session, self.base, self.served, 1000 + i, stream=(i // self.workers) % 2 == 1)
-                    with self.lock:
-                        self.results.append(r)
-                        self.last_done[w] = r.started
-                    i += self.workers
-
-            await asyncio.gather(*(worker(w) for w in range(self.workers)))
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> list[Result]:
-        self._stop.set()
-        self._thread.join(timeout=200)
-        assert not self._thread.is_alive(), "background client did not finish"
-        return list(self.results)
-
-    def failures(self) -> list[Result]:
-        with self.lock:
-            return [r for r in self.results if not r.ok]
-
-    def wait_past(self, mark: float, what: str) -> None:
-        """Wait until every worker finished a request it started after `mark`: every request in flight at
-        `mark` is over by then (each worker has one request at a time)."""
-
-        def past() -> bool:
-            with self.lock:
-                return all(t > mark for t in self.last_done)
-
-        assert self._thread.is_alive()
-        wait_for(f"client requests started after {what}", past)
-
-
 # --- assertions on where legs went --------------------------------------------------------------------
-def check_legs(results: list[Result], engines: list[PodEngine], mode: str) -> dict[str, tuple[int, int]]:
-    """Both legs of every request reached engines of this model, with the right NIXL identity.
-
-    Returns engine id -> (legs, completed legs) for a look at the spread."""
-    legs = {e.engine_id: e.legs() for e in engines}
-    by_id = {e.engine_id: e for e in engines}
-    for r in results:
-        assert r.xid, r
-        prefill = [eid for eid, got in legs.items() if r.xid in got and by_id[eid].role == "prefill"]
-        decode = [eid for eid, got in legs.items() if r.xid in got and by_id[eid].role == "decode"]
-        assert len(prefill) == 1 and len(decode) == 1, (r.xid, prefill, decode)
-        p_leg, d_leg = legs[prefill[0]][r.xid], legs[decode[0]][r.xid]
-        assert p_leg["kv_transfer_params"]["do_remote_decode"] is True, p_leg
-        params = d_leg["kv_transfer_params"]
-        assert params["do_remote_prefill"] is True, d_leg
-        p_engine = by_id[prefill[0]]
-        # the identity the router read from the pod (name, UID, IP, annotations) is the engine's own
-        assert params["remote_engine_id"] == p_engine.engine_id, (params, p_engine)
-        assert params["remote_host"] == p_engine.ip and params["remote_port"] == contract.NIXL_SIDE_CHANNEL_PORT, params
-        assert by_id[decode[0]].revision == p_engine.revision
-        if mode == "pull":
-            assert params.get("transfer_mode") == "pull" and params.get("remote_block_ids") is not None, params
-    counters = {e.engine_id: e.counters() for e in engines}
-    n = len(results)
-    p_count = sum(c.get("prefills", 0) for eid, c in counters.items() if by_id[eid].role == "prefill")
-    d_done = sum(c.get("completed", 0) for eid, c in counters.items() if by_id[eid].role == "decode")
-    assert p_count >= n and d_done >= n, (n, counters)
-    if mode == "push":
-        assert sum(c.get("kv_received", 0) for eid, c in counters.items() if by_id[eid].role == "decode") >= n, counters
-    else:
-        assert sum(c.get("reads", 0) for eid, c in counters.items() if by_id[eid].role == "prefill") >= n, counters
-    for eid, c in counters.items():
-        assert not c.get("kv_wrong") and not c.get("handshake_failures") and not c.get("engine_dead"), (eid, c)
-    return {eid: (len(got), counters[eid].get("completed", 0)) for eid, got in legs.items()}
 
 
 # --- the test -----------------------------------------------------------------------------------------

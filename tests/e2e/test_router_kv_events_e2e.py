@@ -48,11 +48,11 @@ from disagg_connector import contract
 from disagg_bench.vllm_sim import harness as h
 from disagg_bench.vllm_sim.pods import LocalRouter, PodEngine, PodEngines, assert_idle_when_deleted, assert_no_kv_trouble
 
-from tests.e2e.conftest import PRODUCTION_DRAIN_TIMEOUT, model_manifest
+from tests.fixtures.e2e.models import PRODUCTION_DRAIN_TIMEOUT, model_manifest
 from tests.fixtures.e2e.serving import Serving
-from tests.e2e.test_gateway import built
-from tests.e2e.test_rollout import get_model, rolled_out
-from tests.e2e.test_router_e2e import check_legs, wait_for
+from tests.fixtures.e2e.cluster import built
+from tests.fixtures.e2e.models import get_model, rolled_out
+from tests.fixtures.e2e.traffic import check_legs, wait_for
 from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

@@ -17,7 +17,7 @@ from disagg_bench.localrun.plan import LocalOptions, local_plan
 from disagg_bench.localrun.procs import started
 from disagg_bench.vllm_sim import harness as h
 
-from tests.conftest import REPO, dm
+from tests.fixtures.models import REPO, dm
 
 SIM = h.AS_VLLM
 FAST = (("DISAGG_SIM_PROFILE", "fast"),)

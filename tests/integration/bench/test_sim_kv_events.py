@@ -20,7 +20,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 from disagg_connector import contract  # noqa: E402
 from disagg_connector.contract import kv_blocks  # noqa: E402
 from disagg_bench.vllm_sim import harness as h  # noqa: E402

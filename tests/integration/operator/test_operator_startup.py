@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.fixtures.models import REPO
 from disagg_bench import operator_process
 from disagg_bench.operator_process import OperatorProcess
 from disagg_bench.ports import free_port

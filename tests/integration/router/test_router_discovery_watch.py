@@ -13,9 +13,9 @@ import pathlib
 
 from aiohttp import web
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 from disagg_connector.router.discovery import EndpointTable, KubernetesDiscovery  # noqa: E402
-from tests.unit.connector.router.test_router_discovery import pod  # noqa: E402
+from tests.fixtures.router import pod  # noqa: E402
 
 
 class FakeApi:

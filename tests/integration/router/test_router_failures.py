@@ -17,7 +17,7 @@ import sys
 import aiohttp
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 from disagg_bench.vllm_sim import harness as h  # noqa: E402
 
 SLOW_PREFILL = {"prefill_us_per_token": 5000.0}  # 5 ms per prompt token: 2000 words keep P busy 10 s

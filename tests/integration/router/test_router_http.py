@@ -10,7 +10,7 @@ import sys
 import aiohttp
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 from disagg_bench.vllm_sim import harness as h  # noqa: E402
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from disagg_bench.localrun.report import ideal_hit_ratio, router_replicas, routing
 from disagg_bench.vllm_sim import harness as h
 
-from tests.conftest import dm
+from tests.fixtures.models import dm
 
 MODES = ("router-push:least-outstanding", "router-push:prefix-and-load")
 SYSTEM_TOKENS, RATE = 512, 4.0

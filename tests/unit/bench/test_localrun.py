@@ -21,7 +21,7 @@ from disagg_bench.localrun.bench import Sweep, cell_order, gauge_values, mode, p
 from disagg_bench.localrun.kube_env import DownwardValues, UnresolvableEnv, expand, resolve_env
 from disagg_bench.localrun.plan import PEER_ROUTER_MODES, LocalOptions, LocalPlan, LocalRunError, describe, flag_value, local_plan
 
-from tests.conftest import EXAMPLES, dm, load_example
+from tests.fixtures.models import EXAMPLES, dm, load_example
 
 # --- $(VAR) expansion, as the kubelet does it ------------------------------------------------------------
 ENV = {"A": "alpha", "B": "$(A)"}

@@ -10,7 +10,7 @@ from disagg_bench.localrun import loadgen
 from disagg_bench.localrun.plan import LocalOptions, local_plan
 from disagg_bench.localrun.report import router_replicas
 
-from tests.conftest import dm
+from tests.fixtures.models import dm
 
 
 def test_the_plan_runs_every_router_mode_as_its_replicas_on_ports_of_their_own() -> None:

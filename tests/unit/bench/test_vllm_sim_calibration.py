@@ -12,7 +12,7 @@ from disagg_bench.localrun.plan import LocalOptions, local_plan
 from disagg_bench.vllm_sim import calibrate, sim
 from disagg_bench.vllm_sim.as_vllm import CALIBRATION, profile, sim_argv
 
-from tests.conftest import dm
+from tests.fixtures.models import dm
 
 
 def _flags(argv: list[str]) -> dict[str, str]:

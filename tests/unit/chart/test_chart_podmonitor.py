@@ -19,7 +19,7 @@ from hack.gen import chart_sync
 from tests.fixtures.helm import CHART, helm, values_args
 from hack.gen.prometheus import pod_monitor_scrape_config, run_promtool
 
-from tests.conftest import EXAMPLES, load_example
+from tests.fixtures.models import EXAMPLES, load_example
 
 RELEASE, NAMESPACE = "dop", "disagg-system"
 

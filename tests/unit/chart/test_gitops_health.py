@@ -26,8 +26,8 @@ from disagg_operator.api.crd import build_crd
 from disagg_operator.state import ChildProblem, Observed, RouterView, key_of
 
 from tests.fixtures.gitops import HEALTH_LUA, Verdict, argocd_health, kstatus
-from tests.unit.operator.test_planner import FOREIGN_SERVICE, NEW_IMAGE, NOW, WORLD, refused, rolling
-from tests.unit.operator.test_status import router_health
+from tests.fixtures.planner import FOREIGN_SERVICE, NEW_IMAGE, NOW, WORLD, refused, rolling
+from tests.fixtures.status import router_health
 from tests.fixtures.world import deployment_of, desired, pod, serving_pods, steady
 
 GENERATION = 3  # the generation tests/unit/world.desired() judges

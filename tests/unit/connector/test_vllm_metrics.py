@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from disagg_connector.router.load import _READ
 from disagg_connector.vllm_metrics import CACHE_CONFIG_INFO, RUNNING, WAITING, Sample, read_samples
-from tests.unit.connector.test_drain import RELEASES
+from tests.fixtures.releases import RELEASES
 from disagg_bench.vllm_sim.sim import CACHE_CONFIG_INFO as VLLM_0_33_0_CACHE_CONFIG
 
 ROUTER_READS = (*_READ, CACHE_CONFIG_INFO)

@@ -19,7 +19,7 @@ from disagg_operator.cli import main
 from disagg_operator.config import RenderDefaults
 from disagg_operator.render import render
 
-from tests.conftest import EXAMPLES, REPO, dm, load_example, merge
+from tests.fixtures.models import EXAMPLES, REPO, dm, load_example, merge
 
 GOLDEN = REPO / "tests" / "golden" / "plan"
 DEFAULTS = RenderDefaults()

@@ -8,7 +8,7 @@ from disagg_operator import events, planner
 from disagg_operator.api import vocabulary
 from disagg_operator.state import Desired, Observed
 
-from tests.unit.operator.test_planner import COSTED, IDLE, LEAVING, NEW_IMAGE, NOW, OLD_D, OLD_P, WORLD, refused, rolling
+from tests.fixtures.planner import COSTED, IDLE, LEAVING, NEW_IMAGE, NOW, OLD_D, OLD_P, WORLD, refused, rolling
 from tests.fixtures.world import desired, steady
 
 

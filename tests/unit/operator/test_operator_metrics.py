@@ -12,7 +12,7 @@ from disagg_operator.config import RenderDefaults
 from disagg_operator.metrics import OperatorMetrics
 from disagg_operator.reconcile import Controller, Reconciler
 
-from tests.conftest import dm
+from tests.fixtures.models import dm
 from tests.fixtures.memory_cache import MemoryCache
 
 

@@ -11,7 +11,7 @@ from disagg_connector import contract
 from disagg_operator import planner
 from disagg_operator.state import Observed
 
-from tests.unit.operator.test_planner import NOW, cond
+from tests.fixtures.planner import NOW, cond
 from tests.fixtures.world import children, desired, serving_pods, steady, with_role_status
 
 ONE_POD = desired()

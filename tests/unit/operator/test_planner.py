@@ -19,19 +19,7 @@ from disagg_connector.contract.health import RouterHealth, parse_health
 from kubernetes.client.exceptions import ApiException
 
 from tests.fixtures.world import children, deployment_of, desired, live, serving_pods, steady, with_role_status
-
-NOW = "2026-12-01T00:00:00Z"
-WORLD = desired()
-NEW_IMAGE = desired({"engine": {"image": "registry.example/vllm:new"}})
-
-
-def act(plan: planner.Plan) -> list[tuple[str, str, str, str]]:
-    return [(type(a).__name__, a.obj["kind"], a.obj["metadata"]["name"], a.why) for a in plan.actions]
-
-
-def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next(c for c in status["conditions"] if c["type"] == type_)
-
+from tests.fixtures.planner import COSTED, FOREIGN_SERVICE, IDLE, LEAVING, NEW_IMAGE, NOW, OLD_D, OLD_P, WORLD, act, cond, refused, rolling, router
 
 def engine_names(world: Desired) -> set[str]:
     return {contract.engine_deployment_name("m", r, world.revision) for r in contract.ENGINE_ROLES}
@@ -44,36 +32,6 @@ def drifted() -> Observed:
     return Observed({**observed.children, key_of(decode): decode}, observed.pods)
 
 
-def rolling(new_ready: bool, marks: dict[str, str] | None = None) -> Observed:
-    """The old revision serves; the new revision's Deployments exist (one surge pod each), their pods ready or
-    not; `marks`: annotations on the old revision's pods."""
-    old = steady(WORLD)
-    new_children = {k: v for k, v in children(NEW_IMAGE).items() if k[0] == "Deployment" and k not in old.children}
-    old_pods = tuple({**p, "metadata": {**p["metadata"], "annotations": dict(marks)}}
-                     if marks and p["metadata"]["labels"].get(contract.LABEL_REVISION) == WORLD.revision else p
-                     for p in old.pods)  # fmt: skip
-    return with_role_status(Observed({**old.children, **new_children},
-                                     old_pods + serving_pods(NEW_IMAGE.revision, routers=0, ready=new_ready)),
-                            NEW_IMAGE.revision)
-
-
-MARKED_AT = "2026-12-01T00:00:00Z"
-LEAVING = {contract.ANNOTATION_DRAINING: MARKED_AT}
-COSTED = {**LEAVING, DELETION_COST: LEAVING_COST}
-
-
-def router(pods: dict[str, tuple[int, bool]]) -> RouterHealth:
-    """A router's /health naming these pods: name -> (in flight, seen draining)."""
-    return parse_health({
-        "status": "ok", "synced": True, "defaultMode": "Push", "windowSeconds": 60, "revisions": {},
-        "backends": [{"pod": n, "backend": n, "role": "prefill" if n.startswith("p") else "decode", "revision": "r",
-                      "mode": "Push", "inflight": inflight, "draining": seen, "ejected": False}
-                     for n, (inflight, seen) in pods.items()],
-    })  # fmt: skip
-
-
-OLD_P, OLD_D = f"p-{WORLD.revision}-0", f"d-{WORLD.revision}-0"
-IDLE = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}),) * 2, ("r0", "r1"))
 BUSY = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}), router({OLD_P: (0, True), OLD_D: (1, True)})), ("r0", "r1"))
 UNSEEN = RouterView((router({OLD_P: (0, False), OLD_D: (0, False)}),), ("r0",))
 SILENT = RouterView((router({OLD_P: (0, True), OLD_D: (0, True)}), None), ("r0", "r1"))
@@ -87,19 +45,6 @@ def with_stale_policy() -> Observed:
 
 NO_POLICY = desired({"network": {"networkPolicy": {"enabled": False}}})
 SCALED = desired({"prefill": {"replicas": 2}})
-FOREIGN_SERVICE = {"apiVersion": "v1", "kind": "Service", "metadata": {
-    "name": "m-router", "namespace": "ns", "uid": "x", "ownerReferences": [{"kind": "Gateway", "name": "edge", "uid": "g", "controller": True}]}}
-
-
-def refusal(world: Desired) -> ChildProblem:
-    return ChildProblem("ChildRejected", "Deployment", contract.engine_deployment_name("m", "decode", world.revision),
-                        'Deployment.apps "m-decode" is invalid: spec.template.spec.containers[0].resources.limits: '
-                        'Invalid value: "1Gi": must be greater than or equal to memory request')
-
-
-def refused(world: Desired, base: Observed) -> Observed:
-    problem = refusal(world)
-    return Observed(base.children, base.pods, refused={("Deployment", problem.name): problem})
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from disagg_operator import executor, planner
 from disagg_operator.state import Observed, RouterView
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-from tests.unit.operator.test_planner import MARKED_AT, NOW, act, cond, router
+from tests.fixtures.planner import MARKED_AT, NOW, act, cond, router
 from tests.fixtures.world import children, desired, pod, with_role_status
 
 # Decode DP2 over two one-GPU pods (one LWS group per engine); prefill one pod per engine.

@@ -19,7 +19,7 @@ from disagg_operator.metrics import OperatorMetrics
 from disagg_operator.reconcile import Reconciler
 from disagg_operator.state import Desired, SpecProblems, desire
 
-from tests.conftest import dm
+from tests.fixtures.models import dm
 from tests.fixtures.memory_cache import MemoryCache
 from tests.fixtures.world import UID, children, desired, steady
 

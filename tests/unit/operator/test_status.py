@@ -12,10 +12,7 @@ from disagg_operator.sizing import targets
 from disagg_operator.status import compute, invalid_status
 
 from tests.fixtures.world import desired
-
-WORLD = desired()
-REV = WORLD.revision
-
+from tests.fixtures.status import REV, router_health
 
 def deployment(role: str, replicas: int, revision: str | None = REV, **status: Any) -> dict[str, Any]:
     labels = contract.child_labels("m", role, revision if role != "router" else None)
@@ -142,17 +139,6 @@ def test_status_has_the_api_shape() -> None:
     with pytest.raises(ValueError):
         from disagg_operator.status import _typed
         _typed({"phase": "Ready", "readyReplica": 1})
-
-
-def router_health(failures: dict[str, int], succeeded: int, mode_conflict: str | None = None) -> Any:
-    from disagg_connector.contract.health import parse_health
-
-    recent = {"requests": succeeded + sum(failures.values()), "succeeded": succeeded, "failures": failures}
-    return parse_health({
-        "status": "ok", "synced": True, "defaultMode": "Push", "windowSeconds": 60, "backends": [],
-        "revisions": {REV: {"mode": "Push", "modeConflict": mode_conflict, "prefill": 1, "decode": 1, "readyPairs": 1,
-                            "weight": 1.0, **recent, "local": 0, "recent": recent, "lastSuccessAgeSeconds": None}},
-    })  # fmt: skip
 
 
 @pytest.mark.parametrize(("reports", "expected"), [

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 from disagg_operator.api.crd import build_crd
 
-from tests.conftest import REPO
+from tests.fixtures.models import REPO
 
 # The workspace beside a checkout, which a cloner does not have: facts the product needs live in docs/.
 OUTSIDE_REPO = re.compile(r"\.\./shared\b|/work/shared\b")

@@ -17,7 +17,7 @@ import grimp
 
 import pytest
 
-from tests.conftest import REPO
+from tests.fixtures.models import REPO
 
 GPU = REPO / "hack" / "gpu"
 # What the machine runs of ours: the harness (which renders with the operator and starts the router).

@@ -19,7 +19,7 @@ import yaml
 
 from disagg_operator import config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 IMAGES = REPO / "images"
 # The distributions: the operator (pyproject.toml), the data plane (connector/pyproject.toml) and the
 # benchmarks (bench/pyproject.toml), whose kvbench the engine images carry.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.fixtures.models import REPO
 
 LINT = str(Path(sys.executable).with_name("lint-imports"))
 CONFIG = configparser.ConfigParser()

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.conftest import REPO
+from tests.fixtures.models import REPO
 from disagg_bench import ports
 
 

@@ -16,7 +16,7 @@ from disagg_connector import contract
 from disagg_connector.contract.health import parse_health
 from disagg_connector.router.discovery import EndpointTable, load_static
 from disagg_connector.router.pairing import Balancer
-from tests.unit.connector.router.test_router_discovery import pod
+from tests.fixtures.router import pod
 from disagg_bench.vllm_sim import harness as h
 
 LWS = "m-decode-rev1"
@@ -194,7 +194,7 @@ def test_static_entries_name_their_group(tmp_path):
 
 
 def test_health_reports_held_out_backends_and_reads_documents_without_them():
-    from tests.unit.connector.router.test_router_health import DOC
+    from tests.fixtures.router import DOC
 
     doc = DOC.to_json()
     assert doc["revisions"]["abc"]["heldOut"] == {"prefill": 0, "decode": 0}

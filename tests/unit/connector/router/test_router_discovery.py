@@ -10,44 +10,7 @@ import pytest
 from disagg_connector import contract
 from disagg_connector.router.discovery import EndpointTable, RevisionView, Snapshot, backends_from_pod, load_static, pods_from_static
 from disagg_connector.router.pairing import Balancer, Ejections
-
-
-def pod(
-    name: str,
-    role: str = "prefill",
-    revision: str | None = "rev1",
-    *,
-    uid: str | None = None,
-    ip: str | None = "10.0.0.1",
-    ready: bool = True,
-    terminating: bool = False,
-    created: str = "2026-01-01T00:00:00Z",
-    annotations: dict[str, str] | None = None,
-) -> dict:
-    labels = {contract.LABEL_MODEL: "m", contract.LABEL_ROLE: role}
-    if revision is not None:
-        labels[contract.LABEL_REVISION] = revision
-    meta = {
-        "name": name,
-        "namespace": "ns",
-        "uid": uid or f"uid-{name}",
-        "labels": labels,
-        "annotations": annotations or {},
-        "creationTimestamp": created,
-        "resourceVersion": "1",
-    }
-    if terminating:
-        meta["deletionTimestamp"] = "2026-01-01T00:10:00Z"
-    status = {
-        "phase": "Running",
-        "conditions": [
-            {"type": "PodScheduled", "status": "True"},
-            {"type": "Ready", "status": "True" if ready else "False"},
-        ],
-    }
-    if ip:
-        status["podIP"] = ip
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "status": status}
+from tests.fixtures.router import pod
 
 
 def test_ready_pod_gives_contract_identity():

@@ -18,20 +18,7 @@ from disagg_connector.contract.health import (
     parse_health,
 )
 from disagg_connector.router.stats import RouterStats
-
-
-def revision(recent: Outcomes, totals: Outcomes | None = None, **kw) -> RevisionHealth:
-    base = dict(mode="Push", mode_conflict=None, prefill=1, decode=1, ready_pairs=1, weight=1.0, local=0, last_success_age_seconds=None)
-    base.update(kw)
-    return RevisionHealth(totals=totals or recent, recent=recent, **base)  # type: ignore[arg-type]
-
-
-DOC = RouterHealth(
-    "ok", True, "Push", 60.0,
-    (BackendHealth("m-prefill-abc-0", "m-prefill-abc-0", "prefill", "abc", "Push", 2, False, False),
-     BackendHealth("m-decode-abc-0", "m-decode-abc-0", "decode", "abc", None, 0, True, True)),
-    {"abc": revision(Outcomes(3, 2, {"kv_wait_timeout": 1}), Outcomes(9, 7, {"kv_wait_timeout": 2}), local=4, last_success_age_seconds=1.5)},
-)  # fmt: skip
+from tests.fixtures.router import DOC, revision
 
 
 def test_document_round_trips_through_json_and_the_parser():

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import tomllib
 
-from tests.conftest import REPO
+from tests.fixtures.models import REPO
 
 OPERATOR_ONLY = ("kopf", "pydantic", "jinja2", "celpy", "disagg_operator")
 CONNECTOR = tomllib.loads((REPO / "connector" / "pyproject.toml").read_text())["project"]

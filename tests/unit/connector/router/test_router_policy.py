@@ -13,7 +13,7 @@ from disagg_connector.router.load import LoadBoard, parse_engine_metrics
 from disagg_connector.router.pairing import Balancer
 from disagg_connector.router.policy import Policies
 from disagg_connector.router.prefix import CHUNK_BYTES, CHUNK_TOKENS, PrefixIndex, PromptKey, chunk_keys, prompt_key
-from tests.unit.connector.test_drain import RELEASES, with_values
+from tests.fixtures.releases import RELEASES, with_values
 
 RUNNING, WAITING, QUERIES = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prefix_cache_queries_total"
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from tests.fixtures.vllm_cli import CHECKED_VERSIONS, check_command_lines
-from tests.unit.operator.api.test_api import INVALID, VALID_EDGES
-from tests.unit.operator.render.test_vllm_cmdlines import command_lines
+from tests.fixtures.api_cases import INVALID, VALID_EDGES
+from tests.fixtures.render import command_lines
 
-from tests.conftest import dm
+from tests.fixtures.models import dm
 
 pytestmark = pytest.mark.vllm
 

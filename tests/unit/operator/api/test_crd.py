@@ -7,7 +7,7 @@ import yaml
 
 from disagg_operator.api.crd import CRD_FILE, build_crd, build_role_crd, render_crd_yaml
 
-from tests.conftest import REPO
+from tests.fixtures.models import REPO
 
 CRD_PATH = REPO / "crds" / CRD_FILE
 

@@ -13,7 +13,7 @@ from disagg_connector.contract import preflight
 from disagg_operator import status as status_mod
 from disagg_operator.api import vocabulary
 
-from tests.conftest import REPO
+from tests.fixtures.models import REPO
 
 CAMEL = re.compile(r"^[A-Z][a-z]+(?:[A-Z0-9][a-z0-9]*)+$|^[A-Z][a-z]{3,}$")
 # Modules that write reasons into conditions (or make the ones the operator copies into them).

@@ -20,8 +20,8 @@ from disagg_operator.render.gateway import HTTP_ROUTE_KIND, INFERENCE_POOL_KIND
 from disagg_operator.state import Observed
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
-from tests.conftest import dm
-from tests.unit.operator.test_planner import NOW, cond
+from tests.fixtures.models import dm
+from tests.fixtures.planner import NOW, cond
 from tests.fixtures.world import desired
 
 GATEWAY = {"parentRefs": [{"name": "gw", "namespace": "infra", "sectionName": "https"}], "hostnames": ["m.example.com"]}

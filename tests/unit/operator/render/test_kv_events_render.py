@@ -27,10 +27,10 @@ from disagg_operator.api.validation import SpecError, parse
 from disagg_operator.render import render
 from disagg_operator.render.router import router_args
 
-from tests.conftest import dm
+from tests.fixtures.models import dm
 from tests.fixtures.vllm_cli import CHECKED_VERSIONS, vllm_python
-from tests.unit.operator.render.test_multi_pod_render import pod_argv
-from tests.unit.operator.render.test_render import by_kind, engine_container, pod_template
+from tests.fixtures.render import pod_argv
+from tests.fixtures.render import by_kind, engine_container, pod_template
 
 POD_UID = "6a1f2a9e-5b1e-4c55-9b53-0c6a3c1e7d42"
 EVENTS_OFF = {

@@ -21,11 +21,10 @@ from disagg_operator.api.models import DisaggregatedModel
 from disagg_operator.api.validation import parse
 from disagg_operator.render import render
 
-from tests.conftest import dm
+from tests.fixtures.models import dm
 from tests.fixtures.vllm_cli import CHECKED_VERSIONS, check_command_lines
+from tests.fixtures.render import LEADER, POD_UID, pod_argv
 
-POD_UID = "0b0be50e-3e09-424e-8542-e38512e189ec"
-LEADER = "m-decode-abc-0.m-decode-abc.ns"  # what LWS puts in LWS_LEADER_ADDRESS
 # DeepSeek-V3-like wide EP decode: DP16 x TP1 over two 8-GPU pods
 SPEC = {"decode": {"parallelism": {"data": 16, "expert": True}, "accelerator": {"count": 8}},
         "prefill": {"parallelism": {"data": 8, "expert": True}, "accelerator": {"count": 8}}}
@@ -43,25 +42,6 @@ def engines_of(role: str) -> dict[str, Any]:
 
 def decode_template() -> dict[str, Any]:
     return engines_of("decode")["spec"]["leaderWorkerTemplate"]["workerTemplate"]
-
-
-def shell_argv(argv: list[str], env: dict[str, str], tmp: Path) -> list[str]:
-    """What a `/bin/sh -c SCRIPT vllm ARGS...` line execs (a real shell, with a vllm that prints its argv)."""
-    assert argv[:2] == ["/bin/sh", "-c"] and argv[3] == "vllm", argv[:4]
-    printer = tmp / "vllm"
-    printer.write_text("#!/bin/sh\nexec python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
-    printer.chmod(printer.stat().st_mode | stat.S_IEXEC)
-    out = subprocess.run([*argv[:3], str(printer), *argv[4:]], env={**os.environ, **env}, capture_output=True, text=True,
-                         check=True)  # fmt: skip
-    return ["vllm", *json.loads(out.stdout)]
-
-
-def pod_argv(container: dict[str, Any], index: int, tmp: Path, pod_name: str | None = None, uid: str = POD_UID) -> list[str]:
-    """The command line the container's shell execs for LWS worker `index`, after the kubelet's $(VAR)."""
-    env = {contract.ENV_POD_NAME: pod_name or f"m-decode-abc-0-{index}", contract.ENV_POD_UID: uid,
-           contract.ENV_POD_IP: "10.1.2.3", contract.LWS_LEADER_ADDRESS_ENV: LEADER}  # fmt: skip
-    command = [expand(a, env) for a in container["command"] + container["args"]]
-    return shell_argv(command, {contract.LWS_WORKER_INDEX_ENV: str(index)}, tmp)
 
 
 def test_one_group_per_engine_every_pod_from_one_template() -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from disagg_operator.api.validation import SpecError, parse
 
 from tests.fixtures.strategies import BREAKERS, models
-from tests.unit.operator.render.test_render import check_invariants
+from tests.fixtures.render import check_invariants
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -15,33 +15,10 @@ from disagg_operator.api.validation import parse
 from disagg_operator.manifests import dump_all
 from disagg_operator.render import gang, render
 
-from tests.conftest import EXAMPLES, REPO, dm, load_example
+from tests.fixtures.models import EXAMPLES, REPO, dm, load_example
+from tests.fixtures.render import by_kind, check_invariants, engine_container, kv_config
 
 GOLDEN = REPO / "tests" / "golden"
-K8S_VERSION = "1.34"
-GANG_K8S_VERSION = "1.37"
-
-
-def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [o for o in objects if o["kind"] == kind]
-
-
-def pod_template(workload: dict[str, Any]) -> dict[str, Any]:
-    """The pod template of an engine workload: a Deployment's, or a LeaderWorkerSet's (every pod of a group)."""
-    if workload["kind"] == "LeaderWorkerSet":
-        return workload["spec"]["leaderWorkerTemplate"]["workerTemplate"]
-    return workload["spec"]["template"]
-
-
-def engine_container(objects: list[dict[str, Any]], role: str) -> dict[str, Any]:
-    (deploy,) = [d for d in objects if d["kind"] in ("Deployment", "LeaderWorkerSet")
-                 and d["metadata"]["labels"].get(contract.LABEL_ROLE) == role]  # fmt: skip
-    return pod_template(deploy)["spec"]["containers"][0]
-
-
-def kv_config(container: dict[str, Any]) -> dict[str, Any]:
-    args = container["args"]
-    return json.loads(args[args.index("--kv-transfer-config") + 1])
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -52,63 +29,6 @@ def test_golden(path) -> None:
     if os.environ.get("DISAGG_UPDATE_GOLDEN") == "1":
         golden.write_text(rendered)
     assert golden.read_text() == rendered
-
-
-def served(container: dict[str, Any]) -> str:
-    """The model vLLM serves (the argument after `serve`, whether or not a shell runs vllm)."""
-    argv = container["command"] + container["args"]
-    return argv[argv.index("serve") + 1]
-
-
-def check_invariants(obj: dict[str, Any]) -> None:
-    """What must hold for every rendering of every valid spec (also driven by hypothesis)."""
-    model = parse(obj)
-    result = render(model)
-    name = model.metadata.name
-    for child in result.objects:
-        if child["kind"] == contract.ROLE_KIND:  # ours: its schema is the generated CRD's, from this model
-            DisaggregatedRoleSpec.model_validate(child["spec"])
-        elif child["kind"] == "LeaderWorkerSet":  # no schema here (the e2e applies it to LWS's CRD): its pods'
-            template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": child["metadata"]["name"]},
-                        "template": pod_template(child)}  # fmt: skip
-            kubernetes_validate.validate(template, K8S_VERSION, strict=True)
-        elif child["kind"] in ("InferencePool", "HTTPRoute"):  # not core kinds: tests/e2e/test_gateway.py applies them
-            pass  # to the upstream CRDs, and tests/unit/test_gateway.py checks their shape
-        elif child["kind"] == "PodGroup":  # scheduling.k8s.io/v1beta1 is new in 1.37
-            kubernetes_validate.validate(child, GANG_K8S_VERSION, strict=True)
-        else:
-            kubernetes_validate.validate(child, K8S_VERSION, strict=True)
-        meta = child["metadata"]
-        assert contract.is_dns_label(meta["name"]), meta["name"]
-        assert meta["namespace"] == model.metadata.namespace
-        assert meta["labels"][contract.LABEL_MODEL] == contract.model_label_value(name)
-        assert meta["labels"][contract.LABEL_MANAGED_BY] == contract.OPERATOR_NAME
-        assert all(len(v) <= 63 for v in meta["labels"].values())
-        if model.metadata.uid:
-            (owner,) = meta["ownerReferences"]
-            assert owner["uid"] == model.metadata.uid and owner["controller"] is True
-
-    prefill, decode = engine_container(result.objects, "prefill"), engine_container(result.objects, "decode")
-    p_cfg, d_cfg = kv_config(prefill), kv_config(decode)
-    # P and D must agree on everything vLLM's handshake compares.
-    assert p_cfg["kv_connector"] == d_cfg["kv_connector"] == result.plan.connector
-    assert (p_cfg["kv_role"], d_cfg["kv_role"]) == ("kv_producer", "kv_consumer")
-    assert p_cfg["kv_connector_extra_config"]["backends"] == d_cfg["kv_connector_extra_config"]["backends"]
-    for flag in ("--block-size", "--dtype", "--served-model-name"):
-        assert prefill["args"][prefill["args"].index(flag) + 1] == decode["args"][decode["args"].index(flag) + 1]
-    assert prefill["image"] == decode["image"] and served(prefill) == served(decode)
-    assert p_cfg["engine_id"] == contract.engine_id_template()
-    for container in (prefill, decode):
-        names = [e["name"] for e in container["env"]]
-        # $(POD_IP) and $(POD_NAME)/$(POD_UID) expand only from variables defined earlier.
-        assert names.index(contract.ENV_POD_IP) < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
-        assert len(names) == len(set(names))
-    revisions = {
-        pod_template(d)["metadata"]["labels"][contract.LABEL_REVISION]
-        for d in [*by_kind(result.objects, "Deployment"), *by_kind(result.objects, "LeaderWorkerSet")]
-        if contract.LABEL_REVISION in d["metadata"]["labels"]
-    }
-    assert revisions == {result.revision}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])

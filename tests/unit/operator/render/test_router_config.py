@@ -10,7 +10,7 @@ from disagg_connector.router.config import RouterConfig, default_leg_timeout, pa
 from disagg_operator.api.validation import parse
 from disagg_operator.render import render
 
-from tests.conftest import EXAMPLES, load_example
+from tests.fixtures.models import EXAMPLES, load_example
 
 
 def test_contract_flags():

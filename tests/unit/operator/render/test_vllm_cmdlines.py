@@ -22,41 +22,14 @@ from disagg_bench.localrun.kube_env import expand
 from disagg_bench.localrun.plan import LocalOptions, local_plan
 from disagg_operator.render import render
 
-from tests.conftest import EXAMPLES, REPO, load_example
+from tests.fixtures.models import EXAMPLES, REPO, load_example
 from tests.fixtures.strategies import models
 from tests.fixtures.vllm_cli import CHECKED_VERSIONS, check_command_lines
-from tests.unit.operator.render.test_multi_pod_render import pod_argv, shell_argv
-from tests.unit.operator.render.test_render import pod_template
+from tests.fixtures.render import pod_argv, shell_argv
+from tests.fixtures.render import pod_template
+from tests.fixtures.render import command_lines
 
 pytestmark = pytest.mark.vllm
-
-POD_UID = "0f8e4a52-7d1c-4c43-9d55-3c2d7a1b9e10"
-
-
-def command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
-    """{"id", "argv", "expect"} for the prefill and decode containers of one rendered model."""
-    items = []
-    for child in render(parse(obj)).objects:
-        role = child["metadata"]["labels"].get(contract.LABEL_ROLE)
-        if child["kind"] not in ("Deployment", "LeaderWorkerSet") or role not in contract.ENGINE_ROLES:
-            continue
-        container = pod_template(child)["spec"]["containers"][0]
-        if child["kind"] == "LeaderWorkerSet":  # the leader's line, as its shell makes it (test_multi_pod_render: every pod's)
-            pod_name = f"{child['metadata']['name']}-0"
-            with tempfile.TemporaryDirectory() as tmp:
-                argv = pod_argv(container, 0, Path(tmp), pod_name, POD_UID)
-        else:
-            pod_name = f"{child['metadata']['name']}-6d4cf56db6-x2x7k"
-            env = {contract.ENV_POD_NAME: pod_name, contract.ENV_POD_UID: POD_UID, contract.ENV_POD_IP: "10.1.2.3"}
-            argv = [expand(a, env) for a in container["command"] + container["args"]]
-        items.append({
-            "id": f"{obj['metadata']['name']}/{role}",
-            "argv": argv,
-            "expect": {"engine_id": contract.engine_id(pod_name, POD_UID),
-                       "kv_role": "kv_producer" if role == "prefill" else "kv_consumer"},
-        })  # fmt: skip
-    return items
-
 
 def judge(items: list[dict[str, Any]], version: str) -> None:
     results = check_command_lines([{"id": i["id"], "argv": i["argv"]} for i in items], version)

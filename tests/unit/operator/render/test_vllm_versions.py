@@ -10,7 +10,7 @@ from disagg_operator.config import ENGINE_IMAGE, NEURON_ENGINE_IMAGE
 from disagg_operator.render import render
 from disagg_operator.resolve import plan
 
-from tests.conftest import EXAMPLES, dm, load_example
+from tests.fixtures.models import EXAMPLES, dm, load_example
 
 NEURON = {"accelerator": {"type": "neuron", "count": 16}, "parallelism": {"tensor": 64}}
 
