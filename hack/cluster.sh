@@ -418,7 +418,7 @@ apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: ["RequestReceived"]
 rules:
-# tests/bench/operator_scale.py counts every request (reads and watches too) of its ServiceAccounts.
+# bench/disagg_bench/operator_scale.py counts every request (reads and watches too) of its ServiceAccounts.
 - level: Metadata
   userGroups: ["system:serviceaccounts:disagg-bench"]
 - level: Metadata

@@ -63,7 +63,7 @@ echo
 # identity each pod announces, and the router runs with its rendered arguments and its own ServiceAccount.
 log "a streaming completion through the router to simulated engines on the pods' IPs"
 router_sa="$(.venv/bin/python -c 'import sys; from disagg_connector import contract; print(contract.router_name(sys.argv[1]))' "$name")"
-.venv/bin/python -m tests.vllm_sim.pods --kubeconfig "$KUBECONFIG" --namespace default --model "$name" \
+.venv/bin/python -m disagg_bench.vllm_sim.pods --kubeconfig "$KUBECONFIG" --namespace default --model "$name" \
   --token "$(kubectl create token "$router_sa" --duration=10m)"
 echo
 log "running. Stop with: hack/demo.sh down"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) a cached CPU-only Python environment in which one vLLM release's own
 # argument parser and KVTransferConfig judge our rendered `vllm serve` command lines
-# (tests/support/vllm_cli_check.py). One per release the operator renders for and CI checks.
+# (tests/fixtures/vllm_cli_check.py). One per release the operator renders for and CI checks.
 #
 #   bash hack/vllm-env.sh [VERSION]  # VERSION 0.33.0 (default) or 0.26.0; prints the venv's python
 #                                    # on its LAST line of stdout
@@ -84,7 +84,7 @@ log "verifying the parser"
 sample='[{"id": "check", "argv": ["vllm", "serve", "Qwen/Qwen3-32B", "--tensor-parallel-size", "8",
   "--kv-transfer-config", "{\"kv_connector\": \"NixlPushConnector\", \"kv_role\": \"kv_producer\", \"engine_id\": \"p-0.uid\"}",
   "--block-size", "128"]}]'
-printf '%s' "$sample" | VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR "$py" "$here/../tests/support/vllm_cli_check.py" 2>/dev/null \
+printf '%s' "$sample" | VLLM_TARGET_DEVICE=cpu VLLM_LOGGING_LEVEL=ERROR "$py" "$here/../tests/fixtures/vllm_cli_check.py" 2>/dev/null \
   | "$py" -c 'import json, sys; r = json.load(sys.stdin)[0]; sys.exit(0 if r["ok"] else "vLLM refused the sample line: %s" % r["error"])' \
   || die "the parser check failed in $venv"
 log "parser OK"

@@ -1,15 +1,14 @@
-"""Shared fixtures: the examples and a builder for DisaggregatedModel dicts."""
+"""pytest's hooks and fixtures for every test (the helpers themselves live in tests/fixtures)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from disagg_operator.manifests import load_all
 from tests.fixtures.models import EXAMPLES, load_example
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--dashboard-png-dir", type=Path, default=None,

@@ -1,6 +1,6 @@
 """Operator at scale on the local control plane: N DisaggregatedModels at once, against a baseline.
 
-    python -m tests.bench.operator_scale [--sizes 50,200] [--runs 3]
+    python -m disagg_bench.operator_scale [--sizes 50,200] [--runs 3]
 
 For each N, `--runs` times each, medians printed:
 - the operator (a separate process, its own ServiceAccount token bound to the ClusterRole of

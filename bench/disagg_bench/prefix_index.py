@@ -1,7 +1,7 @@
 """What the prefix-and-load policy costs the router per request, and what its index costs in memory.
 
-    python -m tests.bench.prefix_index            # ~20 s
-    python -m tests.bench.prefix_index --runs 9
+    python -m disagg_bench.prefix_index            # ~20 s
+    python -m disagg_bench.prefix_index --runs 9
 
 Per prompt length (tokens, as text of 4 bytes a token): the time of one prefill pick with ``prefix-and-load``
 (the prompt's chunk keys, the match over 8 backends, the insertion) against the baseline measured in the same

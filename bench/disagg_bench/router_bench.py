@@ -1,13 +1,13 @@
 """Router benchmark: headroom against a direct client and vllm-router, and when disaggregation pays for short prompts.
 
-    python -m tests.bench.router_bench                  # about 25 min (the peers section about 19)
-    python -m tests.bench.router_bench --quick          # about 6 min, one run per cell
-    python -m tests.bench.router_bench --skip-peers     # about 5 min: headroom, index fill, JSON, short prompts
-    python -m tests.bench.router_bench --toy-proxy PATH # also vLLM's toy proxy (its file, fetched by you)
-    python -m tests.bench.router_bench --only-cpu       # about 6 min: the router's CPU per request by policy pair
-    python -m tests.bench.router_bench --only-cpu --cpu-compare DIR/connector  # and another checkout's, interleaved
+    python -m disagg_bench.router_bench                  # about 25 min (the peers section about 19)
+    python -m disagg_bench.router_bench --quick          # about 6 min, one run per cell
+    python -m disagg_bench.router_bench --skip-peers     # about 5 min: headroom, index fill, JSON, short prompts
+    python -m disagg_bench.router_bench --toy-proxy PATH # also vLLM's toy proxy (its file, fetched by you)
+    python -m disagg_bench.router_bench --only-cpu       # about 6 min: the router's CPU per request by policy pair
+    python -m disagg_bench.router_bench --only-cpu --cpu-compare DIR/connector  # and another checkout's, interleaved
 
-Everything runs as separate processes on this machine: simulated vLLM engines (``tests.vllm_sim``), the
+Everything runs as separate processes on this machine: simulated vLLM engines (``disagg_bench.vllm_sim``), the
 real router (``disagg_connector.router``) and the client. Every figure is a median of ``--runs`` runs
 (default 3), the runs of all contenders of a cell interleaved, so machine noise hits them alike.
 
@@ -739,14 +739,14 @@ def main() -> None:
     ap.add_argument("--peer-streams", default="64", help="stream counts of the peers section, comma-separated (default 64)")
     ap.add_argument("--peer-engines", default="zero-cost,timed", help="engine models of the peers section: zero-cost, timed")
     ap.add_argument("--sim-vs-real", action="store_true",
-                    help="also replay the committed H200 runs with the calibrated simulator (tests/bench/sim_vs_real.py, ~12 min)")
+                    help="also replay the committed H200 runs with the calibrated simulator (bench/disagg_bench/sim_vs_real.py, ~12 min)")
     a = ap.parse_args()
     runs = a.runs or (1 if a.quick else 3)
     if a.only_cpu:
         a.skip_headroom = a.skip_peers = a.skip_short = True
     seconds = 2.0 if a.quick else 4.0
     lengths = [128, 512, 1024] if a.quick else [64, 128, 256, 512, 1024, 2048]
-    lines = ["# disagg-router benchmark", f"# command: python -m tests.bench.router_bench {shlex.join(sys.argv[1:])}".rstrip(),
+    lines = ["# disagg-router benchmark", f"# command: python -m disagg_bench.router_bench {shlex.join(sys.argv[1:])}".rstrip(),
              f"# machine: {_machine()}"]  # fmt: skip
     t0 = time.monotonic()
 

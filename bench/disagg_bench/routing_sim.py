@@ -1,7 +1,7 @@
 """KV-aware routing in the simulator, where prefill is the bottleneck: least-outstanding against prefix-and-load.
 
-    python -m tests.bench.routing_sim                 # 3 runs x 2 policies, interleaved, ~7 min on 2 cores
-    python -m tests.bench.routing_sim --runs 1 --cell-seconds 20 --peer   # quicker; --peer adds vllm-router cache_aware
+    python -m disagg_bench.routing_sim                 # 3 runs x 2 policies, interleaved, ~7 min on 2 cores
+    python -m disagg_bench.routing_sim --runs 1 --cell-seconds 20 --peer   # quicker; --peer adds vllm-router cache_aware
 
 4 prefill and 4 decode engines, each a simulator process of its own (its own compute: prefills one at a time,
 FIFO, on each engine), vLLM's prefix cache and its counters, the real router in front
@@ -18,7 +18,7 @@ least-outstanding's prefill engines near saturation (queues form), so TTFT is pr
 durations are hundreds of milliseconds against the few milliseconds a request costs the router and the
 simulator in CPU, so the 2-core machine's noise stays small beside them. Decode is short (16 tokens of 10 ms).
 
-The engines are started through this module (`--as-vllm`, tests/vllm_sim/as_vllm.py's reading of the rendered
+The engines are started through this module (`--as-vllm`, bench/disagg_bench/vllm_sim/as_vllm.py's reading of the rendered
 `vllm serve` line with TIMING instead of a calibration profile).
 """
 
@@ -104,7 +104,7 @@ def run(runs: int, cell_seconds: float, peer: bool, workdir: Path) -> None:
         order = cell_order(modes, r)  # run r starts with its own mode, as the real sweeps' cells do
         print(f"run {r + 1}/{runs}: {', '.join(order)}", flush=True)
         proc = h.localrun_bench(model, out, 8, *bench_options(order, cell_seconds, seed=r),
-                                vllm=f"{sys.executable} -m tests.bench.routing_sim --as-vllm", profile=None)
+                                vllm=f"{sys.executable} -m disagg_bench.routing_sim --as-vllm", profile=None)
         if proc.returncode != 0:
             raise SystemExit(f"run {r + 1} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         print("\n".join(line for line in proc.stdout.splitlines() if " x " in line), flush=True)
@@ -121,7 +121,7 @@ def run(runs: int, cell_seconds: float, peer: bool, workdir: Path) -> None:
 
 
 def as_vllm(argv: list[str]) -> None:
-    """The simulator from a `vllm serve` line, with TIMING (tests/vllm_sim/as_vllm.py without a profile)."""
+    """The simulator from a `vllm serve` line, with TIMING (bench/disagg_bench/vllm_sim/as_vllm.py without a profile)."""
     from disagg_bench.vllm_sim import as_vllm as adapter, sim
 
     sys.argv = ["vllm_sim", *adapter.sim_argv(argv, dict(os.environ), TIMING)]

@@ -1,13 +1,13 @@
 """The simulator's prediction next to every real figure: each committed real run replayed, same sweep,
 same seed (so the same arrival times), with simulated engines timed by the profile fitted to that run.
 
-    python -m tests.bench.sim_vs_real                       # every bench/results/h200-*.json with a profile (~22 min)
-    python -m tests.bench.sim_vs_real --only h200-1gpu-fair # one profile (or one results file's stem)
-    python -m tests.bench.router_bench --sim-vs-real        # the same, as a section of the router benchmark
+    python -m disagg_bench.sim_vs_real                       # every bench/results/h200-*.json with a profile (~22 min)
+    python -m disagg_bench.sim_vs_real --only h200-1gpu-fair # one profile (or one results file's stem)
+    python -m disagg_bench.router_bench --sim-vs-real        # the same, as a section of the router benchmark
 
-The replay is disagg-localrun itself with `tests.vllm_sim.as_vllm` in place of vLLM: the engines get the
+The replay is disagg-localrun itself with `disagg_bench.vllm_sim.as_vllm` in place of vLLM: the engines get the
 same rendered command lines (hence the same transfer mode) and the real router, in real time. Profiles:
-tests/vllm_sim/calibration.json (fitted by tests/vllm_sim/calibrate.py); a run's profile is the one whose
+bench/disagg_bench/vllm_sim/calibration.json (fitted by bench/disagg_bench/vllm_sim/calibrate.py); a run's profile is the one whose
 `runs` list names its file. A profile fitted to repetitions of one sweep (the same seed, hence the same
 arrivals) is replayed once and compared with the real runs' per-cell medians (calibrate.median_of_runs).
 Results files no profile names (other shapes, peers' routers) are listed as not replayed.
@@ -43,7 +43,7 @@ from disagg_bench.vllm_sim.calibrate import median_of_runs
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
-SIM = (sys.executable, "-m", "tests.vllm_sim.as_vllm")
+SIM = (sys.executable, "-m", "disagg_bench.vllm_sim.as_vllm")
 PEER_ROUTER = (sys.executable, "-m", "vllm_router.launch_router")  # vllm-router 0.1.17, the test extra's pin
 
 
@@ -81,7 +81,7 @@ def option(real: dict[str, Any], flag: str) -> str | None:
 
 def engine_version(real: dict[str, Any]) -> str | None:
     """The vLLM release the real engines reported (GET /version), for the simulated ones to answer as: vllm-router
-    learns push only from 0.33.0's answers (tests/unit/test_sim_vllm_version.py)."""
+    learns push only from 0.33.0's answers (tests/unit/bench/test_sim_vllm_version.py)."""
     return next((g["engine_version"] for g in real["groups"] if g.get("engine_version")), None)
 
 
@@ -116,7 +116,7 @@ def replay(real: dict[str, Any], profile: str, work: Path) -> dict[str, Any]:
         return sorted(modes, key=lambda m: names.index(m.name) if m.name in names else len(names))
 
     with contextlib.redirect_stdout(sys.stderr):  # the plan and per-cell lines: progress, not the result
-        return run_bench(read_model(str(REPO / model_file(real))), options, sweep, work, 60, ["tests.bench.sim_vs_real"],
+        return run_bench(read_model(str(REPO / model_file(real))), options, sweep, work, 60, ["disagg_bench.sim_vs_real"],
                          order=as_ran)
 
 
@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--only", action="append", help="a profile or a results file's stem, e.g. h200-1gpu-fair (repeatable)")
     ap.add_argument("--save", type=Path, help="also write each replay's results (the simulator's) into this folder")
     a = ap.parse_args()
-    print(f"# command: python -m tests.bench.sim_vs_real {shlex.join(sys.argv[1:])}".rstrip())
+    print(f"# command: python -m disagg_bench.sim_vs_real {shlex.join(sys.argv[1:])}".rstrip())
     print("\n".join(compare(a.only, a.save)))
 
 

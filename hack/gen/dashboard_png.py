@@ -1,15 +1,15 @@
 """PNGs of the model dashboard's main panels, from the dashboard's own queries against a real Prometheus.
 
-    python -m tests.support.dashboard_png [--out docs/dashboards] [--seconds 75]
+    python -m hack.gen.dashboard_png [--out docs/dashboards] [--seconds 75]
 
 No Grafana can be installed here (it is in neither the Python nor the Debian registries, and its Go module needs
 its JavaScript frontend built), so this draws what Grafana would: two simulated prefill and two simulated decode
-engines behind our router (``--prefill-policy prefix-and-load``), the real Prometheus (tests/support/prometheus.py)
+engines behind our router (``--prefill-policy prefix-and-load``), the real Prometheus (hack/gen/prometheus.py)
 scraping the router every second with the target labels a Kubernetes PodMonitor attaches (``namespace``, a ``pod``
 named like a pod of the Deployment ``<model>-router``), traffic for SECONDS (conversations whose turns share
 their history, so the prefix cache hits; short prompts that decode serves alone; a spell of failed KV transfers
 and one of an engine answering 503), then every main panel's targets, read from the committed dashboard JSON
-(tests/support/dashboards.py ``load``) and made concrete with ``dashboards.concrete``, asked of Prometheus with
+(hack/gen/dashboards.py ``load``) and made concrete with ``dashboards.concrete``, asked of Prometheus with
 ``query_range`` and drawn with matplotlib into ``disagg-model.png``.
 
 The operator dashboard is not drawn: its series come from the operator reconciling on a cluster, which this
@@ -43,7 +43,7 @@ RATE_INTERVAL = "10s"  # Grafana's $__rate_interval is 4 x the scrape interval a
 STEP = 2  # seconds between the points of query_range
 
 # The main panels drawn, by (type, title): the stat row first, then the time series (titles repeat across types:
-# "Ready pairs" is both). tests/unit/test_dashboard_png.py checks each is exactly one panel of the dashboard.
+# "Ready pairs" is both). tests/unit/chart/test_dashboard_png.py checks each is exactly one panel of the dashboard.
 MAIN: dict[str, tuple[tuple[str, str], ...]] = {
     "disagg-model.json": (
         ("stat", "Ready pairs"),
@@ -304,7 +304,7 @@ def run(out: Path, seconds: float) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.support.dashboard_png", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m hack.gen.dashboard_png", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the PNGs (default: docs/dashboards)")
     parser.add_argument("--seconds", type=float, default=75.0, help="how long to drive traffic")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """The Grafana dashboards the chart ships, built with grafana-foundation-sdk (never JSON by hand).
 
-    python -m tests.support.dashboards          # write charts/disagg-operator/dashboards/*.json
-    python -m tests.support.dashboards --check  # exit 1 and name the stale files (tests/unit/test_dashboards.py does this)
+    python -m hack.gen.dashboards          # write charts/disagg-operator/dashboards/*.json
+    python -m hack.gen.dashboards --check  # exit 1 and name the stale files (tests/unit/chart/test_dashboards.py does this)
 
 Two dashboards, each a file the chart puts into a ConfigMap for Grafana's sidecar (`dashboards.enabled`):
 - ``disagg-model.json``: one DisaggregatedModel, per revision: its conditions, the TTFT split (prefill leg, KV
@@ -13,7 +13,7 @@ Two dashboards, each a file the chart puts into a ConfigMap for Grafana's sideca
   models by phase.
 
 Every query names only metrics that disagg_operator.metrics and disagg_connector.router.metrics export
-(tests/unit/test_dashboards.py collects them from the real registries and parses every query with promtool).
+(tests/unit/chart/test_dashboards.py collects them from the real registries and parses every query with promtool).
 The router's series are told apart by the standard target labels of a Kubernetes scrape, ``namespace`` and
 ``pod`` (what kube-prometheus-stack's ServiceMonitor and PodMonitor attach, and the usual kubernetes_sd
 relabelling): a model's routers are the pods of its Deployment ``<model>-router``. The exported ``pod`` of
@@ -405,7 +405,7 @@ def stale() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return generated.main("python -m tests.support.dashboards", __doc__.splitlines()[0], expected, argv, strays=strays,
+    return generated.main("python -m hack.gen.dashboards", __doc__.splitlines()[0], expected, argv, strays=strays,
                           check_text=json.loads)  # the encoder's output is JSON, or nothing is written
 
 

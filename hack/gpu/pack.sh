@@ -7,7 +7,7 @@
 #   OUT/a2/rest.tar.xz  everything else of the site dir                                          (~49 MB)
 #   OUT/a2/fa3.tar.xz   vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so                                  (~8 MB)
 #   OUT/a3/*.whl        the peer routers of peers.txt, as their wheels (vllm-router 0.1.17: 23.7 MB; its own
-#                       imports are the machine's or the pack's, tests/unit/test_gpu_pack.py checks it)
+#                       imports are the machine's or the pack's, tests/unit/repo/test_gpu_pack.py checks it)
 # On the GPU machine: extract both into one folder (hack/gpu/run.sh does), export PYTHONPATH=that folder
 # and VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer is left out; vLLM 0.26.0's sampler imports it unguarded).
 # Dropped to fit: FA2 kernels (Hopper uses FA3), _moe_C (MoE models only), vllm-rs, fmha_sm100 (Blackwell),
@@ -35,7 +35,7 @@ dl vllm==0.26.0
 grep -v -E "^(vllm-|TOTAL)" $HERE/wheels.txt | awk '{print $1}' | sed -E 's/^([^-]+)-([^-]+)-.*/\1==\2/' > $W/reqs.txt
 # The harness renders with disagg_operator (kubernetes' quantity parser, cel-python for admission rules) and
 # runs the router (orjson): the project's pins (pyproject.toml, connector/pyproject.toml) and their frozen
-# closure, minus what the machine (machine-packages.txt) or wheels.txt has. tests/unit/test_gpu_pack.py
+# closure, minus what the machine (machine-packages.txt) or wheels.txt has. tests/unit/repo/test_gpu_pack.py
 # fails when an import of the harness or the router is in none of them.
 cat >> $W/reqs.txt <<'PINS'
 orjson==3.13.0

@@ -37,7 +37,7 @@
 #
 # Results go to $OUT (results.json, results.md, logs.tar.xz; kvbench.json for issue12), also when the sweep
 # runs out of time (each cell is saved as it completes). REHEARSAL=1 runs the same command lines on a CPU
-# machine with the simulator in place of vLLM (tests/vllm_sim/as_vllm.py) and a short sweep.
+# machine with the simulator in place of vLLM (bench/disagg_bench/vllm_sim/as_vllm.py) and a short sweep.
 set -u
 stage=${1:?usage: hack/gpu/run.sh unpack-a1|unpack-a3|push|pull-1gpu|issue20-1gpu|issue20-peers|issue19-routing|issue12-push|issue12-pull|issue18-dp2}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -51,7 +51,7 @@ log() { printf '[gpu %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 if [ "${REHEARSAL:-0}" = 1 ]; then
   PY=${PY:-$REPO/.venv/bin/python}
   MODEL_PY=${MODEL_PY:-${DISAGG_CACHE:-$HOME/.cache/disagg-operator}/vllm-0.26.0-cpu/bin/python}  # has tokenizers
-  VLLM="$PY -m tests.vllm_sim.as_vllm"
+  VLLM="$PY -m disagg_bench.vllm_sim.as_vllm"
   # the simulated engines answer as the release the H200 runs (vllm-router learns concurrent push only from 0.33.0's)
   export DISAGG_SIM_PROFILE=fast DISAGG_SIM_VLLM_VERSION=0.26.0 PYTHONPATH=$REPO
   QUICK="--prompts 256,1024 --cell-seconds 2 --min-requests 4 --drain-timeout 10"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+
 from tests.fixtures.e2e.cluster import CLUSTER_SH
 from tests.fixtures.e2e.operator import service_account_kubeconfig
 
@@ -231,23 +232,16 @@ def namespace(cluster: Cluster) -> Iterator[str]:
 
 # --- the operator under test ------------------------------------------------------------------------
 
-import yaml  # noqa: E402
-
 from disagg_connector import contract  # noqa: E402
 from disagg_operator.api.crd import CRD_FILE  # noqa: E402
 
 from disagg_bench.operator_process import OperatorProcess  # noqa: E402
 
+
 @pytest.fixture(scope="session")
 def crd_installed(cluster) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / CRD_FILE))
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{contract.PLURAL}.{contract.API_GROUP}")
-
-
-# The examples keep production bounds (60 s per leg, a 120 s KV lease, a 1 h drain timeout). A pod the
-# operator retires waits for them when no router answers for it (kwok's router pods run nothing), so e2e
-# models that roll out or scale in without a router process use short ones. Tests with a router process
-# that answers keep the production drain timeout (the drain then ends when the routers say the pod is idle).
 
 
 @pytest.fixture(scope="session")

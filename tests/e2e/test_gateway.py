@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -23,7 +22,6 @@ from kubernetes import client
 from disagg_connector import contract
 from disagg_bench.ports import free_port
 
-from tests.fixtures.e2e.cluster import CLUSTER_SH
 from tests.fixtures.e2e.models import model_manifest
 from tests.fixtures.e2e.models import pods_of, wait_ready
 from tests.fixtures.e2e.waiting import pod_ready, wait_for

@@ -5,8 +5,6 @@ it goes back to True."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 from typing import Any
 

@@ -6,7 +6,7 @@ pass is half-written, nothing running is lost, and the operator process never re
 
 The admission half (the stalls and silent overrides of issue 9: a dotted name, limits below requests, a
 toleration Exists with a value, a bad nodeSelector key, managed vLLM flags with underscores, --config, GPUs
-named in resources, and more of our own) is every case of tests/unit/test_api.py INVALID, applied to the
+named in resources, and more of our own) is every case of tests/unit/operator/api/test_api.py INVALID, applied to the
 API server by test_operator.py; the names are here. The status half is here.
 """
 
@@ -78,7 +78,7 @@ MISTAKES = [
                 {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": ""}]}}}},
             "ChildRejected", ("Deployment m-prefill-", "topologyKey")),
     # One role only: with both, their revision's pair PodGroup (same priority) is refused first, ChildRejected
-    # (tests/unit/test_reconciler.py), where the cluster serves PodGroups.
+    # (tests/unit/operator/test_reconciler.py), where the cluster serves PodGroups.
     Mistake("missing-priority-class", {"prefill": {"priorityClassName": "gold"}},
             "PodCreationFailed", ("Deployment m-", "no PriorityClass with name gold")),
     Mistake("namespace-gpu-quota", {}, "QuotaExceeded", ("Deployment m-", "exceeded quota: no-gpus"), _quota),

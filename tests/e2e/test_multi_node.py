@@ -5,7 +5,7 @@ DP8 on one node (a Deployment), decode two engines of DP16 with expert paralleli
 LeaderWorkerSet group per engine). The pool holds the model plus one surge engine per role and no more.
 
 Simulated engines listen on every engine pod's IP, each serving the ranks its pod serves
-(tests/vllm_sim/pods.py), the router runs as rendered and a client keeps sending requests through it.
+(bench/disagg_bench/vllm_sim/pods.py), the router runs as rendered and a client keeps sending requests through it.
 
 1. The model goes Ready: one LeaderWorkerSet of two groups of two pods, each pod labelled by LWS and
    serving 8 of its engine's 16 ranks; status counts engines, not pods. The router offers the 8 prefill

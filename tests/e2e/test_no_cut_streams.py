@@ -18,15 +18,11 @@ The test runs twice: on a quiet machine, and with both cores kept busy by CPU ho
 
 from __future__ import annotations
 
-import asyncio
-import json
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 from kubernetes import client
@@ -35,7 +31,6 @@ from disagg_connector import contract
 from disagg_bench.vllm_sim.harness import FAST
 from disagg_bench.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble, at_deletion, start_pod_router
 
-from tests.fixtures.e2e.models import model_manifest
 from tests.fixtures.e2e.models import get_model, rolled_out
 from tests.fixtures.e2e.traffic import BackgroundClient, wait_for
 from tests.fixtures.e2e.waiting import condition

@@ -1,7 +1,7 @@
 """Day 2 never cuts a response: `kubectl drain` of the node under a decode that is streaming (issue 16).
 
 A model of 1 prefill and 2 decode pods, each on a fake p5en node of its own (8 GPUs per pod), plus a spare
-node for the evicted decode's replacement. Simulated engines listen on the pods' IPs (tests/vllm_sim/pods.py)
+node for the evicted decode's replacement. Simulated engines listen on the pods' IPs (bench/disagg_bench/vllm_sim/pods.py)
 and export vLLM's scheduler gauges on /metrics; the router runs with the rendered arguments on its pod's IP;
 a background client keeps sending short requests through it.
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 

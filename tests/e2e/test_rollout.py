@@ -2,7 +2,7 @@
 
 A 4P4D model whose pods each take a whole fake p5en node (8 GPUs), on a pool of exactly 10 such nodes: the
 4P4D set and one surge pod per role fit, a second full set cannot. Simulated engines listen on every engine
-pod's IP (tests/vllm_sim/pods.py), the router runs on its router pod's IP at the router port (so the operator
+pod's IP (bench/disagg_bench/vllm_sim/pods.py), the router runs on its router pod's IP at the router port (so the operator
 reads its /health as it would in a cluster), and a client keeps sending requests through it.
 
 1. An image change rolls out to the end. A watch over every pod transition proves, at every moment: pods per
@@ -25,13 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from kubernetes import client
 
 from disagg_connector import contract
 from disagg_bench.vllm_sim.pods import assert_idle_when_deleted, assert_no_kv_trouble
 
-from tests.fixtures.models import REPO
 from tests.fixtures.e2e.models import PRODUCTION_DRAIN_TIMEOUT, model_manifest
 from tests.fixtures.e2e.serving import Serving
 from tests.fixtures.e2e.traffic import wait_for

@@ -3,7 +3,7 @@ requests to simulated vLLM engines that listen on those pods' own (loopback) IPs
 
 - The operator (session fixture, its own ServiceAccount) reconciles a model of 2 prefill + 2 decode
   replicas (examples/minimal.yaml) until Ready.
-- For every Ready P/D pod, a simulated engine (tests/vllm_sim) listens on the pod's IP at the ports of
+- For every Ready P/D pod, a simulated engine (bench/disagg_bench/vllm_sim) listens on the pod's IP at the ports of
   its annotations (HTTP 8000, NIXL side channel 5600) with ``--engine-id`` = ``contract.engine_id(pod
   name, pod UID)`` and tp/pp/dp from its annotations: exactly the identity a real vLLM pod gets from the
   Downward API. A pod watch starts engines for pods that appear later and notes pods that go away.
@@ -28,23 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
 from disagg_bench.vllm_sim.pods import LocalRouter, PodEngine, PodEngines, router_kubeconfig, start_router
 
 from tests.fixtures.models import REPO, load_example, merge
-from tests.fixtures.e2e import waiting
-from tests.fixtures.e2e.waiting import DEADLINE, condition
+from tests.fixtures.e2e.waiting import condition
 from tests.fixtures.e2e.traffic import BackgroundClient, Result, check_legs, send, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL

@@ -3,7 +3,7 @@
 A 2P2D model with ``spec.router.prefillPolicy: PrefixAndLoad`` (prefix caching on): the operator renders vLLM's
 ``--kv-events-config`` (PUB ``tcp://*:5700``, replay ``tcp://*:5800``), ``sha256_cbor`` block hashes, the
 model's PYTHONHASHSEED and the pod annotations naming them. Simulated engines run on the pods' IPs with exactly
-those flags and that environment (tests/vllm_sim/pods.py), so they publish vLLM's events at the rendered ports
+those flags and that environment (bench/disagg_bench/vllm_sim/pods.py), so they publish vLLM's events at the rendered ports
 with vLLM's hashes; the router runs on its router pod's IP with its rendered arguments and finds the endpoints
 in the pods' annotations.
 

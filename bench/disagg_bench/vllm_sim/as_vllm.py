@@ -1,14 +1,14 @@
 """The simulator started from a `vllm serve` command line and env, as vLLM would read them.
 
-    python -m tests.vllm_sim.as_vllm serve MODEL --port 8100 --kv-transfer-config '{...}' ...
+    python -m disagg_bench.vllm_sim.as_vllm serve MODEL --port 8100 --kv-transfer-config '{...}' ...
     (env VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT, VLLM_DISABLE_REQUEST_ID_RANDOMIZATION)
 
 So anything that launches vLLM from rendered arguments (disagg-localrun's `--vllm`) can launch the
 simulator instead: role, transfer mode, engine_id, lease and load-failure policy come from
 `--kv-transfer-config`; sizes, ports and the served name from the flags; the side channel from the env,
 with vLLM's defaults. Flags the simulator has no use for are ignored (vLLM's own parser judges the flags
-in CI: tests/unit/test_vllm_cmdlines.py). The timing model is a calibration profile
-(tests/vllm_sim/calibration.json) named by DISAGG_SIM_PROFILE (default "default": the simulator's own
+in CI: tests/unit/operator/render/test_vllm_cmdlines.py). The timing model is a calibration profile
+(bench/disagg_bench/vllm_sim/calibration.json) named by DISAGG_SIM_PROFILE (default "default": the simulator's own
 defaults); the release it answers as, DISAGG_SIM_VLLM_VERSION (default: the simulator's, 0.33.0), as an
 image would fix it (vLLM's command line does not name its release).
 """

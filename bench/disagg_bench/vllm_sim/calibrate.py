@@ -1,6 +1,6 @@
 """Fit the simulator's timing parameters to real runs of disagg-localrun, and write them as profiles.
 
-    python -m tests.vllm_sim.calibrate                 # refit the profiles from bench/results/h200-*.json
+    python -m disagg_bench.vllm_sim.calibrate                 # refit the profiles from bench/results/h200-*.json
 
 What is fitted, from the lowest request rate of each run (no queueing), p50s (of several repetitions of a
 run: per cell, the median of the runs' p50s):
@@ -34,7 +34,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RESULTS = REPO / "bench" / "results"
 CALIBRATION = Path(__file__).with_name("calibration.json")
 STEP_MS = 10.0  # prefill's idle engine step: not observable here, the simulator's default
@@ -209,13 +209,13 @@ def fitted_profiles(load: Any) -> dict[str, dict[str, Any]]:
         "h200-1gpu-push": {
             "runs": ["h200-1gpu-push.json", "h200-1gpu-push-sequential.json"],
             "source": "bench/results/h200-1gpu-push.json + h200-1gpu-push-sequential.json (vLLM 0.26.0, "
-                      "Qwen3-0.6B shape, prefill and decode on one H200, UCX cuda_ipc), fitted by tests/vllm_sim/calibrate.py",
+                      "Qwen3-0.6B shape, prefill and decode on one H200, UCX cuda_ipc), fitted by bench/disagg_bench/vllm_sim/calibrate.py",
             "timing": push,
         },
         "h200-1gpu-pull-tcp": {
             "runs": ["h200-1gpu-pull-tcp.json"],
             "source": "bench/results/h200-1gpu-pull-tcp.json: the same engines in pull, whose READ UCX serves "
-                      "over TCP between two processes on one GPU (an artefact, not pull's speed), fitted by tests/vllm_sim/calibrate.py",
+                      "over TCP between two processes on one GPU (an artefact, not pull's speed), fitted by bench/disagg_bench/vllm_sim/calibrate.py",
             "timing": pull,
         },
         "h200-1gpu-fair": {
@@ -224,7 +224,7 @@ def fitted_profiles(load: Any) -> dict[str, dict[str, Any]]:
                       "pull fair: WRITE and READ zero-copy over cuda_ipc; per cell the median of the three runs) for "
                       "compute, TTFT and pick-up; vLLM's vllm:nixl_* counters of h200-issue20-peers-r{1,2,3}.json (the same "
                       "engines and settings, router-push and router-pull cells at 2/s) for the WRITE and READ rates and "
-                      "READ's post time; fitted by tests/vllm_sim/calibrate.py",
+                      "READ's post time; fitted by bench/disagg_bench/vllm_sim/calibrate.py",
             "timing": fair_timing,
         },
         "h200-issue19-routing": {

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 from disagg_connector import contract
 from disagg_bench.ports import free_port, free_port_block, free_ports  # noqa: F401 - the harness's port picks
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HOST = "127.0.0.1"
 MODEL = "sim-model"
 
@@ -61,7 +61,7 @@ class Proc:
         self.name, self.argv, self.log_dir = name, argv, log_dir
         self.log_path = log_dir / f"{name}.log"
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "bench"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self._log = open(self.log_path, "wb")
         self.popen = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
@@ -216,7 +216,7 @@ def launch_sim(
     dp_start = group[2] * dp_local if group is not None and dp_local else 0
     eid = engine_id or contract.engine_id(name, uid)
     argv = [
-        sys.executable, "-m", "tests.vllm_sim", "--role", role, "--mode", mode, "--host", HOST, "--port", str(port),
+        sys.executable, "-m", "disagg_bench.vllm_sim", "--role", role, "--mode", mode, "--host", HOST, "--port", str(port),
         "--side-channel-port", str(side), "--engine-id", eid, "--served-model-name", MODEL, "--tp-size", str(tp),
         "--pp-size", str(pp), "--dp-size", str(dp), "--lease-seconds", str(lease_seconds),
         "--compat-hash", compat_hash or f"hash-{revision}", "--record-bodies",
@@ -354,8 +354,8 @@ def stop_all(*things: Any) -> None:
             t.proc.stop()
 
 
-# `vllm serve` replaced by the simulator, reading the same command line (tests/vllm_sim/as_vllm.py)
-AS_VLLM = (sys.executable, "-m", "tests.vllm_sim.as_vllm")
+# `vllm serve` replaced by the simulator, reading the same command line (bench/disagg_bench/vllm_sim/as_vllm.py)
+AS_VLLM = (sys.executable, "-m", "disagg_bench.vllm_sim.as_vllm")
 
 
 def localrun_bench(model: Path, out: Path, gpus: int, *options: str, vllm: str = " ".join(AS_VLLM),
@@ -369,5 +369,5 @@ def localrun_bench(model: Path, out: Path, gpus: int, *options: str, vllm: str =
         "--port-base", str(port_base if port_base is not None else free_port_block(64)), "--load-format", "dummy",
         "--out", str(out), *options,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "bench")])}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)

@@ -26,7 +26,7 @@ annotates the pod :data:`PRE_STOP_DONE_ANNOTATION`. kwok holds such a pod (annot
 (hack/kwok/stages.yaml, ``pod-delete-after-pre-stop``): a pod goes only once its engine has stopped.
 
 Used by ``tests/e2e/test_router_e2e.py`` and by the last step of ``hack/demo.sh`` (``python -m
-tests.vllm_sim.pods``).
+disagg_bench.vllm_sim.pods``).
 """
 
 from __future__ import annotations
@@ -297,7 +297,7 @@ class PodEngines:
         revision = labels[contract.LABEL_REVISION]
         ranks = [i.dp_rank for i in contract.identities_from_pod(name, uid, ip, ann, labels)]
         argv = [
-            sys.executable, "-m", "tests.vllm_sim", "--role", role, "--mode", ann[contract.ANNOTATION_TRANSFER_MODE].lower(),
+            sys.executable, "-m", "disagg_bench.vllm_sim", "--role", role, "--mode", ann[contract.ANNOTATION_TRANSFER_MODE].lower(),
             "--host", ip, "--port", str(http_port), "--side-channel-port", str(side_port), "--engine-id", engine_id,
             "--served-model-name", self.served_name,
             "--tp-size", ann.get(contract.ANNOTATION_TP_SIZE, "1"), "--pp-size", ann.get(contract.ANNOTATION_PP_SIZE, "1"),

@@ -1,7 +1,7 @@
 """The simulator's prefix cache: vLLM 0.33.0's automatic prefix caching for one DP rank, without the GPU.
 
 Pure: no I/O, no clock (it reads vLLM's PYTHONHASHSEED and VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES from the
-environment, as vLLM does). :mod:`tests.vllm_sim.sim` owns one :class:`PrefixCache` per DP rank and publishes the
+environment, as vLLM does). :mod:`disagg_bench.vllm_sim.sim` owns one :class:`PrefixCache` per DP rank and publishes the
 events it collects (:meth:`PrefixCache.take_events`) in vLLM's wire format (:func:`wire_batch`, the structs of
 ``vllm/distributed/kv_events.py``).
 

@@ -95,7 +95,7 @@ evicted, AllBlocksCleared on a reset.
 - D runs an engine loop of steps of ``tpot_ms``; each step emits one token to every running request.
   Requests are scheduled (and push registrations sent) at step boundaries, and a request whose KV arrived
   joins the batch at the next boundary, ``kv_pickup_ms`` after it arrived (``pull_pickup_ms`` in pull, when
-  given; 0 by default; vLLM 0.26.0 on one H200: tests/vllm_sim/calibration.json). Work that vLLM does
+  given; 0 by default; vLLM 0.26.0 on one H200: bench/disagg_bench/vllm_sim/calibration.json). Work that vLLM does
   inline in D's loop stalls the step for everyone: pull's descriptor prep + transfer submission
   (vLLM's "post time"), ``descriptor_prep_us_per_block * blocks``
   (blocks of ``block_size`` tokens), and local (re)compute of a prompt, ``prefill_us_per_token *

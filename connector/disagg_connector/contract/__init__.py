@@ -95,7 +95,7 @@ ROUTER_PORT = 8000
 # vLLM's KV event publisher (ZMQ PUB) and its replay socket (ZMQ ROUTER), one each per engine core at base + its
 # global data-parallel rank. With NIXL's default 5600 and at most MAX_DATA_PARALLEL_SIZE ranks the three ranges
 # [5600, 5664), [5700, 5764), [5800, 5864) are disjoint and clear of HTTP_PORT and DATA_PARALLEL_RPC_PORT
-# (tests/unit/test_kv_events_render.py); admission refuses a moved side channel that overlaps them.
+# (tests/unit/operator/render/test_kv_events_render.py); admission refuses a moved side channel that overlaps them.
 KV_EVENTS_PORT = 5700
 KV_EVENTS_REPLAY_PORT = 5800
 KV_EVENTS_PORT_NAME, KV_EVENTS_REPLAY_PORT_NAME = "kv-events", "kv-replay"

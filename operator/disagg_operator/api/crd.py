@@ -6,7 +6,7 @@ titles, `default: null` and `additionalProperties: false` (unknown fields are re
 server's strict field validation instead). CEL rules arrive already attached by `ApiModel`.
 
 `python -m disagg_operator.api.crd > crds/disagg.dev_disaggregatedmodels.yaml` regenerates the file;
-tests/unit/test_crd.py fails when the checked-in copy is stale.
+tests/unit/operator/api/test_crd.py fails when the checked-in copy is stale.
 """
 
 from __future__ import annotations

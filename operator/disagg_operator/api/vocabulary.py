@@ -10,7 +10,7 @@ The class is what generic readers act on:
 - ``needs-change``: no pass can progress until someone changes the spec or the cluster (kstatus `Stalled`).
 
 Read from here: status.py (STALLED_REASONS, RETRIED_REASONS), the Argo CD health script's `passing` table
-(checked by tests/unit/test_vocabulary.py), kstatus's Stalled set, docs/reasons.md (generated), and the
+(checked by tests/unit/operator/api/test_vocabulary.py), kstatus's Stalled set, docs/reasons.md (generated), and the
 reasons of the Events the operator records on the model (EVENT_REASONS, and the condition reasons). Reasons made in the data plane (the preflight
 program's, the router's KV verdicts) are declared here as well, and a test checks that the connector's lists
 match.

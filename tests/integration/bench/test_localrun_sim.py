@@ -1,5 +1,5 @@
 """disagg-localrun end to end on CPU: the simulator stands in for vLLM and is started from the very
-`vllm serve` command lines and env the operator renders (tests/vllm_sim/as_vllm.py reads them as vLLM does),
+`vllm serve` command lines and env the operator renders (bench/disagg_bench/vllm_sim/as_vllm.py reads them as vLLM does),
 the real router runs in static mode from the same identities, and the load generator measures."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The router benchmark's shared-prefix prompts give the router's prefix index real work (tests/bench/router_bench.py,
+"""The router benchmark's shared-prefix prompts give the router's prefix index real work (bench/disagg_bench/router_bench.py,
 Peers): every prompt starts with one of a few shared prefixes, which the index then holds, and brings chunks it
 has never seen after it, so the index grows with every request."""
 

@@ -1,5 +1,5 @@
-"""The simulator as a stand-in for `vllm serve` (tests/vllm_sim/as_vllm.py) and its calibration from real runs
-(tests/vllm_sim/calibrate.py, calibration.json)."""
+"""The simulator as a stand-in for `vllm serve` (bench/disagg_bench/vllm_sim/as_vllm.py) and its calibration from real runs
+(bench/disagg_bench/vllm_sim/calibrate.py, calibration.json)."""
 
 from __future__ import annotations
 

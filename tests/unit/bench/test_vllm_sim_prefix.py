@@ -1,4 +1,4 @@
-"""The simulator's prefix cache (tests/vllm_sim/prefix_cache.py) keeps vLLM's rules: full blocks only, the
+"""The simulator's prefix cache (bench/disagg_bench/vllm_sim/prefix_cache.py) keeps vLLM's rules: full blocks only, the
 longest cached prefix but never the last token, least recently freed blocks evicted first and a sequence's
 tail before its head, held blocks never evicted, capacity shared by held and cached blocks. Its KV events
 decode with vLLM's own classes (0.26.0 and 0.33.0), and its tokens make a conversation's next turn extend

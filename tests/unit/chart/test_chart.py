@@ -140,7 +140,7 @@ def test_labels_and_names(value_set, tmp_path: Path) -> None:
 
 
 def test_generated_files_are_fresh() -> None:
-    assert chart_sync.stale() == [], "run `python -m tests.support.chart_sync` (charts/ is stale)"
+    assert chart_sync.stale() == [], "run `python -m hack.gen.chart_sync` (charts/ is stale)"
 
 
 def test_chart_crd_is_identical_to_crds_dir(tmp_path: Path) -> None:

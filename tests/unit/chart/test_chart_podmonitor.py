@@ -1,7 +1,7 @@
 """The chart's PodMonitor for the routers (templates/podmonitor-routers.yaml), rendered by the real helm: it selects
 exactly the router pods the operator renders (every example's children, through the operator's own render()), on
 the port their /metrics is served on, in every namespace models may live in; its selector comes from contract.py
-through files/routers.yaml (tests/support/chart_sync.py). tests/e2e/test_alerts_e2e.py scrapes the routers of a
+through files/routers.yaml (hack/gen/chart_sync.py). tests/e2e/test_alerts_e2e.py scrapes the routers of a
 real model with the scrape config prometheus-operator generates from this same rendering."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""tests/support/dashboard_png.py draws the dashboards' main panels from the committed dashboard JSON: the panels
+"""hack/gen/dashboard_png.py draws the dashboards' main panels from the committed dashboard JSON: the panels
 it renders are the ones MAIN names, each exactly one panel of the dashboard, and every query it sends is one of
 that panel's targets made concrete (none typed into the script), so the PNG cannot drift from the dashboard."""
 

@@ -82,7 +82,7 @@ ALL_QUERIES = [q for name in dashboards.DASHBOARDS for q in queries(load(name))]
 
 # --- the files are generated ----------------------------------------------------------------------------
 def test_committed_dashboards_are_what_the_generator_makes() -> None:
-    assert dashboards.stale() == [], "charts/disagg-operator/dashboards/ is stale: run `python -m tests.support.dashboards`"
+    assert dashboards.stale() == [], "charts/disagg-operator/dashboards/ is stale: run `python -m hack.gen.dashboards`"
     assert sorted(p.name for p in dashboards.OUT_DIR.glob("*.json")) == sorted(dashboards.DASHBOARDS)
 
 

@@ -236,7 +236,7 @@ def test_it_is_the_console_script_the_operator_renders() -> None:
 
 # --- the simulator exports what the drain reads -----------------------------------------------------------------
 def test_the_simulator_exports_vllms_gauges_and_the_drain_waits_for_a_pull_pair(tmp_path: Path) -> None:
-    """tests/vllm_sim: a pull prefill holds the finished request's KV (busy: KV in use, nothing running),
+    """bench/disagg_bench/vllm_sim: a pull prefill holds the finished request's KV (busy: KV in use, nothing running),
     until the decode reads it; the decode is busy while it streams. The drain, started on the decode while
     the stream runs, returns only after the stream's last token, and the prefill goes idle once its KV was read."""
     import json

@@ -1,6 +1,6 @@
 """A revision's first prefill and decode pods are bound together or not at all (render/gang.py, the pair
 PodGroup), where the cluster serves PodGroups: a half pair serves nothing and holds its accelerators. Pure:
-planner and render on worlds of tests/unit/world.py."""
+planner and render on worlds of tests/fixtures/world.py."""
 
 from __future__ import annotations
 

@@ -13,9 +13,7 @@ import pytest
 from disagg_connector import contract
 from disagg_operator import executor, planner
 from disagg_operator import status as status_mod
-from disagg_operator.retirement import DELETION_COST, LEAVING_COST
-from disagg_operator.state import ChildProblem, Desired, Observed, RouterView, key_of
-from disagg_connector.contract.health import RouterHealth, parse_health
+from disagg_operator.state import Desired, Observed, RouterView, key_of
 from kubernetes.client.exceptions import ApiException
 
 from tests.fixtures.world import children, deployment_of, desired, live, serving_pods, steady, with_role_status

@@ -1,6 +1,6 @@
 """The planner with engines that span pods: a role of LeaderWorkerSet groups counts, rolls out, scales and
 retires in engines (groups), never in pods. Pure: the worlds are built as the API server and the LWS
-controller would show them (tests/unit/world.py)."""
+controller would show them (tests/fixtures/world.py)."""
 
 from __future__ import annotations
 

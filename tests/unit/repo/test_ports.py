@@ -46,7 +46,7 @@ def test_a_block_handed_out_is_not_handed_out_again_before_it_is_bound(ledger, s
 
 def test_a_port_another_process_reserved_is_skipped_until_that_process_exits(ledger, spare):
     other = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pathlib import Path; from tests.support import ports; "
+        [sys.executable, "-c", "import sys; from pathlib import Path; from disagg_bench import ports; "
          f"ports.RESERVATIONS = Path({str(ports.RESERVATIONS)!r}); "
          f"assert ports._reserve({spare}); print('held', flush=True); sys.stdin.read()"],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

@@ -294,7 +294,7 @@ def test_requests_through_the_router_use_the_ranks_of_every_pod_of_an_engine(tmp
 
 
 def test_pod_engines_launch_a_pods_own_ranks(tmp_path):
-    """tests/vllm_sim/pods.py starts a pod's simulator with the ranks its labels and annotations give it, and a
+    """bench/disagg_bench/vllm_sim/pods.py starts a pod's simulator with the ranks its labels and annotations give it, and a
     one-pod engine's as before (every rank)."""
     from disagg_bench.vllm_sim.pods import PodEngines
 

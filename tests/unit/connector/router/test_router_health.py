@@ -8,15 +8,7 @@ import pytest
 
 from disagg_connector.contract.vllm_pd import estimate_prompt_tokens, prefill_body
 from disagg_connector.router.legs import Timeline
-from disagg_connector.contract.health import (
-    CAUSES,
-    BackendHealth,
-    HealthDocumentError,
-    Outcomes,
-    RevisionHealth,
-    RouterHealth,
-    parse_health,
-)
+from disagg_connector.contract.health import CAUSES, HealthDocumentError, Outcomes, parse_health
 from disagg_connector.router.stats import RouterStats
 from tests.fixtures.router import DOC, revision
 

@@ -6,16 +6,11 @@ makes of the rendered one for its LWS worker index, then what both vLLM releases
 
 from __future__ import annotations
 
-import json
-import os
-import stat
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from disagg_bench.localrun.kube_env import expand
 from disagg_connector import contract
 from disagg_operator.api.models import DisaggregatedModel
 from disagg_operator.api.validation import parse

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
 
-import kubernetes_validate
 import pytest
 
 from disagg_connector import contract
-from disagg_operator.api.models import DisaggregatedRoleSpec
 from disagg_operator.api.validation import parse
 from disagg_operator.manifests import dump_all
 from disagg_operator.render import gang, render

@@ -16,17 +16,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from disagg_connector import contract
-from disagg_operator.api.validation import parse
-from disagg_bench.localrun.kube_env import expand
 from disagg_bench.localrun.plan import LocalOptions, local_plan
-from disagg_operator.render import render
 
 from tests.fixtures.models import EXAMPLES, REPO, load_example
 from tests.fixtures.strategies import models
 from tests.fixtures.vllm_cli import CHECKED_VERSIONS, check_command_lines
-from tests.fixtures.render import pod_argv, shell_argv
-from tests.fixtures.render import pod_template
+from tests.fixtures.render import shell_argv
 from tests.fixtures.render import command_lines
 
 pytestmark = pytest.mark.vllm
@@ -65,7 +60,7 @@ def test_examples_parse_with_vllm(version: str) -> None:
 
 
 # No shrinking: the failure message names the refused line. Each release's checker is imported once per session
-# (tests/support/vllm_cli.py), so an example costs its rendering and two batches of milliseconds per line.
+# (tests/fixtures/vllm_cli.py), so an example costs its rendering and two batches of milliseconds per line.
 @settings(max_examples=5, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(models(), min_size=20, max_size=20))
