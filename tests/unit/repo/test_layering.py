@@ -1,5 +1,6 @@
-"""The layering is a test, not a convention: import-linter checks the contracts in .importlinter, each
-contract is shown to catch the import it forbids, and the README's Layout lists the same layers."""
+"""The layering is a test, not a convention: import-linter checks the contracts in .importlinter (the product
+and the workshop) and .importlinter-tests (the tests), each contract is shown to catch the import it forbids,
+and the README's Layout lists the same layers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.fixtures.models import REPO
 LINT = str(Path(sys.executable).with_name("lint-imports"))
 CONFIG = configparser.ConfigParser()
 CONFIG.read(REPO / ".importlinter")
+TESTS_CONFIG = REPO / ".importlinter-tests"
 CONTRACTS = [section.split(":")[-1] for section in CONFIG.sections() if section.startswith("importlinter:contract:")]
 PACKAGES = {"operator": "disagg_operator", "connector": "disagg_connector", "bench": "disagg_bench"}
 
@@ -34,6 +36,7 @@ BREAKS = {
     "data-plane-layers": ("connector/disagg_connector/drain.py", "from disagg_connector.router import config"),
     "contract-pure": ("connector/disagg_connector/contract/vllm_pd.py", "import aiohttp  # I/O in the wire protocol"),
     "router-layers": ("connector/disagg_connector/router/legs.py", "from . import outcomes  # a leg keeping the books"),
+    "bench-outside-tests": ("bench/disagg_bench/ports.py", "from tests.fixtures import models  # the workshop reading the tests"),
 }
 
 
@@ -44,10 +47,43 @@ def lint(root: Path, *contracts: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
+def lint_tests(root: Path) -> subprocess.CompletedProcess[str]:
+    """.importlinter-tests over the tests package found under `root`."""
+    return subprocess.run([LINT, "--config", str(TESTS_CONFIG), "--no-cache"], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
 def test_contracts_are_kept() -> None:
     result = lint(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{len(CONTRACTS)} kept, 0 broken" in result.stdout
+
+
+def test_no_test_module_imports_another_or_a_conftest() -> None:
+    result = lint_tests(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 kept, 0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(("path", "line", "imported"), [
+    ("unit/operator/test_events.py", "from tests.unit.operator.test_planner import NOW", "tests.unit.operator.test_planner"),
+    ("integration/router/test_router_http.py", "from tests.unit.connector.router.test_router_discovery import test_no_conditions_is_not_ready",
+     "tests.unit.connector.router.test_router_discovery"),
+    ("e2e/test_events.py", "from tests.e2e.test_operator import custom", "tests.e2e.test_operator"),
+    ("unit/operator/render/test_render.py", "from tests.conftest import example", "tests.conftest"),
+    ("e2e/test_operator.py", "from tests.e2e.conftest import Cluster", "tests.e2e.conftest"),
+    ("fixtures/planner.py", "from tests.unit.operator import test_status", "tests.unit.operator.test_status"),
+])  # fmt: skip
+def test_a_test_module_importing_another_breaks_the_tests_contract(path: str, line: str, imported: str, tmp_path: Path) -> None:
+    """On a copy of tests/ (its Python files only): kept as it is, broken by one import of a test module or a conftest."""
+    shutil.copytree(REPO / "tests", tmp_path / "tests", ignore=lambda folder, names: [
+        n for n in names if not n.endswith(".py") and not (Path(folder) / n).is_dir() or n == "__pycache__"])  # fmt: skip
+    assert lint_tests(tmp_path).returncode == 0
+    target = tmp_path / "tests" / path
+    target.write_text(target.read_text() + f"\n{line}  # noqa\n")
+    result = lint_tests(tmp_path)
+    assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout + result.stderr
+    assert f"{imported}:" in result.stdout.split("Broken contracts", 1)[1], result.stdout
 
 
 def test_every_contract_has_a_breaking_import() -> None:
