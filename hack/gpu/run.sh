@@ -53,7 +53,7 @@ if [ "${REHEARSAL:-0}" = 1 ]; then
   MODEL_PY=${MODEL_PY:-${DISAGG_CACHE:-$HOME/.cache/disagg-operator}/vllm-0.26.0-cpu/bin/python}  # has tokenizers
   VLLM="$PY -m disagg_bench.vllm_sim.as_vllm"
   # the simulated engines answer as the release the H200 runs (vllm-router learns concurrent push only from 0.33.0's)
-  export DISAGG_SIM_PROFILE=fast DISAGG_SIM_VLLM_VERSION=0.26.0 PYTHONPATH=$REPO
+  export DISAGG_SIM_PROFILE=fast DISAGG_SIM_VLLM_VERSION=0.26.0 PYTHONPATH=$REPO:$REPO/bench
   QUICK="--prompts 256,1024 --cell-seconds 2 --min-requests 4 --drain-timeout 10"
   BUDGET=${BUDGET:-300}
   PEER_SITE=$WORK/peer-site  # the peer's wheel and its dependencies, from the package index (this machine has one)

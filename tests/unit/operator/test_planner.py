@@ -19,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 from tests.fixtures.world import children, deployment_of, desired, live, serving_pods, steady, with_role_status
 from tests.fixtures.planner import COSTED, FOREIGN_SERVICE, IDLE, LEAVING, NEW_IMAGE, NOW, OLD_D, OLD_P, WORLD, act, cond, refused, rolling, router
 
+
 def engine_names(world: Desired) -> set[str]:
     return {contract.engine_deployment_name("m", r, world.revision) for r in contract.ENGINE_ROLES}
 

@@ -14,6 +14,7 @@ from disagg_operator.status import compute, invalid_status
 from tests.fixtures.world import desired
 from tests.fixtures.status import REV, router_health
 
+
 def deployment(role: str, replicas: int, revision: str | None = REV, **status: Any) -> dict[str, Any]:
     labels = contract.child_labels("m", role, revision if role != "router" else None)
     name = f"m-{role}-{revision}" if role != "router" else "m-router"

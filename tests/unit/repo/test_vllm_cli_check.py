@@ -196,4 +196,3 @@ def test_one_checker_per_release_serves_every_batch_and_a_dead_one_is_replaced(v
     first.wait()
     assert judged() and vllm_cli._CHECKERS[version].proc is not first
     assert check_command_lines([], version) == []
-

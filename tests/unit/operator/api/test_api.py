@@ -10,6 +10,7 @@ from disagg_operator.resolve import backend, transfer_mode
 from tests.fixtures.models import dm
 from tests.fixtures.api_cases import EFA, INVALID, VALID_EDGES
 
+
 def problems(obj: dict) -> list[tuple[str, str]]:
     with pytest.raises(SpecError) as raised:
         parse(obj)
