@@ -49,7 +49,7 @@ def lint(root: Path, *contracts: str) -> subprocess.CompletedProcess[str]:
 
 def lint_tests(root: Path) -> subprocess.CompletedProcess[str]:
     """.importlinter-tests over the tests package found under `root`."""
-    return subprocess.run([LINT, "--config", str(TESTS_CONFIG), "--no-cache"], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+    return subprocess.run([LINT, str(TESTS_CONFIG), "--no-cache"], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
@@ -73,7 +73,8 @@ def test_no_test_module_imports_another_or_a_conftest() -> None:
     ("unit/operator/render/test_render.py", "from tests.conftest import example", "tests.conftest"),
     ("e2e/test_operator.py", "from tests.e2e.conftest import Cluster", "tests.e2e.conftest"),
     ("fixtures/planner.py", "from tests.unit.operator import test_status", "tests.unit.operator.test_status"),
-])  # fmt: skip
+], ids=["unit-from-unit", "integration-from-unit", "e2e-from-e2e", "unit-from-conftest", "e2e-from-e2e-conftest",
+        "fixtures-from-unit"])  # fmt: skip
 def test_a_test_module_importing_another_breaks_the_tests_contract(path: str, line: str, imported: str, tmp_path: Path) -> None:
     """On a copy of tests/ (its Python files only): kept as it is, broken by one import of a test module or a conftest."""
     shutil.copytree(REPO / "tests", tmp_path / "tests", ignore=lambda folder, names: [
