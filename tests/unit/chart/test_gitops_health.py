@@ -30,7 +30,7 @@ from tests.fixtures.planner import FOREIGN_SERVICE, NEW_IMAGE, NOW, WORLD, refus
 from tests.fixtures.status import router_health
 from tests.fixtures.world import deployment_of, desired, pod, serving_pods, steady
 
-GENERATION = 3  # the generation tests/unit/world.desired() judges
+GENERATION = 3  # the generation tests/fixtures/world.desired() judges
 
 
 def model(status: dict[str, Any], generation: int = GENERATION, spec: dict[str, Any] | None = None) -> dict[str, Any]:
