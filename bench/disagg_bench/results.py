@@ -220,8 +220,8 @@ NOT_REGENERABLE_SUMMARIES: tuple[Summary, ...] = (
             "edited by hand (columns dropped, modes renamed, bold), so they do not appear verbatim (the first table's "
             "figures agree with the command's), and an inline python3 snippet"),
     Summary("h200-issue20-inversion.md", _r("h200-issue20-1gpu-r", (1, 2, 3)) + _r("h200-issue20-peers-r", (1, 2, 3)),
-            NOT_REGENERABLE, "hand-written: figures printed by the inline python3 snippets in the page (read "
-            "`bench/results/*.json`: give them `disagg_bench.results.load_results`), composed by hand"),
+            NOT_REGENERABLE, "hand-written: figures printed by the inline python3 snippets in the page (they read the raw files "
+            "with `load_results`; rerun them to check), composed by hand"),
     Summary("sim-vs-real.md", ("h200-1gpu-pull-tcp.json", "h200-1gpu-push-sequential.json", "h200-1gpu-push.json",
                                *_r("h200-issue20-1gpu-r", (1, 2, 3)), *_r("h200-issue19-routing-r", range(1, 6)),
                                *_r("h200-issue19-noreuse-r", range(1, 6))), NOT_REGENERABLE,
