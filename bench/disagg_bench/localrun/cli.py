@@ -17,7 +17,7 @@ run changes is an explicit option and is printed with the plan and the results.
 from __future__ import annotations
 
 import argparse
-import json
+import lzma
 import os
 import shlex
 import signal
@@ -30,6 +30,7 @@ import yaml
 
 from disagg_operator.api.validation import SpecError
 from disagg_operator.manifests import load_all
+from ..results import load_results
 from . import loadgen, report
 from .bench import Sweep, mode, run_bench
 from .kube_env import UnresolvableEnv
@@ -172,23 +173,13 @@ def cmd_report(a: argparse.Namespace) -> int:
     runs = []
     for path in a.results:
         try:
-            runs.append(json.loads(Path(path).read_text()))
-        except (OSError, ValueError) as e:
+            runs.append(load_results(path))
+        except (OSError, ValueError, EOFError, lzma.LZMAError) as e:
             raise LocalRunError(f"cannot read results {path}: {e}") from None
-    merged = report.merge(runs)
-    if a.baseline and a.baseline not in merged["sweep"]["modes"]:
-        raise LocalRunError(f"--baseline {a.baseline}: the results hold {', '.join(merged['sweep']['modes'])}")
-    if a.repeats:
-        baseline = a.baseline or merged["sweep"]["modes"][0]
-        sys.stdout.write("\n".join(report.repeats_table(runs, baseline)) + "\n")
-        routes = report.routing_table(runs, baseline)
-        if routes:
-            sys.stdout.write("\nRouting (prefill prefix hit ratio and shares, medians of runs):\n\n" + "\n".join(routes) + "\n")
-        kv = report.repeats_kv_table(runs)
-        if kv:
-            sys.stdout.write("\nvLLM's own KV-transfer metrics (/metrics vllm:nixl_*, per cell):\n\n" + "\n".join(kv) + "\n")
-        return 0
-    sys.stdout.write(report.markdown(merged, a.baseline))
+    modes = report.merge(runs)["sweep"]["modes"]
+    if a.baseline and a.baseline not in modes:
+        raise LocalRunError(f"--baseline {a.baseline}: the results hold {', '.join(modes)}")
+    sys.stdout.write(report.render(runs, a.baseline, a.repeats))
     return 0
 
 
@@ -246,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=".localrun/bench", help="results and logs folder")
     bench.set_defaults(func=cmd_bench)
     rep = sub.add_parser("report", help="one markdown report of several results.json (e.g. push and pull runs)")
-    rep.add_argument("results", nargs="+", help="results.json files")
+    rep.add_argument("results", nargs="+", help="results.json files (or .json.xz, .json.gz: bench/results stores them so)")
     rep.add_argument("--baseline", help="the mode the ratios are to (default: the first)")
     rep.add_argument("--repeats", action="store_true",
                      help="the files are repetitions of one sweep: print one table of per-cell medians over them")

@@ -476,3 +476,20 @@ def markdown(results: dict[str, Any], baseline: str | None = None) -> str:
         for name, lines in (g.get("key_log_lines") or {}).items():
             out += ["", f"## Key lines of {name}'s log", "", "```"] + lines + ["```"]
     return "\n".join(out) + "\n"
+
+
+def render(runs: list[dict[str, Any]], baseline: str | None = None, repeats: bool = False) -> str:
+    """What `disagg-localrun report` prints of several runs' results: one markdown report of them merged, or with
+    `repeats` (repetitions of one sweep) the tables of per-cell medians over them."""
+    merged = merge(runs)
+    if not repeats:
+        return markdown(merged, baseline)
+    baseline = baseline or merged["sweep"]["modes"][0]
+    out = "\n".join(repeats_table(runs, baseline)) + "\n"
+    routes = routing_table(runs, baseline)
+    if routes:
+        out += "\nRouting (prefill prefix hit ratio and shares, medians of runs):\n\n" + "\n".join(routes) + "\n"
+    kv = repeats_kv_table(runs)
+    if kv:
+        out += "\nvLLM's own KV-transfer metrics (/metrics vllm:nixl_*, per cell):\n\n" + "\n".join(kv) + "\n"
+    return out
