@@ -37,12 +37,12 @@ from disagg_bench.localrun import report
 from disagg_bench.localrun.bench import Mode, Sweep, mode, run_bench
 from disagg_bench.localrun.cli import read_model
 from disagg_bench.localrun.plan import LocalOptions
+from disagg_bench.results import RESULTS, load_results, raw_files
 from disagg_bench.vllm_sim import harness as h
 from disagg_bench.vllm_sim.as_vllm import CALIBRATION
 from disagg_bench.vllm_sim.calibrate import median_of_runs
 
 REPO = Path(__file__).resolve().parents[2]
-RESULTS = REPO / "bench" / "results"
 SIM = (sys.executable, "-m", "disagg_bench.vllm_sim.as_vllm")
 PEER_ROUTER = (sys.executable, "-m", "vllm_router.launch_router")  # vllm-router 0.1.17, the test extra's pin
 
@@ -63,7 +63,7 @@ def replay_sets(paths: list[Path]) -> tuple[list[tuple[str, list[Path]]], list[P
         if name is None:
             orphans.append(path)
         else:
-            sweep = json.dumps(json.loads(path.read_text())["sweep"], sort_keys=True)
+            sweep = json.dumps(load_results(path)["sweep"], sort_keys=True)
             sets.setdefault((name, sweep), []).append(path)
     return [(name, ps) for (name, _), ps in sets.items()], orphans
 
@@ -186,14 +186,14 @@ def routing_table(runs: list[dict[str, Any]], sim: dict[str, Any]) -> list[str]:
 
 
 def compare(only: list[str] | None = None, save: Path | None = None) -> list[str]:
-    sets, orphans = replay_sets(sorted(RESULTS.glob("h200-*.json")))
+    sets, orphans = replay_sets(raw_files(RESULTS, "h200-*"))
     if only:
         sets = [(n, ps) for n, ps in sets if n in only or any(p.stem in only for p in ps)]
         orphans = []
     profiles = json.loads(CALIBRATION.read_text())["profiles"]
     out = ["", "## Simulator vs real (each real run replayed with its calibrated profile; ratio = sim / real)"]
     for name, paths in sets:
-        runs = [json.loads(p.read_text()) for p in paths]
+        runs = [load_results(p) for p in paths]
         real = runs[0] if len(runs) == 1 else {**median_of_runs(runs), "command": runs[0]["command"]}
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="sim-vs-real-") as tmp:

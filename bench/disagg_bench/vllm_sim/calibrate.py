@@ -34,8 +34,9 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable
 
+from disagg_bench.results import RESULTS, load_results
+
 REPO = Path(__file__).resolve().parents[3]
-RESULTS = REPO / "bench" / "results"
 CALIBRATION = Path(__file__).with_name("calibration.json")
 STEP_MS = 10.0  # prefill's idle engine step: not observable here, the simulator's default
 _METRICS = re.compile(r"KV Transfer metrics: Num successful transfers=(\d+), Avg xfer time \(ms\)=([\d.]+).*?Avg MB per transfer=([\d.]+)")
@@ -238,7 +239,7 @@ def fitted_profiles(load: Any) -> dict[str, dict[str, Any]]:
 
 
 def main() -> None:
-    load = lambda name: json.loads((RESULTS / name).read_text())  # noqa: E731
+    load = lambda name: load_results(RESULTS / name)  # noqa: E731
     doc = json.loads(CALIBRATION.read_text())
     doc["profiles"].update(fitted_profiles(load))
     CALIBRATION.write_text(json.dumps(doc, indent=2) + "\n")

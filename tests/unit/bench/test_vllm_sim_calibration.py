@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from disagg_bench.localrun.plan import LocalOptions, local_plan
+from disagg_bench.results import load_results, raw_files
 from disagg_bench.vllm_sim import calibrate, sim
 from disagg_bench.vllm_sim.as_vllm import CALIBRATION, profile, sim_argv
 
@@ -111,7 +112,7 @@ def test_fit_from_runs_whose_figures_follow_the_model() -> None:
 
 def test_the_committed_profiles_are_what_calibrate_fits_from_the_committed_results() -> None:
     committed = json.loads(CALIBRATION.read_text())["profiles"]
-    fitted = calibrate.fitted_profiles(lambda name: json.loads((calibrate.RESULTS / name).read_text()))
+    fitted = calibrate.fitted_profiles(lambda name: load_results(calibrate.RESULTS / name))
     assert {name: committed[name] for name in fitted} == fitted
 
 
@@ -175,7 +176,7 @@ def test_the_block_size_is_the_engines_own() -> None:
 def test_sim_vs_real_replays_each_profile_once_and_names_what_it_does_not_replay() -> None:
     from disagg_bench import sim_vs_real
 
-    paths = sorted(calibrate.RESULTS.glob("h200-*.json"))
+    paths = raw_files(calibrate.RESULTS, "h200-*")
     sets, orphans = sim_vs_real.replay_sets(paths)
     profiles = json.loads(CALIBRATION.read_text())["profiles"]
     replays = {tuple(p.name for p in ps): name for name, ps in sets}
@@ -183,6 +184,6 @@ def test_sim_vs_real_replays_each_profile_once_and_names_what_it_does_not_replay
     assert replays[("h200-1gpu-push.json",)] == replays[("h200-1gpu-push-sequential.json",)] == "h200-1gpu-push"  # two sweeps
     for name, ps in sets:
         assert all(p.name in profiles[name]["runs"] for p in ps)
-        assert len({json.dumps(json.loads(p.read_text())["sweep"]) for p in ps}) == 1
+        assert len({json.dumps(load_results(p)["sweep"]) for p in ps}) == 1
     assert orphans and all(sim_vs_real.profile_for(p) is None for p in orphans)
     assert sorted([*orphans, *(p for _, ps in sets for p in ps)]) == paths
