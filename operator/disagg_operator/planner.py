@@ -35,6 +35,7 @@ from disagg_connector import contract
 
 from . import rollout, sizing
 from . import status as status_mod
+from .api.vocabulary import Reason
 from .drift import needs_apply, stamped
 from .render import gang, gateway
 from .render.engine import LWS_KIND
@@ -137,7 +138,7 @@ def ownership_conflict(key: Key, found: Obj) -> ChildProblem:
     owners = [f"{o.get('kind')} {o.get('name')}" for o in found.get("metadata", {}).get("ownerReferences") or [] if o.get("controller")]
     holder = f"controlled by {owners[0]}" if owners else "not created by this model"
     return ChildProblem(
-        "OwnershipConflict", key[0], key[1],
+        Reason.OWNERSHIP_CONFLICT, key[0], key[1],
         f"an object of that name already exists, {holder}; the operator never changes or deletes it: "
         "delete or rename it, or rename this model",
     )  # fmt: skip
