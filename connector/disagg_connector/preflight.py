@@ -25,7 +25,7 @@ import sys
 from typing import Sequence
 
 from disagg_connector import contract
-from disagg_connector.contract.preflight import REASONS, format_termination_message
+from disagg_connector.contract.preflight import REASONS, PreflightReason, format_termination_message
 
 ROOT_ENV = "DISAGG_PREFLIGHT_ROOT"
 DEFAULT_TERMINATION_LOG = "/dev/termination-log"
@@ -33,7 +33,7 @@ HUGEPAGE_2MI = 2 * 1024 * 1024
 
 
 class PreflightFailure(Exception):
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: PreflightReason, message: str) -> None:
         assert reason in REASONS, reason
         self.reason = reason
         self.message = " ".join(message.split())  # one line, always
@@ -75,7 +75,7 @@ def check_nixl_import() -> str:
         import nixl._api  # noqa: F401
     except Exception as e:
         raise PreflightFailure(
-            "NixlImportFailed",
+            PreflightReason.NIXL_IMPORT_FAILED,
             f"python cannot import nixl ({type(e).__name__}: {e}); use the vLLM runtime image that ships nixl (pip install nixl) for this Python and CUDA version",
         ) from e
     try:
@@ -93,14 +93,14 @@ def check_backend(backend: str) -> None:
         agent = make_agent(f"disagg-preflight-{os.getpid()}", backend)
         del agent
     except NixlUnavailable as e:
-        raise PreflightFailure("NixlImportFailed", f"nixl cannot be loaded: {e}") from e
+        raise PreflightFailure(PreflightReason.NIXL_IMPORT_FAILED, f"nixl cannot be loaded: {e}") from e
     except BackendUnavailable as e:
         hint = (
             "run on a node with EFA devices and libfabric's efa provider (FI_PROVIDER=efa), or set kvTransfer.backend to UCX"
             if backend == "LIBFABRIC"
             else "use an image whose nixl build has the UCX plugin, or set kvTransfer.backend to LIBFABRIC on EFA nodes"
         )
-        raise PreflightFailure("NixlBackendUnavailable", f"NIXL could not instantiate the {backend} backend ({e.detail}); {hint}") from e
+        raise PreflightFailure(PreflightReason.NIXL_BACKEND_UNAVAILABLE, f"NIXL could not instantiate the {backend} backend ({e.detail}); {hint}") from e
 
 
 def efa_view() -> tuple[int, list[str]]:
@@ -121,7 +121,7 @@ def check_efa(n: int) -> str:
     if have < n:
         seen = f"; sysfs lists {', '.join(sysfs)}" if sysfs else "; sysfs lists no RDMA devices"
         raise PreflightFailure(
-            "EfaDevicesMissing",
+            PreflightReason.EFA_DEVICES_MISSING,
             f"{n} EFA devices requested but {have} /dev/infiniband/uverbs* devices are in the container{seen}; "
             f"request {contract.EFA_RESOURCE} on an EFA-enabled instance with the EFA device plugin running, or lower efa.count",
         )
@@ -137,7 +137,7 @@ def check_accelerators(kind: str, n: int) -> str:
     resource = contract.ACCELERATOR_RESOURCES[kind]
     if len(found) < n:
         raise PreflightFailure(
-            "AcceleratorsMissing",
+            PreflightReason.ACCELERATORS_MISSING,
             f"{n} {kind} devices requested but {len(found)} are visible in /dev; request {n} {resource} with the device plugin running on the node, or lower accelerator.count",
         )
     return f"{kind}={len(found)}/{n}"
@@ -162,7 +162,7 @@ def check_hugepages(nbytes: int) -> str:
         problems.append(f"the pod's hugetlb cgroup limit is {_fmt_bytes(limit)}")
     if problems:
         raise PreflightFailure(
-            "HugepagesMissing",
+            PreflightReason.HUGEPAGES_MISSING,
             f"{_fmt_bytes(nbytes)} of 2Mi hugepages requested but {'; '.join(problems)}; "
             f"request {contract.HUGEPAGES_RESOURCE} in the pod's resources and reserve them on the node (vm.nr_hugepages), or lower network.efa.hugepages",
         )
@@ -176,11 +176,11 @@ def check_shm(nbytes: int) -> str:
     try:
         st = os.statvfs(path)
     except OSError as e:
-        raise PreflightFailure("SharedMemoryTooSmall", f"cannot stat {path} ({e}); mount an emptyDir with medium Memory at /dev/shm") from e
+        raise PreflightFailure(PreflightReason.SHARED_MEMORY_TOO_SMALL, f"cannot stat {path} ({e}); mount an emptyDir with medium Memory at /dev/shm") from e
     size = st.f_frsize * st.f_blocks
     if size < nbytes:
         raise PreflightFailure(
-            "SharedMemoryTooSmall",
+            PreflightReason.SHARED_MEMORY_TOO_SMALL,
             f"/dev/shm is {_fmt_bytes(size)}, {_fmt_bytes(nbytes)} required; mount an emptyDir with medium Memory and sizeLimit >= {_fmt_bytes(nbytes)} at /dev/shm, or raise network.efa.sharedMemory",
         )
     return f"shm={_fmt_bytes(size)}"

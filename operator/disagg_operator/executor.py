@@ -25,6 +25,7 @@ from disagg_connector.contract.health import HealthDocumentError, parse_health
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
+from .api.vocabulary import Reason
 from .kube import Cluster, error_message
 from .planner import Action, Annotate, Apply, Delete, Plan, Scale, SetStatus
 from .render import INSTALL_HINTS
@@ -41,13 +42,13 @@ def problem_from_error(kind: str, name: str, status: int | None, message: str) -
     # wrong, not the operator's RBAC.
     if (status in (400, 422) or (status == 500 and "failed to create typed patch object" in message)
             or (status == 403 and "no PriorityClass with name" in message)):
-        reason = "ChildRejected"
+        reason = Reason.CHILD_REJECTED
     elif status == 403:
-        reason = "QuotaExceeded" if "exceeded quota" in message else "Forbidden"
+        reason = Reason.QUOTA_EXCEEDED if "exceeded quota" in message else Reason.FORBIDDEN
     elif status == 409:
-        reason = "Conflict"
+        reason = Reason.CONFLICT
     else:
-        reason = "ApplyFailed"
+        reason = Reason.APPLY_FAILED
     return ChildProblem(reason, kind, name, message)
 
 
@@ -55,7 +56,7 @@ def _problem(obj: Obj, error: ApiException | ResourceNotFoundError) -> ChildProb
     kind, name = obj["kind"], obj["metadata"]["name"]
     if isinstance(error, ResourceNotFoundError):  # the API server's discovery does not list the kind
         hint = INSTALL_HINTS.get(kind, "install its CustomResourceDefinition")
-        return ChildProblem("KindNotInstalled", kind, name, f"this cluster does not serve {kind} ({obj['apiVersion']}): {hint}")
+        return ChildProblem(Reason.KIND_NOT_INSTALLED, kind, name, f"this cluster does not serve {kind} ({obj['apiVersion']}): {hint}")
     return problem_from_error(kind, name, error.status, error_message(error))
 
 

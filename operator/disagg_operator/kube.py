@@ -204,7 +204,7 @@ class EventRecorder:
                 # Named as client-go names Events: the object's name and the time in hex nanoseconds.
                 "metadata": {"name": f"{meta['name']}.{time.time_ns():x}", "namespace": meta["namespace"]},
                 "eventTime": self._micro_time(now), "reportingController": f"{contract.API_GROUP}/{contract.OPERATOR_NAME}",
-                "reportingInstance": self.instance, "action": event.action, "reason": event.reason, "type": event.type,
+                "reportingInstance": self.instance, "action": event.action, "reason": str(event.reason), "type": event.type,
                 "note": event.note[:1024],
                 "regarding": {"apiVersion": model["apiVersion"], "kind": model["kind"], "name": meta["name"],
                               "namespace": meta["namespace"], "uid": meta["uid"]},

@@ -3,7 +3,9 @@
 The executor (executor.py) only carries a Plan out. The rules, in order:
 
 1. **Desired children** are the rendered objects, each stamped with the hash of its manifest (drift.py).
-   Each role's size is its DisaggregatedRole's, after the one-writer rule (sizing.py).
+   Each role's size is its DisaggregatedRole's, after the one-writer rule (sizing.py). Every size a pass
+   writes (role scalers, the current engines, PodGroups) is set in one stage, sizing.sized, from the targets
+   and step 3's sizes; render's sizes (the spec's) are never applied as such.
 2. **Nothing half-applied.** If any child this pass would write is refused by the API server's dry run, or
    its name is taken by an object this model does not control, the plan has *no* action at all, and the
    status says which child, and why (reasons ChildRejected, OwnershipConflict, Forbidden, QuotaExceeded,
@@ -27,7 +29,6 @@ The executor (executor.py) only carries a Plan out. The rules, in order:
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Union
 
@@ -35,6 +36,7 @@ from disagg_connector import contract
 
 from . import rollout, sizing
 from . import status as status_mod
+from .api.vocabulary import Reason
 from .drift import needs_apply, stamped
 from .render import gang, gateway
 from .render.engine import LWS_KIND
@@ -137,14 +139,13 @@ def ownership_conflict(key: Key, found: Obj) -> ChildProblem:
     owners = [f"{o.get('kind')} {o.get('name')}" for o in found.get("metadata", {}).get("ownerReferences") or [] if o.get("controller")]
     holder = f"controlled by {owners[0]}" if owners else "not created by this model"
     return ChildProblem(
-        "OwnershipConflict", key[0], key[1],
+        Reason.OWNERSHIP_CONFLICT, key[0], key[1],
         f"an object of that name already exists, {holder}; the operator never changes or deletes it: "
         "delete or rename it, or rename this model",
     )  # fmt: skip
 
 
-def _replicas(obj: Obj | None) -> int:
-    return int(((obj or {}).get("spec") or {}).get("replicas") or 0) if obj else 0
+_replicas = sizing.replicas_of
 
 
 def _pods_of(observed: Observed, role: str, revision: str | None) -> list[Obj]:
@@ -158,12 +159,6 @@ def _retire(workload: Obj | None, pods: list[Obj], want: int, routers: RouterVie
         return Retirement(replicas=want)
     by = retire_groups if workload["kind"] == LWS_KIND else retire
     return by(pods, _replicas(workload), want, routers, now, bound_s)
-
-
-def engines_key(desired: Desired, role: str) -> Key:
-    """The rendered engine workload of a role at the current revision."""
-    name = contract.engine_deployment_name(desired.ref.name, role, desired.revision)  # type: ignore[arg-type]
-    return next(key_of(o) for o in desired.rendered.objects if o["metadata"]["name"] == name and is_engine_workload(o))
 
 
 @dataclass
@@ -202,7 +197,7 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
     bounds = drain_bounds(desired)
     budgets = {r: rollout.budget(targets[r], getattr(spec.rollout, r).max_surge, getattr(spec.rollout, r).max_unavailable)
                for r in contract.ENGINE_ROLES}  # fmt: skip
-    current = {r: observed.children.get(engines_key(desired, r)) for r in contract.ENGINE_ROLES}
+    current = {r: observed.children.get(sizing.engines_key(desired, r)) for r in contract.ENGINE_ROLES}
     old_workloads: dict[str, dict[str, Obj]] = {}
     for obj in observed.workloads:
         if is_engine_workload(obj) and revision_of(obj) != revision:
@@ -233,28 +228,6 @@ def _plan_engines(desired: Desired, observed: Observed, targets: Mapping[str, in
                 out.old_actions.append(Delete(workload, "retired"))
             elif result.replicas < _replicas(workload):
                 out.old_actions.append(Scale(workload, result.replicas))
-    return out
-
-
-def _pod_groups(rendered: Mapping[Key, Obj], observed: Observed, gone: set[Key]) -> dict[Key, Obj]:
-    """The PodGroups of every LeaderWorkerSet this pass keeps, as many as the larger of its live and planned
-    size: a group that comes has its PodGroup before its pods, one that leaves keeps it until its LWS has
-    shrunk (and kube-controller-manager's protection finalizer keeps a deleted one while its pods run). An
-    LWS whose group 0 is in its revision's pair gets the others' only once a pod of that revision is bound (the
-    pair, with the chart's policy; any pod, without it): a pod whose PodGroup does not exist yet waits outside
-    the scheduling queue, so the first pair is never beaten to the nodes by a second engine that would serve
-    nothing without it."""
-    sizes = {k: _replicas(o) for k, o in observed.children.items() if o["kind"] == LWS_KIND and k not in gone}
-    sources = {k: observed.children[k] for k in sizes}
-    for k, o in rendered.items():
-        if o["kind"] == LWS_KIND:
-            sizes[k], sources[k] = max(sizes.get(k, 0), _replicas(o)), o
-    bound = {p.revision for p in observed.census.pods if (p.obj.get("spec") or {}).get("nodeName")}
-    out: dict[Key, Obj] = {}
-    for k, lws in sources.items():
-        released = gang.pair_of(lws) is None or revision_of(lws) in bound
-        # (one made before stays: its group's pods may already use it)
-        out |= {key_of(pg): pg for pg in gang.pod_groups(lws, sizes[k]) if released or key_of(pg) in observed.children}
     return out
 
 
@@ -304,39 +277,22 @@ def routers_due(observed: Observed, last: RoutersRead | None, at: float, poll_se
 
 def plan(desired: Desired, observed: Observed, now: str) -> Plan:
     targets = sizing.targets(desired, observed)
-    rendered = {key_of(o): o for o in desired.rendered.objects}
-    # A role scaler is stamped as rendered (with the spec's size): a size someone else scaled it to is then
-    # no drift, and only a change of the spec's replicas is a write (sizing.py).
-    scalers = {}
-    for role in contract.ENGINE_ROLES:
-        key = sizing.scaler_key(desired, role)
-        scaler = stamped(rendered.pop(key))
-        scalers[key] = {**scaler, "spec": {**scaler["spec"], "replicas": targets[role]}}  # a new dict: plan edits no input
-
-    problems = [ownership_conflict(k, observed.foreign[k]) for k in (*rendered, *scalers) if k in observed.foreign]
-    problems += [observed.refused[k] for k in (*rendered, *scalers) if k in observed.refused]
+    scaler_keys = [sizing.scaler_key(desired, role) for role in contract.ENGINE_ROLES]
+    children = [k for k in (key_of(o) for o in desired.rendered.objects) if k not in scaler_keys] + scaler_keys
+    problems = [ownership_conflict(k, observed.foreign[k]) for k in children if k in observed.foreign]
+    problems += [observed.refused[k] for k in children if k in observed.refused]
     if problems:
         status = status_mod.blocked(desired, observed, targets, problems, now)
         return Plan(actions=(), status=status, problems=tuple(problems))
 
     engines = _plan_engines(desired, observed, targets, now)
-    for role, replicas in engines.current_replicas.items():
-        key = engines_key(desired, role)
-        rendered[key] = copy.deepcopy(rendered[key])
-        rendered[key]["spec"]["replicas"] = replicas
-
-    # PodGroups are sized here, with their LeaderWorkerSets and the roles' targets, and only where the cluster
-    # serves them.
-    pair = next((o for o in rendered.values() if gang.is_pair_group(o)), None)
-    rendered = {k: o for k, o in rendered.items() if o["kind"] != gang.POD_GROUP_KIND}
     retired = {a.key for a in engines.old_actions if isinstance(a, Delete)}
-    if observed.pod_groups_served:
-        rendered |= _pod_groups(rendered, observed, retired)
-        if pair is not None:
-            pair = copy.deepcopy(pair)
-            pair["spec"]["schedulingPolicy"]["gang"]["minCount"] = gang.pair_min_count(desired.model, dict(targets))
-            rendered[key_of(pair)] = pair
-    wanted = {**{k: stamped(o) for k, o in rendered.items()}, **scalers}
+    # Every size of this pass, in one stage (sizing.sized): the roles' scalers, the current engines, the PodGroups.
+    sized = sizing.sized(desired, observed, targets, engines.current_replicas, retired)
+    # A role scaler is stamped as rendered (with the spec's size): a size someone else scaled it to is then
+    # no drift, and only a change of the spec's replicas is a write (sizing.py).
+    scalers = {k: sizing.with_replicas(stamped(scaler), n) for k, (scaler, n) in sized.scalers.items()}
+    wanted = {**{k: stamped(o) for k, o in sized.children.items()}, **scalers}
     applies = [
         Apply(obj, "update" if k in observed.children else "create")
         for k, obj in sorted(wanted.items(), key=lambda item: _apply_rank(item[1]))

@@ -30,6 +30,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import events, executor, planner
 from . import status as status_mod
+from .api.vocabulary import Reason
 from .cache import Cache
 from .config import RenderDefaults
 from .kube import Cluster, EventRecorder, error_message
@@ -51,7 +52,7 @@ def utc_now() -> str:
 @dataclass(frozen=True)
 class PassResult:
     result: str  # success | blocked | error | invalid | gone
-    reason: str | None = None
+    reason: Reason | None = None  # a condition reason (the errors-by-reason metric's label)
     detail: str = ""
     requeue_after: float | None = None  # a successful pass that must come back (a pod drains)
 
@@ -101,7 +102,7 @@ class Reconciler:
                 self._finish(key, body, crashed, [], best_effort=True)
             except Exception:  # the worker thread must live on, whatever failed
                 log.exception("status of %s/%s not written either", namespace, name)
-            return PassResult("error", "InternalError")
+            return PassResult("error", Reason.INTERNAL_ERROR)
 
     def _reconcile(self, key: ModelKey, body: Mapping[str, Any], previous: Mapping[str, Any] | None) -> PassResult:
         namespace, name = key
@@ -109,7 +110,7 @@ class Reconciler:
         desired = desire(body, self.defaults, previous)
         if isinstance(desired, SpecProblems):  # nothing running is touched
             self._finish(key, body, status_mod.PassOutcome(meta.get("generation"), previous, invalid=desired.problems), None)
-            return PassResult("invalid", "InvalidSpec")
+            return PassResult("invalid", Reason.INVALID_SPEC)
         observed = Observed(children=self.cache.children(namespace, name, meta["uid"]), pods=self.cache.pods(namespace, name))
         now = self.now()
         try:
@@ -128,8 +129,8 @@ class Reconciler:
                 log.warning("%s/%s: %s let go at the drain bound (spec.rollout.drainTimeoutSeconds) though no router "
                             "said they were idle", namespace, name, ", ".join(plan.overdue))  # fmt: skip
         except (*TRANSPORT_ERRORS, ApiException) as error:  # the API server away, or a probe's GET refused (RBAC)
-            problem = (ChildProblem("ApplyFailed", "API", "request", error_message(error)) if isinstance(error, ApiException)
-                       else ChildProblem("ApiUnavailable", "API", "server", f"the API server did not answer ({error}); retrying"))  # fmt: skip
+            problem = (ChildProblem(Reason.APPLY_FAILED, "API", "request", error_message(error)) if isinstance(error, ApiException)
+                       else ChildProblem(Reason.API_UNAVAILABLE, "API", "server", f"the API server did not answer ({error}); retrying"))  # fmt: skip
             away = status_mod.PassOutcome(meta.get("generation"), previous, desired, observed, failure=problem)
             self._finish(key, body, away, [], best_effort=True)
             return PassResult("error", problem.reason)

@@ -13,6 +13,7 @@ from disagg_connector.contract.health import RouterHealth
 
 from .api.models import DisaggregatedModel
 from .api.validation import SpecError, parse
+from .api.vocabulary import Reason
 from .config import RenderDefaults
 from .render import Rendered, render
 from .render.engine import ENGINE_KINDS
@@ -93,7 +94,7 @@ def desire(body: Mapping[str, Any], defaults: RenderDefaults, previous_status: M
 class ChildProblem:
     """Why a child cannot be written this pass. `reason` is a stable condition reason."""
 
-    reason: str  # ChildRejected | OwnershipConflict | Forbidden | QuotaExceeded | Conflict | ApplyFailed | KindNotInstalled
+    reason: Reason  # ChildRejected | OwnershipConflict | Forbidden | QuotaExceeded | Conflict | ApplyFailed | KindNotInstalled | ApiUnavailable
     kind: str
     name: str
     message: str

@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, cast
 
 from disagg_connector import contract
 from disagg_connector.contract.preflight import parse_termination_message
 
 from . import rollout, sizing
 from .api import vocabulary
+from .api.vocabulary import (
+    DEGRADED, FABRIC_READY, GANG_SCHEDULED, KV_TRANSFER_HEALTHY, PROGRESSING, READY, RECONCILING, STALLED, ConditionType,
+    Reason,
+)
 from .api.models import DisaggregatedModelStatus
 from .render import gang
 from .state import ChildProblem, Desired, Obj, Observed, PodView, RouterView, revision_of, role_of
@@ -38,13 +42,15 @@ from .state import ChildProblem, Desired, Obj, Observed, PodView, RouterView, re
 # Scheduler messages count nodes per cause: "0/8 nodes are available: 6 Insufficient vpc.amazonaws.com/efa, ...".
 _INSUFFICIENT = re.compile(r"(\d+) Insufficient ([\w./-]*\w)")
 CAPACITY_REASONS = {
-    contract.ACCELERATOR_RESOURCES["nvidia"]: ("InsufficientGPUs", "GPUs"),
-    contract.ACCELERATOR_RESOURCES["neuron"]: ("InsufficientNeuronDevices", "Neuron devices"),
-    contract.EFA_RESOURCE: ("InsufficientEFADevices", "EFA devices"),
-    contract.HUGEPAGES_RESOURCE: ("InsufficientHugepages", "2Mi hugepages"),
-    "cpu": ("InsufficientCPU", "CPU"),
-    "memory": ("InsufficientMemory", "memory"),
+    contract.ACCELERATOR_RESOURCES["nvidia"]: (Reason.INSUFFICIENT_GPUS, "GPUs"),
+    contract.ACCELERATOR_RESOURCES["neuron"]: (Reason.INSUFFICIENT_NEURON_DEVICES, "Neuron devices"),
+    contract.EFA_RESOURCE: (Reason.INSUFFICIENT_EFA_DEVICES, "EFA devices"),
+    contract.HUGEPAGES_RESOURCE: (Reason.INSUFFICIENT_HUGEPAGES, "2Mi hugepages"),
+    "cpu": (Reason.INSUFFICIENT_CPU, "CPU"),
+    "memory": (Reason.INSUFFICIENT_MEMORY, "memory"),
 }
+# Kubernetes's words on a pod (its PodScheduled condition, a container's waiting state), not ours.
+_POD_UNSCHEDULABLE = "Unschedulable"
 CRASH_WAITING_REASONS = {"CrashLoopBackOff"}
 IMAGE_WAITING_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
 CONDITION_TYPES = tuple(vocabulary.CONDITION_TYPES)
@@ -54,7 +60,7 @@ STALLED_REASONS = vocabulary.STALLED_REASONS
 # Write failures that retrying clears (the API server busy or away, a write that raced another writer).
 RETRIED_REASONS = vocabulary.RETRIED_REASONS
 # Worst first: what a revision's router verdicts say, when several routers disagree.
-_KV_REASONS = ("ProtocolMismatch", "TransfersFailing", "DeadlinesHit")
+_KV_REASONS = (Reason.PROTOCOL_MISMATCH, Reason.TRANSFERS_FAILING, Reason.DEADLINES_HIT)
 
 
 pod_ready = contract.pod_serving
@@ -163,13 +169,13 @@ def old_revisions(observed: Observed, revision: str) -> set[str]:
 
 @dataclass(frozen=True)
 class Problem:
-    reason: str
+    reason: Reason
     message: str
 
 
 def _unschedulable(pod: Obj) -> Problem | None:
     for cond in pod.get("status", {}).get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == _POD_UNSCHEDULABLE:
             text = cond.get("message", "")
             # The resource that rules out the most nodes first: that is what to add (or ask less of).
             counted = sorted(((int(n), r) for n, r in _INSUFFICIENT.findall(text)), key=lambda c: -c[0])
@@ -179,7 +185,7 @@ def _unschedulable(pod: Obj) -> Problem | None:
                 reason = CAPACITY_REASONS[known[0]][0]
                 what = ", ".join(f"{m} ({CAPACITY_REASONS[m][1]})" for m in known)
                 return Problem(reason, f"{role_of(pod)} pod {name} cannot be scheduled: no node has enough {what}. {text}")
-            return Problem("Unschedulable", f"{role_of(pod)} pod {name} cannot be scheduled: {text}")
+            return Problem(Reason.UNSCHEDULABLE, f"{role_of(pod)} pod {name} cannot be scheduled: {text}")
     return None
 
 
@@ -189,13 +195,13 @@ def _scheduling_problem(pods: list[PodView]) -> Problem | None:
     their group), so the reason is that member's, or GroupUnschedulable."""
     problems = {p.name: problem for p in pods if (problem := _unschedulable(p.obj))}
     # a pod that lacks something first: one that only waits for its gang says less
-    first = min((p for p in pods if p.name in problems), key=lambda p: problems[p.name].reason == "Unschedulable", default=None)
+    first = min((p for p in pods if p.name in problems), key=lambda p: problems[p.name].reason == Reason.UNSCHEDULABLE, default=None)
     if first is None or first.engine.pods == 1:
         return problems[first.name] if first else None
     members = [p for p in pods if p.engine.key == first.engine.key and p.revision == first.revision and p.name in problems]
-    lacking = next((problems[p.name] for p in members if problems[p.name].reason != "Unschedulable"), None)
+    lacking = next((problems[p.name] for p in members if problems[p.name].reason != Reason.UNSCHEDULABLE), None)
     words = "; ".join(problems[p.name].message for p in members)
-    return Problem(lacking.reason if lacking else "GroupUnschedulable",
+    return Problem(lacking.reason if lacking else Reason.GROUP_UNSCHEDULABLE,
                    f"{first.role} engine {first.engine.key} ({first.engine.pods} pods, bound together or not at all): "
                    f"{len(members)} of its pods cannot be scheduled: {words}")
 
@@ -208,9 +214,9 @@ def _container_problem(pod: Obj) -> Problem | None:
         last = (cs.get("lastState") or {}).get("terminated") or {}
         if waiting.get("reason") in CRASH_WAITING_REASONS:
             detail = f" (exit code {last.get('exitCode')}: {last.get('message') or last.get('reason')})" if last else ""
-            return Problem("CrashLoop", f"{role_of(pod)} pod {name}: container {cs.get('name')} is crash-looping{detail}")
+            return Problem(Reason.CRASH_LOOP, f"{role_of(pod)} pod {name}: container {cs.get('name')} is crash-looping{detail}")
         if waiting.get("reason") in IMAGE_WAITING_REASONS:
-            return Problem("ImagePullFailed", f"{role_of(pod)} pod {name}: {waiting.get('message') or waiting.get('reason')}")
+            return Problem(Reason.IMAGE_PULL_FAILED, f"{role_of(pod)} pod {name}: {waiting.get('message') or waiting.get('reason')}")
     return None
 
 
@@ -220,7 +226,7 @@ def _pod_creation_problem(deployment: Obj) -> Problem | None:
     for cond in deployment.get("status", {}).get("conditions") or []:
         if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
             text = cond.get("message", "")
-            reason = "QuotaExceeded" if "exceeded quota" in text else "PodCreationFailed"
+            reason = Reason.QUOTA_EXCEEDED if "exceeded quota" in text else Reason.POD_CREATION_FAILED
             name = deployment["metadata"]["name"]
             return Problem(reason, f"{role_of(deployment)} Deployment {name} cannot create pods: {text}")
     return None
@@ -240,14 +246,14 @@ def _preflight_results(pods: Iterable[Obj]) -> tuple[list[Problem], int]:
                     passes += 1
                 else:
                     parsed = parse_termination_message(state.get("message") or "")
-                    reason, message = parsed or ("PreflightFailed", state.get("message") or state.get("reason") or "")
-                    failures.append(Problem(reason, f"{role_of(pod)} pod {pod['metadata']['name']}: {message}"))
+                    reason, message = parsed or (Reason.PREFLIGHT_FAILED, state.get("message") or state.get("reason") or "")
+                    failures.append(Problem(Reason(reason), f"{role_of(pod)} pod {pod['metadata']['name']}: {message}"))
                 break
     return failures, passes
 
 
 def condition(
-    type_: str, ok: bool | None, reason: str, message: str, generation: int | None, previous: Mapping[str, Any], now: str
+    type_: ConditionType, ok: bool | None, reason: Reason, message: str, generation: int | None, previous: Mapping[str, Any], now: str
 ) -> dict[str, Any]:
     status = "Unknown" if ok is None else ("True" if ok else "False")
     before = _previous_conditions(previous).get(type_)
@@ -279,30 +285,31 @@ def _with_generic_conditions(
     Reconciling=True as InProgress before anything else, Stalled=True as Failed: cli-utils
     pkg/kstatus/status/generic.go), then typed."""
     found = {c["type"]: c for c in status.get("conditions") or []}
-    ready, progressing = found.get("Ready") or {}, found.get("Progressing") or {}
+    ready, progressing = found.get(READY) or {}, found.get(PROGRESSING) or {}
     stalled = ready.get("status") == "False" and ready.get("reason") in STALLED_REASONS
     if stalled:
-        found["Stalled"] = condition("Stalled", True, ready["reason"], ready.get("message", ""), generation, previous, now)
-        found["Reconciling"] = condition("Reconciling", False, ready["reason"], "no pass can progress until that changes",
+        why = cast(Reason, ready["reason"])  # one of STALLED_REASONS
+        found[STALLED] = condition(STALLED, True, why, ready.get("message", ""), generation, previous, now)
+        found[RECONCILING] = condition(RECONCILING, False, why, "no pass can progress until that changes",
                                          generation, previous, now)  # fmt: skip
     else:
-        found["Stalled"] = condition("Stalled", False, "AsExpected", "", generation, previous, now)
+        found[STALLED] = condition(STALLED, False, Reason.AS_EXPECTED, "", generation, previous, now)
         reconciling = progressing.get("status") == "True"
-        found["Reconciling"] = condition("Reconciling", reconciling, progressing.get("reason", "Complete"),
+        found[RECONCILING] = condition(RECONCILING, reconciling, cast(Reason, progressing.get("reason", Reason.COMPLETE)),
                                          progressing.get("message", "") if reconciling else "", generation, previous, now)  # fmt: skip
     conditions = [found[t] for t in CONDITION_TYPES if t in found]
     return _typed({**status, "conditions": conditions})
 
 
 def unservable(
-    reason: str, message: str, next_step: str, generation: int | None, previous_status: Mapping[str, Any] | None,
+    reason: Reason, message: str, next_step: str, generation: int | None, previous_status: Mapping[str, Any] | None,
     now: str, phase: str = "Invalid",
 ) -> dict[str, Any]:
     """The pass could not get as far as a plan: say why and what to do; keep the counts already reported."""
     kept = {k: v for k, v in (previous_status or {}).items() if k in ("prefill", "decode", "router", "revision")}
     conditions = [
-        condition("Ready", False, reason, message, generation, previous_status or {}, now),
-        condition("Progressing", False, reason, next_step, generation, previous_status or {}, now),
+        condition(READY, False, reason, message, generation, previous_status or {}, now),
+        condition(PROGRESSING, False, reason, next_step, generation, previous_status or {}, now),
     ]  # fmt: skip
     return _with_generic_conditions({**kept, "observedGeneration": generation, "phase": phase, "conditions": conditions},
                                     generation, previous_status or {}, now)
@@ -312,7 +319,7 @@ def invalid_status(
     problems: list[str], generation: int | None, previous_status: Mapping[str, Any] | None, now: str
 ) -> dict[str, Any]:
     """The spec passed admission (or none ran) but cannot be served: say what to change, keep the rest."""
-    return unservable("InvalidSpec", "; ".join(problems), "fix the spec; nothing running was changed",
+    return unservable(Reason.INVALID_SPEC, "; ".join(problems), "fix the spec; nothing running was changed",
                       generation, previous_status, now)  # fmt: skip
 
 
@@ -349,49 +356,49 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     # are on their way there (a rollout, a resize) without a problem that leaves them short beyond the budget.
     serving = facts.serving_summary()
     if facts.serves and not (facts.short and first_problem):
-        ready_cond = ("Ready", True, "Ready", summary if facts.rolled_out else serving)
+        ready_cond = (READY, True, Reason.READY, summary if facts.rolled_out else serving)
     elif facts.scaled_to_zero_as_asked:
         # As asked (like a Deployment at 0 replicas): done, though nothing serves until the role scales up.
-        ready_cond = ("Ready", True, "ScaledToZero", f"a role is scaled to 0 as asked; nothing is served until it scales up: {summary}")
+        ready_cond = (READY, True, Reason.SCALED_TO_ZERO, f"a role is scaled to 0 as asked; nothing is served until it scales up: {summary}")
     elif first_problem:
         below = f"serving below the size asked ({serving}): " if facts.serves else ""
-        ready_cond = ("Ready", False, first_problem.reason, below + first_problem.message)
+        ready_cond = (READY, False, first_problem.reason, below + first_problem.message)
     elif any(facts.wanted[r] == 0 for r in contract.ENGINE_ROLES):
-        ready_cond = ("Ready", False, "WaitingForPods", f"a role is scaled to 0 and the other is not ready yet: {summary}")
+        ready_cond = (READY, False, Reason.WAITING_FOR_PODS, f"a role is scaled to 0 and the other is not ready yet: {summary}")
     else:
-        ready_cond = ("Ready", False, "WaitingForPods", summary)
+        ready_cond = (READY, False, Reason.WAITING_FOR_PODS, summary)
 
     leaving = "; draining " + ", ".join(f"{pod} ({why})" if why else pod for pod, why in draining.items()) if draining else ""
     # A problem that does not stop serving (a surge pod without a node, a crash of the new revision) holds
     # the rollout up: Progressing says so.
     held = f"; {first_problem.reason}: {first_problem.message}" if first_problem and ready_cond[1] else ""
     if old:
-        progress_cond = ("Progressing", True, "RolloutInProgress",
+        progress_cond = (PROGRESSING, True, Reason.ROLLOUT_IN_PROGRESS,
                          f"revision {revision} is rolling out ({summary}); still serving: "
                          f"{_old_serving(observed, revision, old)}{leaving}{held}")
     elif draining:
-        progress_cond = ("Progressing", True, "Scaling", f"{summary}{leaving}{held}")
+        progress_cond = (PROGRESSING, True, Reason.SCALING, f"{summary}{leaving}{held}")
     elif not (facts.rolled_out or facts.scaled_to_zero_as_asked):
-        progress_cond = ("Progressing", True, "WaitingForPods", f"{summary}{held}")
+        progress_cond = (PROGRESSING, True, Reason.WAITING_FOR_PODS, f"{summary}{held}")
     else:
-        progress_cond = ("Progressing", False, "Complete", f"revision {revision} is fully rolled out")
+        progress_cond = (PROGRESSING, False, Reason.COMPLETE, f"revision {revision} is fully rolled out")
 
     degraded_problem = crash or (fabric_failures[0] if fabric_failures else None) or (creation if something_serves(observed) else None)
     if degraded_problem:
-        degraded = ("Degraded", True, degraded_problem.reason, degraded_problem.message)
+        degraded = (DEGRADED, True, degraded_problem.reason, degraded_problem.message)
     elif facts.serves and facts.short and first_problem:
-        degraded = ("Degraded", True, "ReducedCapacity", f"serving below the desired size ({serving}): {first_problem.message}")
+        degraded = (DEGRADED, True, Reason.REDUCED_CAPACITY, f"serving below the desired size ({serving}): {first_problem.message}")
     else:
-        degraded = ("Degraded", False, "AsExpected", "")
+        degraded = (DEGRADED, False, Reason.AS_EXPECTED, "")
 
     if fabric_failures:
-        fabric = ("FabricReady", False, fabric_failures[0].reason, fabric_failures[0].message)
+        fabric = (FABRIC_READY, False, fabric_failures[0].reason, fabric_failures[0].message)
     elif fabric_passes:
-        fabric = ("FabricReady", True, "PreflightPassed", f"{plan.backend} preflight passed on {fabric_passes} pod(s)")
+        fabric = (FABRIC_READY, True, Reason.PREFLIGHT_PASSED, f"{plan.backend} preflight passed on {fabric_passes} pod(s)")
     else:
-        fabric = ("FabricReady", None, "NoPreflightYet", "no prefill or decode pod has run its preflight yet")
+        fabric = (FABRIC_READY, None, Reason.NO_PREFLIGHT_YET, "no prefill or decode pod has run its preflight yet")
 
-    kv = ("KVTransferHealthy", *kv_transfer(observed.routers, previous))
+    kv = (KV_TRANSFER_HEALTHY, *kv_transfer(observed.routers, previous))
     gangs = [g] if (g := gang_scheduled(desired, observed)) else []
     conditions = [condition(t, ok, reason, msg, ref.generation, previous, now)
                   for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv, *gangs)]  # fmt: skip
@@ -409,7 +416,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     }, ref.generation, previous, now)  # fmt: skip
 
 
-def gang_scheduled(desired: Desired, observed: Observed) -> tuple[str, bool, str, str] | None:
+def gang_scheduled(desired: Desired, observed: Observed) -> tuple[ConditionType, bool, Reason, str] | None:
     """GangScheduled, for a model with PodGroups (render/gang.py) whose cluster was asked whether it serves them."""
     spec = desired.model.spec
     spanning = [f"{r} ({getattr(spec, r).shape.pods} pods)" for r in contract.ENGINE_ROLES if getattr(spec, r).shape.spans_pods]
@@ -419,40 +426,40 @@ def gang_scheduled(desired: Desired, observed: Observed) -> tuple[str, bool, str
     if observed.pod_groups_served:
         what = [f"each engine of {' and '.join(spanning)} is one PodGroup: its pods are bound all together or not at all"] if spanning else []
         what += ["a revision's first prefill and decode engines are bound together or not at all"] if pairs else []
-        return ("GangScheduled", True, "PodGroups", "; ".join(what))
+        return (GANG_SCHEDULED, True, Reason.POD_GROUPS, "; ".join(what))
     if not spanning:
         return None  # pods bound one by one, as on most clusters today: no news for one-pod engines
-    return ("GangScheduled", False, "PodGroupsNotServed", f"the pods of the engines of {' and '.join(spanning)} are "
+    return (GANG_SCHEDULED, False, Reason.POD_GROUPS_NOT_SERVED, f"the pods of the engines of {' and '.join(spanning)} are "
             f"bound one by one, and a group that fits only in part holds the accelerators of the pods bound: {gang.INSTALL_HINT}")
 
 
-def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tuple[bool | None, str, str]:
+def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tuple[bool | None, Reason, str]:
     """KVTransferHealthy from the routers' own numbers (contract.health.Verdict per revision, over its recent
     window): False as soon as a router sees transfers failing, deadlines hit or a protocol mismatch in a
     revision; True when they succeed; Unknown before there is anything to judge. Between two reads of the
     routers the condition stays as it was."""
     if routers is None:
-        before = _previous_conditions(previous).get("KVTransferHealthy")
+        before = _previous_conditions(previous).get(KV_TRANSFER_HEALTHY)
         if before is not None:
             ok = {"True": True, "False": False}.get(before.get("status"))
-            return ok, before.get("reason", ""), before.get("message", "")
-        return None, "NotCheckedYet", "the routers have not been asked yet"
+            return ok, cast(Reason, before.get("reason", "")), before.get("message", "")  # as an earlier pass wrote it
+        return None, Reason.NOT_CHECKED_YET, "the routers have not been asked yet"
     if not routers.reports:
-        return None, "NoRouterReady", "no router pod is ready to ask"
+        return None, Reason.NO_ROUTER_READY, "no router pod is ready to ask"
     if all(r is None for r in routers.reports):
-        return None, "RouterUnreachable", (f"no router pod answered on port {contract.ROUTER_PORT} (/health): check that "
+        return None, Reason.ROUTER_UNREACHABLE, (f"no router pod answered on port {contract.ROUTER_PORT} (/health): check that "
                                            "network policies let the operator reach the router")  # fmt: skip
     verdicts = [v for r in routers.reports if r is not None for v in r.verdicts().values()]
     bad = sorted((v for v in verdicts if v.healthy is False), key=lambda v: _KV_REASONS.index(v.reason) if v.reason in _KV_REASONS else 9)
     if bad:
-        return False, bad[0].reason, "; ".join(sorted({v.message for v in bad}))
+        return False, Reason(bad[0].reason), "; ".join(sorted({v.message for v in bad}))
     good = [v for v in verdicts if v.healthy]
     if good:
-        return True, "TransfersSucceeding", "; ".join(sorted({v.message for v in good}))
+        return True, Reason.TRANSFERS_SUCCEEDING, "; ".join(sorted({v.message for v in good}))
     waiting = [v for v in verdicts if v.healthy is None]
     if waiting:
-        return None, waiting[0].reason, "; ".join(sorted({v.message for v in waiting}))
-    return None, "NoTrafficYet", "the routers know no revision with a ready pair yet"
+        return None, Reason(waiting[0].reason), "; ".join(sorted({v.message for v in waiting}))
+    return None, Reason.NO_TRAFFIC_YET, "the routers know no revision with a ready pair yet"
 
 
 def _phase(facts: Readiness, ready: bool | None, degraded: bool | None) -> str:
@@ -463,14 +470,14 @@ def _phase(facts: Readiness, ready: bool | None, degraded: bool | None) -> str:
     return "Progressing" if any(facts.roles[r]["updatedReplicas"] for r in contract.ENGINE_ROLES) else "Pending"
 
 
-def _with_failure(desired: Desired, status: Mapping[str, Any], reason: str, message: str, serving: bool, now: str) -> dict[str, Any]:
+def _with_failure(desired: Desired, status: Mapping[str, Any], reason: Reason, message: str, serving: bool, now: str) -> dict[str, Any]:
     """Ready=False with the pass's own reason (and Degraded while the model still serves); the counts and
     the other conditions stay as observed. Transitions are judged against the status the pass began with."""
     previous, generation = desired.previous_status or {}, desired.ref.generation
     kept = {c["type"]: c for c in status.get("conditions") or []}
-    kept["Ready"] = condition("Ready", False, reason, message, generation, previous, now)
+    kept[READY] = condition(READY, False, reason, message, generation, previous, now)
     if serving:
-        kept["Degraded"] = condition("Degraded", True, reason, message, generation, previous, now)
+        kept[DEGRADED] = condition(DEGRADED, True, reason, message, generation, previous, now)
     conditions = [kept[t] for t in CONDITION_TYPES if t in kept]
     phase = "Degraded" if serving else status.get("phase")
     return _with_generic_conditions({**status, "phase": phase, "conditions": conditions}, generation, previous, now)
@@ -491,11 +498,11 @@ def write_failed(
     """A write failed after `done` of `total` actions; the rest is retried with backoff. A failure that the
     retries clear by themselves does not stop a model that serves from being Ready: Progressing says it."""
     message = f"{done} of {total} changes made, then {failure.describe()}; retrying"
-    ready = next((c for c in planned.get("conditions") or [] if c.get("type") == "Ready"), {})
+    ready = next((c for c in planned.get("conditions") or [] if c.get("type") == READY), {})
     if failure.reason in RETRIED_REASONS and ready.get("status") == "True":
         previous, generation = desired.previous_status or {}, desired.ref.generation
         kept = {c["type"]: c for c in planned.get("conditions") or []}
-        kept["Progressing"] = condition("Progressing", True, failure.reason, message, generation, previous, now)
+        kept[PROGRESSING] = condition(PROGRESSING, True, failure.reason, message, generation, previous, now)
         conditions = [kept[t] for t in CONDITION_TYPES if t in kept]
         return _with_generic_conditions({**planned, "conditions": conditions}, generation, previous, now)
     return _with_failure(desired, planned, failure.reason, message, something_serves(observed), now)
@@ -523,7 +530,7 @@ class PassOutcome:
 def of_outcome(outcome: PassOutcome, now: str) -> dict[str, Any]:
     """The one function that builds the status of a pass, whatever its outcome."""
     if outcome.crashed is not None:
-        return unservable("InternalError", f"the operator failed on this model ({outcome.crashed}); see its log",
+        return unservable(Reason.INTERNAL_ERROR, f"the operator failed on this model ({outcome.crashed}); see its log",
                           "retrying with backoff", outcome.generation, outcome.previous, now,
                           phase=(outcome.previous or {}).get("phase") or "Pending")  # fmt: skip
     if outcome.invalid:

@@ -22,6 +22,7 @@ again, there); ``local`` counts prompts below the disaggregation threshold serve
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal, Mapping
 
 TransferMode = Literal["Push", "Pull"]
@@ -57,6 +58,18 @@ CAUSES: dict[str, str] = {
 
 def category(cause: str) -> str:
     return CAUSES.get(cause, ENGINE)
+
+
+class KVReason(StrEnum):
+    """A revision's verdict on KV transfer (:meth:`RevisionHealth.verdict`): the operator's KVTransferHealthy
+    reason. Declared here, where the verdict is made; the operator's vocabulary takes them from this enum."""
+
+    TRANSFERS_SUCCEEDING = "TransfersSucceeding"
+    TRANSFERS_FAILING = "TransfersFailing"
+    DEADLINES_HIT = "DeadlinesHit"
+    PROTOCOL_MISMATCH = "ProtocolMismatch"
+    NO_TRANSFER_COMPLETED = "NoTransferCompleted"
+    NO_TRAFFIC_YET = "NoTrafficYet"
 
 
 # --- the document -----------------------------------------------------------------------------------
@@ -120,7 +133,7 @@ class Verdict:
     """What the numbers say about KV transfer in one revision. ``healthy`` None: nothing to judge yet."""
 
     healthy: bool | None
-    reason: str
+    reason: KVReason
     message: str
 
 
@@ -154,25 +167,25 @@ class RevisionHealth:
         r = self.recent
         where = f"revision {revision}"
         if self.mode_conflict:
-            return Verdict(False, "ProtocolMismatch", f"{where}: {self.mode_conflict}")
+            return Verdict(False, KVReason.PROTOCOL_MISMATCH, f"{where}: {self.mode_conflict}")
         for cat, reason, what in (
-            (PROTOCOL, "ProtocolMismatch", "prefill answered in another transfer mode than its pods announce"),
-            (TRANSFER, "TransfersFailing", "decode engines failed to receive the KV cache"),
-            (DEADLINE, "DeadlinesHit", "legs or the wait for the KV cache passed the router's deadline"),
+            (PROTOCOL, KVReason.PROTOCOL_MISMATCH, "prefill answered in another transfer mode than its pods announce"),
+            (TRANSFER, KVReason.TRANSFERS_FAILING, "decode engines failed to receive the KV cache"),
+            (DEADLINE, KVReason.DEADLINES_HIT, "legs or the wait for the KV cache passed the router's deadline"),
         ):
             failed = r.failed_by(cat)
             if failed and failed >= r.succeeded:
                 detail = ", ".join(f"{c} {n}" for c, n in sorted(r.failures.items()) if category(c) == cat)
                 return Verdict(False, reason, f"{where}: {what} ({detail}; {r.succeeded} succeeded in the last {window_seconds:g}s)")
         if r.succeeded:
-            return Verdict(True, "TransfersSucceeding", f"{where}: {r.succeeded} of {r.requests} requests succeeded in the last {window_seconds:g}s")
+            return Verdict(True, KVReason.TRANSFERS_SUCCEEDING, f"{where}: {r.succeeded} of {r.requests} requests succeeded in the last {window_seconds:g}s")
         if self.totals.succeeded:
             age = self.last_success_age_seconds
-            return Verdict(True, "TransfersSucceeding", f"{where}: last success {age:.0f}s ago" if age is not None else where)
+            return Verdict(True, KVReason.TRANSFERS_SUCCEEDING, f"{where}: last success {age:.0f}s ago" if age is not None else where)
         if self.totals.requests:
             causes = ", ".join(f"{c} {n}" for c, n in sorted(self.totals.failures.items())) or "none finished"
-            return Verdict(None, "NoTransferCompleted", f"{where}: {self.totals.requests} requests, none got as far as a KV transfer ({causes})")
-        return Verdict(None, "NoTrafficYet", f"{where}: no disaggregated request has been served yet")
+            return Verdict(None, KVReason.NO_TRANSFER_COMPLETED, f"{where}: {self.totals.requests} requests, none got as far as a KV transfer ({causes})")
+        return Verdict(None, KVReason.NO_TRAFFIC_YET, f"{where}: no disaggregated request has been served yet")
 
 
 @dataclass(frozen=True)

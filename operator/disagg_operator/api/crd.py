@@ -26,6 +26,7 @@ from .models import (
     DisaggregatedRoleSpec,
     DisaggregatedRoleStatus,
 )
+from .vocabulary import READY
 
 CRD_FILE = f"{contract.API_GROUP}_{contract.PLURAL}.yaml"
 
@@ -97,7 +98,7 @@ def _ready_column(condition: str) -> str:
 
 PRINTER_COLUMNS = [
     {"name": "Mode", "type": "string", "jsonPath": ".status.transferMode"},
-    {"name": "Ready", "type": "string", "jsonPath": _ready_column("Ready")},
+    {"name": "Ready", "type": "string", "jsonPath": _ready_column(READY)},
     {"name": "Prefill", "type": "integer", "jsonPath": ".status.prefill.readyReplicas"},
     {"name": "Decode", "type": "integer", "jsonPath": ".status.decode.readyReplicas"},
     {"name": "Router", "type": "integer", "jsonPath": ".status.router.readyReplicas"},

@@ -16,6 +16,7 @@ from pydantic.alias_generators import to_camel
 from disagg_connector import contract
 
 from .cel import CelRule
+from .vocabulary import CONDITION_TYPES
 
 # --- building blocks --------------------------------------------------------------------------------
 
@@ -1113,10 +1114,16 @@ class DisaggregatedModelSpec(ApiModel):
 
 # --- status -----------------------------------------------------------------------------------------
 
+def condition_types_description() -> str:
+    """Condition.type's description in the CRD: every condition type the operator writes, from the vocabulary."""
+    *first, last = CONDITION_TYPES
+    return f"{', '.join(first)} or {last} (docs/reasons.md says what each means)."
+
+
 class Condition(ApiModel):
     """One observed condition, in the Kubernetes convention."""
 
-    type: str = Field(description="Ready, Progressing, Degraded or FabricReady.")
+    type: str = Field(description=condition_types_description())
     status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds now.")
     reason: str = Field(default="", description="CamelCase cause, stable for alerts (e.g. InsufficientEFADevices).")
     message: str = Field(default="", description="What is wrong and what to change, for a human.")

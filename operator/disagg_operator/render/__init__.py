@@ -74,12 +74,12 @@ def render(dm: DisaggregatedModel, defaults: RenderDefaults | None = None) -> Re
             engine.headless_service(dm, role),
             pod_disruption_budget(dm, role),
         ]
-        if engines["kind"] == LWS_KIND:  # the planner sizes them with the LWS, where the cluster serves them
+        if engines["kind"] == LWS_KIND:  # at the spec's size; a pass sizes them with the LWS, where served (sizing.sized)
             objects += gang.pod_groups(engines, engines["spec"]["replicas"])
         hpa = scaling.horizontal_pod_autoscaler(dm, role)
         if hpa is not None:
             objects.append(hpa)
-    if gang.pairs(dm):  # the same: made where served, its minCount from the roles' targets
+    if gang.pairs(dm):  # the same: a pass makes it where served, its minCount from the roles' targets (sizing.sized)
         sizes = {r: getattr(dm.spec, r).replicas for r in contract.ENGINE_ROLES}
         objects.append(gang.pair_pod_group(dm, revision, gang.pair_min_count(dm, sizes)))
     objects += [
