@@ -6,4 +6,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash hack/setup.sh
-exec .venv/bin/python -m pytest "${@:-tests}"
+# Two workers (DISAGG_TEST_WORKERS; 0 runs in this process): the e2e tests are one xdist group on one worker,
+# the rest are spread over both (tests/e2e/conftest.py).
+exec .venv/bin/python -m pytest -n "${DISAGG_TEST_WORKERS:-2}" --dist loadgroup "${@:-tests}"
