@@ -3,7 +3,9 @@
 # operator, and examples/minimal.yaml reconciled to Ready; then one streaming completion through the
 # model's router to simulated engines on its pods' IPs, with the answer and both legs' timings.
 #
-#   hack/demo.sh          set up, bring everything up, apply the example, wait for Ready, show it
+#   hack/demo.sh          set up (.venv only: no vLLM parser environments), build only what the control
+#                         plane runs (hack/cluster.sh up: no test tools), bring everything up, apply
+#                         the example, wait for Ready, show it, stream one completion, show its status
 #   hack/demo.sh down     stop the operator and the control plane
 #
 # Afterwards: `eval "$(hack/cluster.sh env)"; kubectl get dm -A` talks to the same cluster.
@@ -29,7 +31,8 @@ if [ "${1:-}" = down ]; then
   exec bash hack/cluster.sh down
 fi
 
-DISAGG_SKIP_VLLM=1 bash hack/setup.sh
+# .venv only: `up` builds what it runs (hack/cluster.sh build-cluster), not the test tools `hack/setup.sh` builds
+DISAGG_SKIP_VLLM=1 DISAGG_SKIP_CLUSTER=1 bash hack/setup.sh
 bash hack/cluster.sh up
 eval "$(bash hack/cluster.sh env)"
 
