@@ -60,13 +60,16 @@ echo
 kubectl get deployments,services,pods,poddisruptionbudgets,networkpolicies,serviceaccounts,roles,rolebindings \
   -l "disagg.dev/model=$name" -o wide
 echo
-kubectl get dm "$name" -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
-echo
 # The pods are kwok's (no containers), on loopback IPs: simulated vLLM engines listen on them with the
 # identity each pod announces, and the router runs with its rendered arguments and its own ServiceAccount.
 log "a streaming completion through the router to simulated engines on the pods' IPs"
 router_sa="$(.venv/bin/python -c 'import sys; from disagg_connector import contract; print(contract.router_name(sys.argv[1]))' "$name")"
 .venv/bin/python -m tests.vllm_sim.pods --kubeconfig "$KUBECONFIG" --namespace default --model "$name" \
   --token "$(kubectl create token "$router_sa" --duration=10m)"
+echo
+# Once it has served. KVTransferHealthy is the operator's last read of the router pods' /health (when they became
+# ready, then every 5 minutes): here the router is a local process that ran for the completion above only.
+log "the status of $name"
+kubectl get dm "$name" -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
 echo
 log "running. Stop with: hack/demo.sh down"

@@ -108,8 +108,9 @@ REASONS: tuple[Reason, ...] = (
     _r("NoTransferCompleted", "KVTransferHealthy", "transient", "Requests came, none got as far as a KV transfer yet."),
     _r("NoTrafficYet", "KVTransferHealthy", "transient", "No disaggregated request has been served yet."),
     _r("NotCheckedYet", "KVTransferHealthy", "transient", "The routers have not been asked yet."),
-    _r("NoRouterReady", "KVTransferHealthy", "transient", "No router pod is ready to ask."),
-    _r("RouterUnreachable", "KVTransferHealthy", "failing", "No router pod answered on /health: check that network policies let the operator in."),
+    _r("NoRouterReady", "KVTransferHealthy", "transient", "The router is not up yet: no router pod is ready to ask."),
+    _r("RouterStarting", "KVTransferHealthy", "transient", "The router pods became ready moments ago (under 2 minutes) and do not answer on /health yet."),
+    _r("RouterUnreachable", "KVTransferHealthy", "failing", "No router pod answered on /health though ready for 2 minutes or more: check that network policies let the operator in."),
 )
 
 # Reasons of the Events the operator records on a model (events.py) besides the condition reasons above
