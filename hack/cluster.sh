@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # Local Kubernetes control plane for development and e2e tests.
 #
-#   hack/cluster.sh build    build the binaries from Go modules (cached by version), with
-#                            prometheus, promtool and the promql helper (alert rule and
-#                            dashboard query tests, the e2e's Prometheus), GAIE's lwepp and
-#                            lwepp-ask (asks it as a gateway does: tests/e2e/test_gateway.py),
-#                            cyclonus (evaluates the rendered NetworkPolicies: this cluster
-#                            runs no CNI that enforces them; tests/e2e/test_router_kv_events_e2e.py)
-#   hack/cluster.sh up       build if needed, start etcd, kube-apiserver,
+#   hack/cluster.sh build    build every component from Go modules (cached by version): what
+#                            `up` runs (below), and the tools of the tests: helm (chart tests),
+#                            the kstatus helper, prometheus, promtool and the promql helper
+#                            (alert rule and dashboard query tests, the e2e's Prometheus), GAIE's
+#                            lwepp and lwepp-ask (asks it as a gateway does:
+#                            tests/e2e/test_gateway.py), cyclonus (evaluates the rendered
+#                            NetworkPolicies: this cluster runs no CNI that enforces them;
+#                            tests/e2e/test_router_kv_events_e2e.py). hack/setup.sh (and so
+#                            hack/test.sh) runs it.
+#   hack/cluster.sh build-cluster
+#                            build only what `up` runs and installs (CLUSTER_COMPONENTS: etcd,
+#                            kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
+#                            kwok, lws with its CRDs, and the CRD_BUNDLES); `up` and so
+#                            hack/demo.sh build no more than this
+#   hack/cluster.sh up       build-cluster if needed, start etcd, kube-apiserver,
 #                            kube-controller-manager, kube-scheduler (with the Workload
 #                            API and gang scheduling: GenericWorkload), kwok and the
 #                            LeaderWorkerSet controller (lws: its CRDs, and its admission
@@ -99,6 +107,9 @@ COMPONENTS=(
   # Go module proxy can serve (its go.mod names a path its directory does not match), cyclonus's is.
   "cyclonus v0.5.6 - github.com/mattfenwick/cyclonus/cmd/cyclonus"
 )
+# What `up` runs (RUN_ORDER) and drives (kubectl): all that `build-cluster` builds. The other components are
+# the tests' tools, built by `build` only.
+CLUSTER_COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok lws kubectl)
 
 # CRDs of kinds the operator renders whose controllers are not run here (spec.gateway's InferencePool and
 # HTTPRoute, and the Gateway an HTTPRoute names): name, version, Go module, files in it. Copied from the module at
@@ -266,10 +277,25 @@ fetch_crd_bundle() { # name version module files...
   log "build: $name $ver CRDs copied from $module into $dest"
 }
 
-cmd_build() {
-  mkdir -p "$BIN_ROOT"
-  local line total=$SECONDS summary=""
+component_line() { # name -> its COMPONENTS line
+  local line
   for line in "${COMPONENTS[@]}"; do
+    [ "${line%% *}" = "$1" ] && { echo "$line"; return 0; }
+  done
+  die "unknown component $1"
+}
+
+cmd_build() { # [cluster]: only CLUSTER_COMPONENTS (what `up` runs); default every component
+  mkdir -p "$BIN_ROOT"
+  local line name total=$SECONDS summary=""
+  local -a names=()
+  if [ "${1:-all}" = cluster ]; then
+    names=("${CLUSTER_COMPONENTS[@]}")
+  else
+    for line in "${COMPONENTS[@]}"; do names+=("${line%% *}"); done
+  fi
+  for name in "${names[@]}"; do
+    line="$(component_line "$name")"
     # shellcheck disable=SC2086
     build_one $line
     local -a f; read -r -a f <<<"$line"
@@ -688,7 +714,7 @@ all_healthy() {
 
 cmd_up() {
   local start=$SECONDS
-  cmd_build
+  cmd_build cluster
   if [ -f "$MARKER" ] && all_healthy; then
     install_upstream_crds  # a cluster made before they were added gets them too
     wait_until "Gateway API and inference extension CRDs Established" 60 kube-apiserver upstream_crds_established
@@ -821,7 +847,7 @@ cmd_status() {
 
 usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2; }
 
-# build/up/down take a lock so that concurrent callers (several test sessions)
+# build/build-cluster/up/down take a lock so that concurrent callers (several test sessions)
 # do not build or start things twice. Daemons are started with fd 9 closed.
 take_lock() {
   mkdir -p "$CACHE"
@@ -836,6 +862,7 @@ take_lock() {
 
 case "${1:-}" in
   build) take_lock; cmd_build ;;
+  build-cluster) take_lock; cmd_build cluster ;;
   up) take_lock; cmd_up ;;
   down) take_lock; cmd_down ;;
   env) cmd_env ;;

@@ -3,7 +3,9 @@
 # operator, and examples/minimal.yaml reconciled to Ready; then one streaming completion through the
 # model's router to simulated engines on its pods' IPs, with the answer and both legs' timings.
 #
-#   hack/demo.sh          set up, bring everything up, apply the example, wait for Ready, show it
+#   hack/demo.sh          set up (.venv only: no vLLM parser environments), build only what the control
+#                         plane runs (hack/cluster.sh up: no test tools), bring everything up, apply
+#                         the example, wait for Ready, show it, stream one completion, show its status
 #   hack/demo.sh down     stop the operator and the control plane
 #
 # Afterwards: `eval "$(hack/cluster.sh env)"; kubectl get dm -A` talks to the same cluster.
@@ -29,7 +31,8 @@ if [ "${1:-}" = down ]; then
   exec bash hack/cluster.sh down
 fi
 
-DISAGG_SKIP_VLLM=1 bash hack/setup.sh
+# .venv only: `up` builds what it runs (hack/cluster.sh build-cluster), not the test tools `hack/setup.sh` builds
+DISAGG_SKIP_VLLM=1 DISAGG_SKIP_CLUSTER=1 bash hack/setup.sh
 bash hack/cluster.sh up
 eval "$(bash hack/cluster.sh env)"
 
@@ -57,13 +60,16 @@ echo
 kubectl get deployments,services,pods,poddisruptionbudgets,networkpolicies,serviceaccounts,roles,rolebindings \
   -l "disagg.dev/model=$name" -o wide
 echo
-kubectl get dm "$name" -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
-echo
 # The pods are kwok's (no containers), on loopback IPs: simulated vLLM engines listen on them with the
 # identity each pod announces, and the router runs with its rendered arguments and its own ServiceAccount.
 log "a streaming completion through the router to simulated engines on the pods' IPs"
 router_sa="$(.venv/bin/python -c 'import sys; from disagg_connector import contract; print(contract.router_name(sys.argv[1]))' "$name")"
 .venv/bin/python -m disagg_bench.vllm_sim.pods --kubeconfig "$KUBECONFIG" --namespace default --model "$name" \
   --token "$(kubectl create token "$router_sa" --duration=10m)"
+echo
+# Once it has served. KVTransferHealthy is the operator's last read of the router pods' /health (when they became
+# ready, then every 5 minutes): here the router is a local process that ran for the completion above only.
+log "the status of $name"
+kubectl get dm "$name" -o jsonpath='{range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{"\n"}{end}'
 echo
 log "running. Stop with: hack/demo.sh down"

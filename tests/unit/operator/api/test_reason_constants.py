@@ -33,7 +33,7 @@ WIRE_REASONS = (
     "InsufficientHugepages InsufficientCPU InsufficientMemory Unschedulable PreflightPassed NoPreflightYet PreflightFailed "
     "NixlImportFailed NixlBackendUnavailable EfaDevicesMissing AcceleratorsMissing HugepagesMissing SharedMemoryTooSmall "
     "PodGroups PodGroupsNotServed GroupUnschedulable TransfersSucceeding TransfersFailing DeadlinesHit ProtocolMismatch "
-    "NoTransferCompleted NoTrafficYet NotCheckedYet NoRouterReady RouterUnreachable"
+    "NoTransferCompleted NoTrafficYet NotCheckedYet NoRouterReady RouterStarting RouterUnreachable"
 ).split()
 WIRE_EVENT_REASONS = "RolloutStarted RolloutStep RolloutComplete Scaled PodDraining PodRetired DrainTimedOut RevisionRetired".split()
 WIRE_CONDITION_TYPES = "Ready Progressing Degraded FabricReady KVTransferHealthy GangScheduled Reconciling Stalled".split()
