@@ -6,6 +6,6 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash hack/setup.sh
-# Two workers (DISAGG_TEST_WORKERS; 0 runs in this process): the e2e tests are one xdist group on one worker,
-# the rest are spread over both (tests/e2e/conftest.py).
-exec .venv/bin/python -m pytest -n "${DISAGG_TEST_WORKERS:-2}" --dist loadgroup "${@:-tests}"
+# Two workers (DISAGG_TEST_WORKERS; 0 runs in this process): one runs every e2e test, the unit and integration
+# tests are spread over both (tests/conftest.py, pytest_xdist_make_scheduler).
+exec .venv/bin/python -m pytest -n "${DISAGG_TEST_WORKERS:-2}" "${@:-tests}"

@@ -24,3 +24,20 @@ def dashboard_png_dir(request: pytest.FixtureRequest) -> Path | None:
 @pytest.fixture(params=EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def example(request: pytest.FixtureRequest) -> dict[str, Any]:
     return load_example(request.param)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (hack/test.sh: -n 2) the e2e tests are one unit of work: one worker runs them all, in
+    order, against one cluster and one operator (two operators would fight over the same models), while the
+    other workers take the unit and integration tests one by one beside them. Not xdist_group marks with
+    --dist loadgroup: xdist 3.8 marks a group by rewriting item._nodeid, which pytest 9.2's nodes no longer read."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class E2EOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return E2E_SCOPE if nodeid.startswith(E2E_SCOPE + "/") else nodeid
+
+    return E2EOnOneWorker(config, log)
+
+
+E2E_SCOPE = "tests/e2e"

@@ -34,18 +34,13 @@ from tests.fixtures.e2e.operator import service_account_kubeconfig
 
 REPO = Path(__file__).resolve().parents[2]
 E2E_DIR = Path(__file__).resolve().parent
-E2E_GROUP = "e2e"
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test under tests/e2e carries the ``e2e`` marker, and all of them are one xdist group: under
-    ``--dist loadgroup`` (hack/test.sh) one worker runs them in order against one cluster and one operator,
-    while the other workers run the unit and integration tests beside them."""
+    """Every test under tests/e2e carries the ``e2e`` marker (one worker runs them all: tests/conftest.py)."""
     for item in items:
         if E2E_DIR in Path(str(item.path)).resolve().parents:
             item.add_marker(pytest.mark.e2e)
-            item.add_marker(pytest.mark.xdist_group(E2E_GROUP))
 
 
 def _truthy(name: str) -> bool:
