@@ -39,7 +39,7 @@ from tests.fixtures.e2e.models import PRODUCTION_DRAIN_TIMEOUT, model_manifest
 from tests.fixtures.e2e.serving import Serving
 from tests.fixtures.e2e.nodes import Pool
 from tests.fixtures.e2e.models import get_model, rolled_out
-from tests.fixtures.e2e.waiting import PodStates, condition, engine_pods, pod_ready, wait_for
+from tests.fixtures.e2e.waiting import Marks, PodStates, condition, engine_pods, pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -131,6 +131,7 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
     with (
         Serving(cluster, namespace, name, served, tmp_path, listening=(1, 4)) as harness,
         Engines(api_client, namespace, name) as engines,
+        Marks(api_client, namespace, engine_pods(name)) as marks,
     ):
         sims, router = harness.engines, harness.router
         wait_for("router offers 8 prefill ranks and 4 decode pods", lambda: router.table() == {revision: (8, 4)}, 60, retry_on=NOT_YET)
@@ -168,6 +169,9 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
         wait_for("its PodGroup gone", lambda: {g["metadata"]["name"] for g in _pod_groups(api_client, namespace, lws_name)}
                  == {f"{lws_name}-1"}, 60)  # fmt: skip
         wait_for("the router offers two engines", lambda: router.table().get(revision) == (8, 4), 60, retry_on=NOT_YET)
+        third = [f"{lws_name}-2", f"{lws_name}-2-1"]  # the group LWS removed (the highest index): leader, worker
+        wait_for("the third group's engines stopped", lambda: all(e.final is not None for e in sims.all() if e.pod in third), 60)
+        assert_drained_before_deleted(sims, marks, third)
 
         # --- 3. an image rollout, in engines ------------------------------------------------------------------
         started = len(engines.states)
@@ -196,6 +200,23 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
         assert sorted(e.role for e in retired) == ["decode"] * 4 + ["prefill"], [(e.pod, e.role) for e in retired]
         assert_idle_when_deleted(retired)
         assert_no_kv_trouble(sims.all())
+
+
+def assert_drained_before_deleted(sims: PodEngines, marks: Marks, pods: list[str]) -> None:
+    """Each pod was marked draining before it went (it bore the mark when first seen terminating), and its engine
+    was idle with nothing in flight at its deletion (the simulator's stats as the pod got its deletionTimestamp,
+    read before its preStop ran)."""
+    for pod in pods:
+        assert pod in marks.deleted, f"{pod} was not deleted: {sorted(marks.deleted)}"
+        seen, bore_mark = marks.deleted[pod]
+        assert bore_mark and pod in marks.marked and marks.marked[pod][0] <= seen, \
+            f"{pod} went without being marked draining first: marked {marks.marked.get(pod)}, deleted at {seen}"
+        (engine,) = [e for e in sims.all() if e.pod == pod]
+        hook = engine.pre_stop
+        assert hook is not None and hook.stats_at_start is not None, f"{pod}: no preStop ran, or its engine was not listening"
+        at = hook.stats_at_start
+        busy = {k: at[k] for k in ("active", "waiting_for_kv")}
+        assert not any(busy.values()) and not at["in_flight"], f"{pod} was deleted with work in flight: {busy} {at['in_flight']}"
 
 
 def _pod_groups(api_client: Any, namespace: str, lws: str) -> list[dict[str, Any]]:
