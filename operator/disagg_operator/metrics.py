@@ -10,6 +10,9 @@ controller-runtime's names, label controller="disaggregatedmodel":
 Ours:
   disagg_operator_reconcile_errors_by_reason_total{reason}   ChildRejected, OwnershipConflict, ApiUnavailable, ...
   disagg_operator_children_applied_total{kind}, disagg_operator_children_deleted_total{kind}
+  disagg_operator_model_passes_total{model_namespace, model, result}   the passes of each model (result as
+                                                              controller_runtime_reconcile_total's): that a model
+                                                              was reconciled N times since a start
   disagg_operator_models{phase}                               read from the cache at scrape time
   disagg_operator_model_condition{model_namespace, model, type, status, reason}   1 per model and condition
                                                               type, read from the cache at scrape time
@@ -99,6 +102,8 @@ class OperatorMetrics:
                                         ["reason"], registry=r)
         self.applied = Counter("disagg_operator_children_applied", "Children written by server-side apply", ["kind"], registry=r)
         self.deleted = Counter("disagg_operator_children_deleted", "Children deleted", ["kind"], registry=r)
+        self.model_passes = Counter("disagg_operator_model_passes", "Reconcile passes per DisaggregatedModel, by result",
+                                    ["model_namespace", "model", "result"], registry=r)
         # At 0 from the start, as controller-runtime initialises them: a query over them has data before the first error.
         self.reconcile_errors.labels(CONTROLLER)
         for result in RECONCILE_RESULTS:

@@ -261,9 +261,11 @@ class Controller:
         finally:
             gauge.dec()
             self.metrics.reconcile_time.labels(CONTROLLER).observe(time.monotonic() - started)
+        outcome = ("error" if result.result == "error" else "requeue") if result.retry else "success"
+        self.metrics.model_passes.labels(*key, outcome).inc()
         if result.retry:
             delay = self.queue.add_rate_limited(key)
-            self.metrics.reconcile_total.labels(CONTROLLER, "error" if result.result == "error" else "requeue").inc()
+            self.metrics.reconcile_total.labels(CONTROLLER, outcome).inc()
             self.metrics.errors_by_reason.labels(result.reason or "Unknown").inc()
             if result.result == "error":
                 self.metrics.reconcile_errors.labels(CONTROLLER).inc()

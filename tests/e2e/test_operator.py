@@ -20,7 +20,7 @@ from disagg_connector import contract
 
 from tests.fixtures.models import REPO, load_example, merge
 from tests.fixtures.api_cases import INVALID, VALID_EDGES
-from tests.fixtures.e2e.operator import OPERATOR_USER
+from tests.fixtures.e2e.operator import OPERATOR_USER, idle, model_passes
 from tests.fixtures.e2e.models import model_manifest
 from tests.fixtures.e2e.waiting import condition, pod_ready as is_ready, wait_for
 from tests.fixtures.e2e.models import GROUP, PLURAL, VERSION, get_model, pods_of, wait_ready
@@ -251,6 +251,10 @@ def test_unsatisfiable_spec_reports_capacity_and_disturbs_nothing(operator, api_
     assert fits_deployments() == before, "the other model's workloads were not touched"
 
 
+# The resume pass and, with nothing else changing, passes of resync periods (15 s in the e2e) after it.
+PASSES_AFTER_RESTART = 3
+
+
 def _operator_writes(cluster, since: str) -> list[dict]:
     return [
         e for e in cluster.audit_events()
@@ -265,17 +269,33 @@ def test_restart_and_steady_state_make_no_writes(operator, cluster, api_client, 
         pytest.fail("this test counts writes in the API server's audit log: set DISAGG_AUDIT_LOG", pytrace=False)
     custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest("steady"))
     wait_ready(custom, namespace, "steady")
-    time.sleep(5)  # let trailing events (pods turning Ready, Deployment status) settle
     apps = client.AppsV1Api(api_client)
-    uids = {d.metadata.name: (d.metadata.uid, d.metadata.resource_version) for d in apps.list_namespaced_deployment(namespace).items}
-    before = get_model(custom, namespace, "steady")
+
+    def children() -> dict[str, tuple[str, str]]:
+        return {d.metadata.name: (d.metadata.uid, d.metadata.resource_version) for d in apps.list_namespaced_deployment(namespace).items}
+
+    def settled() -> tuple[dict[str, tuple[str, str]], dict] | None:
+        """Trailing events (pods turning Ready, Deployment status) settled: a whole pass of the model ran, with
+        nothing queued after it, and neither the Deployments nor the model changed across it."""
+        uids, model = children(), get_model(custom, namespace, "steady")
+        passes = model_passes(operator.metrics_port, namespace, "steady")
+        wait_for("a pass of the model, then an idle queue", lambda: model_passes(operator.metrics_port, namespace, "steady") > passes
+                 and idle(operator.metrics_port), 60, retry_on=(OSError,))  # fmt: skip
+        now = get_model(custom, namespace, "steady")
+        same = children() == uids and now["metadata"]["resourceVersion"] == model["metadata"]["resourceVersion"]
+        return (uids, now) if same else None
+
+    uids, before = wait_for("the model and its children settled", settled, 120)
     mark = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
 
     operator.stop()
     operator.start()
-    time.sleep(20)  # resume handlers, child events, and several would-be resync periods
+    # Resume handlers, child events, and would-be resync periods: PASSES_AFTER_RESTART whole passes of the model by
+    # the new process (its counters start at 0), nothing queued or running after the last.
+    wait_for(f"{PASSES_AFTER_RESTART} passes of the model after the restart", lambda: model_passes(operator.metrics_port, namespace, "steady")
+             >= PASSES_AFTER_RESTART and idle(operator.metrics_port), 120, retry_on=(OSError,))  # fmt: skip
     assert operator.alive()
-    after = {d.metadata.name: (d.metadata.uid, d.metadata.resource_version) for d in apps.list_namespaced_deployment(namespace).items}
+    after = children()
     assert after == uids, "no child recreated or rewritten"
     now = get_model(custom, namespace, "steady")
     assert now["status"] == before["status"]
