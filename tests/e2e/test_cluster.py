@@ -201,7 +201,13 @@ def test_more_efa_than_any_node_stays_pending_with_reason(api_client, namespace)
 
     wait_for("FailedScheduling event naming the EFA resource", failed_scheduling_event, timeout=30)
 
-    time.sleep(2)
+    # The window: the scheduler binds a pod only in a scheduling cycle; one it found unschedulable waits for a
+    # cluster event that could make it fit (none comes here). A pod created after that failure and bound shows
+    # the scheduler ran its cycles past it, and left it where it was.
+    later = client.V1Pod(metadata=client.V1ObjectMeta(name="later"),
+                         spec=client.V1PodSpec(containers=[client.V1Container(name="c", image="registry.example/pause:1")]))
+    core.create_namespaced_pod(namespace, later)
+    wait_for("a pod created after the failure bound", lambda: core.read_namespaced_pod("later", namespace).spec.node_name, timeout=60)
     p = core.read_namespaced_pod(name, namespace)
     assert p.status.phase == "Pending"
     assert not p.spec.node_name
