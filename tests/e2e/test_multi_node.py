@@ -203,14 +203,17 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
 
 
 def assert_drained_before_deleted(sims: PodEngines, marks: Marks, pods: list[str]) -> None:
-    """Each pod was marked draining before it went (it bore the mark when first seen terminating), and its engine
-    was idle with nothing in flight at its deletion (the simulator's stats as the pod got its deletionTimestamp,
-    read before its preStop ran)."""
+    """The group (`pods`, its leader first) was drained before it went: every pod of it was marked draining before
+    its leader was deleted (the group goes with its leader: LWS's garbage collector takes the workers), the leader
+    bore the mark then, and each pod's engine was idle with nothing in flight at its own deletion (the simulator's
+    stats as the pod got its deletionTimestamp, read before its preStop ran)."""
+    leader = pods[0]
+    assert leader in marks.deleted, f"{leader} was not deleted: {sorted(marks.deleted)}"
+    went, bore_mark = marks.deleted[leader]
+    assert bore_mark, f"{leader} was deleted without the draining mark: first marked {marks.marked.get(leader)}"
     for pod in pods:
-        assert pod in marks.deleted, f"{pod} was not deleted: {sorted(marks.deleted)}"
-        seen, bore_mark = marks.deleted[pod]
-        assert bore_mark and pod in marks.marked and marks.marked[pod][0] <= seen, \
-            f"{pod} went without being marked draining first: marked {marks.marked.get(pod)}, deleted at {seen}"
+        assert pod in marks.marked and marks.marked[pod][0] < went, \
+            f"{pod} was not marked draining before its group went at {went}: marked {marks.marked.get(pod)}"
         (engine,) = [e for e in sims.all() if e.pod == pod]
         hook = engine.pre_stop
         assert hook is not None and hook.stats_at_start is not None, f"{pod}: no preStop ran, or its engine was not listening"
