@@ -50,11 +50,16 @@ def test_kubectl_describe_tells_a_rollouts_story_in_order(operator, cluster, api
     assert story[0] == "RolloutStarted" and story[-1] == "RolloutComplete", reasons
     assert story.index("PodDraining") < story.index("PodRetired") < story.index("RevisionRetired"), reasons
     assert story.count("PodDraining") == 2 and story.count("PodRetired") == 2, reasons  # the old prefill and decode
-    # kwok's router pod runs no router: the operator cannot ask it, says so once, and lets each old pod go at the
-    # (e2e-short) drain timeout with a warning. Nothing else is worth a warning in a routine rollout.
+    # kwok's router pod runs no router: the operator cannot ask it and lets each old pod go at the (e2e-short)
+    # drain timeout with a warning. While the router pod is Ready for less than status.ROUTER_START_GRACE_S the
+    # operator takes it to be starting (RouterStarting: transient, no warning); past that it says once that it is
+    # unreachable (a slow run gets there). Nothing else is worth a warning in a routine rollout.
     warnings = [(e["reason"], e.get("series")) for e in model_events(api_client, namespace, name) if e["type"] == "Warning"]
-    assert {r for r, _ in warnings} == {"RouterUnreachable", "DrainTimedOut"}, warnings
-    assert [r for r, _ in warnings].count("RouterUnreachable") == 1 and not any(s for _, s in warnings), warnings
+    assert "DrainTimedOut" in {r for r, _ in warnings}, warnings
+    assert {r for r, _ in warnings} <= {"RouterUnreachable", "DrainTimedOut"}, warnings
+    assert [r for r, _ in warnings].count("RouterUnreachable") <= 1 and not any(s for _, s in warnings), warnings
+    kv = condition(get_model(custom, namespace, name), "KVTransferHealthy")
+    assert kv.get("reason") in ("RouterStarting", "RouterUnreachable"), kv
     described = cluster.kubectl("describe", f"{PLURAL}/{name}", "-n", namespace).stdout
     for reason in ("RolloutStarted", "PodDraining", "PodRetired", "RolloutComplete"):
         assert reason in described, described[-3000:]
