@@ -114,7 +114,7 @@ def of_status(previous: Mapping[str, Any] | None, status: Mapping[str, Any]) -> 
     elif now.get("reason") == Reason.ROUTER_UNREACHABLE and was.get("reason") != Reason.ROUTER_UNREACHABLE:
         out.append(Event(Reason.ROUTER_UNREACHABLE, "Status", now.get("message", "")))
     was, now = _condition(previous, GANG_SCHEDULED), _condition(status, GANG_SCHEDULED)
-    if now.get("status") == "False" and was.get("status") != "False":
+    if now.get("status") == "False" and (was.get("status") != "False" or was.get("reason") != now.get("reason")):
         out.append(Event(cast(Reason, now.get("reason", "")), "Status", now.get("message", "")))
     return out
 

@@ -139,4 +139,10 @@ def sized(desired: Desired, observed: Observed, targets: Mapping[str, int], engi
             pair = copy.deepcopy(pair)
             pair["spec"]["schedulingPolicy"]["gang"]["minCount"] = gang.pair_min_count(desired.model, dict(targets))
             children[key_of(pair)] = pair
+    # A pod names a PodGroup only where one is served (served unknown: not asked, as none is rendered), and a
+    # revision's Deployment keeps what it was made with: one made where none was served is not changed in place
+    # (that would replace its pods outside the rollout's drains); the next revision names it.
+    unnamed = {k for k, o in children.items() if o["kind"] == "Deployment" and is_engine_workload(o)
+               and (not observed.pod_groups_served or (k in observed.children and not gang.names_pod_group(observed.children[k])))}
+    children = {k: gang.without_pod_group(o) if k in unnamed else o for k, o in children.items()}
     return Sized(children, scalers)

@@ -210,6 +210,14 @@ def _scheduling_problem(pods: list[PodView]) -> Problem | None:
                    f"{len(members)} of its pods cannot be scheduled: {words}")
 
 
+def _with_partly_bound(problem: Problem | None, gangs: gang.Membership) -> Problem | None:
+    """A gang partly bound holds accelerators and serves nothing: Ready's message names it and what it holds."""
+    if not gangs.partly_bound:
+        return problem
+    words = "; ".join(p.describe() for p in gangs.partly_bound)
+    return Problem(problem.reason, f"{problem.message}; {words}") if problem else Problem(Reason.PARTLY_BOUND, words)
+
+
 def _container_problem(pod: Obj) -> Problem | None:
     name = pod["metadata"]["name"]
     status = pod.get("status", {})
@@ -350,7 +358,8 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     current_pods = [p.obj for p in engine_pods if p.revision == revision]
     current_deployments = [d for d in observed.workloads if revision_of(d) in (revision, None)]
     fabric_failures, fabric_passes = _preflight_results(current_pods)
-    capacity = _scheduling_problem([p for p in engine_pods if p.revision == revision])
+    membership = gang.membership(observed.pods, [r for r in contract.ENGINE_ROLES if targets.get(r, 0) > 0])
+    capacity = _with_partly_bound(_scheduling_problem([p for p in engine_pods if p.revision == revision]), membership)
     crash = next(filter(None, map(_container_problem, observed.pods)), None)
     creation = next(filter(None, map(_pod_creation_problem, current_deployments)), None)
     summary = facts.summary()
@@ -404,7 +413,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
 
     ready_ages = router_ready_ages(observed, observed.routers.names, now) if observed.routers is not None else ()
     kv = (KV_TRANSFER_HEALTHY, *kv_transfer(observed.routers, previous, ready_ages))
-    gangs = [g] if (g := gang_scheduled(desired, observed)) else []
+    gangs = [g] if (g := gang_scheduled(desired, observed, membership)) else []
     conditions = [condition(t, ok, reason, msg, ref.generation, previous, now)
                   for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv, *gangs)]  # fmt: skip
     return _with_generic_conditions({
@@ -421,21 +430,35 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     }, ref.generation, previous, now)  # fmt: skip
 
 
-def gang_scheduled(desired: Desired, observed: Observed) -> tuple[ConditionType, bool, Reason, str] | None:
-    """GangScheduled, for a model with PodGroups (render/gang.py) whose cluster was asked whether it serves them."""
+def gang_scheduled(desired: Desired, observed: Observed, gangs: gang.Membership) -> tuple[ConditionType, bool, Reason, str] | None:
+    """GangScheduled, for a model with PodGroups (render/gang.py) whose cluster was asked whether it serves them:
+    True only while every pod of a gang is in its PodGroup (spec.schedulingGroup, as the census holds the pods)
+    and no gang is partly bound; a partly bound gang is named first, with what it holds and why."""
     spec = desired.model.spec
     spanning = [f"{r} ({getattr(spec, r).shape.pods} pods)" for r in contract.ENGINE_ROLES if getattr(spec, r).shape.spans_pods]
     pairs = gang.pairs(desired.model)
     if not (spanning or pairs) or observed.pod_groups_served is None:
         return None
-    if observed.pod_groups_served:
-        what = [f"each engine of {' and '.join(spanning)} is one PodGroup: its pods are bound all together or not at all"] if spanning else []
-        what += ["a revision's first prefill and decode engines are bound together or not at all"] if pairs else []
-        return (GANG_SCHEDULED, True, Reason.POD_GROUPS, "; ".join(what))
-    if not spanning:
+    if not observed.pod_groups_served and not spanning:
         return None  # pods bound one by one, as on most clusters today: no news for one-pod engines
-    return (GANG_SCHEDULED, False, Reason.POD_GROUPS_NOT_SERVED, f"the pods of the engines of {' and '.join(spanning)} are "
-            f"bound one by one, and a group that fits only in part holds the accelerators of the pods bound: {gang.INSTALL_HINT}")
+    if not observed.pod_groups_served:
+        cause = (Reason.POD_GROUPS_NOT_SERVED, f"the pods of the engines of {' and '.join(spanning)} are bound one by one, "
+                 f"and a group that fits only in part holds the accelerators of the pods bound: {gang.INSTALL_HINT}")  # fmt: skip
+    elif gangs.outside:
+        names = ", ".join(f"{m.name} (in {m.actual or 'none'}, not {m.wanted})" for m in gangs.outside[:4])
+        more = f" and {len(gangs.outside) - 4} more" if len(gangs.outside) > 4 else ""
+        cause = (Reason.PODS_OUTSIDE_GROUPS, f"{len(gangs.outside)} of the model's {len(gangs.members)} gang pods are not "
+                 f"in their PodGroup: {names}{more}; they are bound one by one. {gang.POLICY_HINT}")  # fmt: skip
+    else:
+        cause = None
+    if gangs.partly_bound:
+        why = f"; why: {cause[1]}" if cause else ""
+        return (GANG_SCHEDULED, False, Reason.PARTLY_BOUND, "; ".join(p.describe() for p in gangs.partly_bound) + why)
+    if cause:
+        return (GANG_SCHEDULED, False, *cause)
+    what = [f"each engine of {' and '.join(spanning)} is one PodGroup: its pods are bound all together or not at all"] if spanning else []
+    what += ["a revision's first prefill and decode engines are bound together or not at all"] if pairs else []
+    return (GANG_SCHEDULED, True, Reason.POD_GROUPS, "; ".join(what))
 
 
 def kv_transfer(routers: RouterView | None, previous: Mapping[str, Any],

@@ -109,6 +109,8 @@ class Reason(StrEnum):
     SHARED_MEMORY_TOO_SMALL = PreflightReason.SHARED_MEMORY_TOO_SMALL.value
     POD_GROUPS = "PodGroups"
     POD_GROUPS_NOT_SERVED = "PodGroupsNotServed"
+    PODS_OUTSIDE_GROUPS = "PodsOutsideGroups"
+    PARTLY_BOUND = "PartlyBound"
     GROUP_UNSCHEDULABLE = "GroupUnschedulable"
     TRANSFERS_SUCCEEDING = KVReason.TRANSFERS_SUCCEEDING.value
     TRANSFERS_FAILING = KVReason.TRANSFERS_FAILING.value
@@ -179,6 +181,8 @@ REASONS: tuple[ReasonDoc, ...] = (
     # --- gangs, for engines that span pods (render/gang.py) ------------------------------------------------------
     _r(Reason.POD_GROUPS, "GangScheduled", "ok", "Each LeaderWorkerSet group has its PodGroup, or each revision its prefill/decode pair's: the scheduler binds them together or not at all."),
     _r(Reason.POD_GROUPS_NOT_SERVED, "GangScheduled", "capacity", "The cluster does not serve scheduling.k8s.io/v1beta1 PodGroups: an engine's pods are bound one by one, and a group that fits in part holds the GPUs of the pods bound. Turn on GenericWorkload (docs/gang-scheduling.md)."),
+    _r(Reason.PODS_OUTSIDE_GROUPS, "GangScheduled", "needs-change", "PodGroups are served, but engine pods are in no PodGroup (or another than theirs): the chart's admission policy, which puts an LWS group's pods in their PodGroup, is missing or does not match them. Install the chart, or its policy alone (docs/gang-scheduling.md); pods made before it stay outside until recreated."),
+    _r(Reason.PARTLY_BOUND, "Ready Degraded GangScheduled", "capacity", "A gang is partly bound: some of its pods hold a node and their accelerators while the others cannot be scheduled, so it serves nothing. The message names it, what it holds and why the gang did not hold."),
     _r(Reason.GROUP_UNSCHEDULABLE, "Ready Degraded", "capacity", "An engine that spans pods cannot be bound as a whole: none of its pods holds a node; the message names the engine and what it lacks."),
     # --- KV transfer, from the routers (disagg_connector.contract.health verdicts) ---------------------------
     _r(Reason.TRANSFERS_SUCCEEDING, "KVTransferHealthy", "ok", "Requests of every revision got their KV recently."),

@@ -261,6 +261,7 @@ def pod_template(
         pod_spec["priorityClassName"] = role.priority_class_name
     if role.scheduler_name:
         pod_spec["schedulerName"] = role.scheduler_name
+    pod_spec |= gang.pair_scheduling_group(dm)  # hashed as "the pair of its revision", named by `deployment`
     return {
         "metadata": {
             # the gang label is hashed with the rest: changing it is a new revision, rolled out with drains
@@ -279,7 +280,7 @@ def deployment(
     rollout = getattr(dm.spec.rollout, role_name)
     labels = contract.child_labels(model, role_name, revision)
     pod_labels = {**template["metadata"]["labels"], **labels, **gang.pair_label(dm, revision)}
-    template = {**template, "metadata": {**template["metadata"], "labels": pod_labels}}
+    template = gang.name_pair({**template, "metadata": {**template["metadata"], "labels": pod_labels}}, dm, revision)
     spec: dict[str, Any] = {
         "selector": {"matchLabels": {**contract.selector_labels(model, role_name), contract.LABEL_REVISION: revision}},
         "strategy": {

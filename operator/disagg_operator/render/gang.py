@@ -16,7 +16,8 @@ PodGroup; LWS v0.9.0 makes none. The chart's MutatingAdmissionPolicies put every
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
 
 from disagg_connector import contract
 
@@ -28,6 +29,17 @@ INSTALL_HINT = (
     "gangs come from Kubernetes' Workload API: turn on the GenericWorkload "
     "feature gate on kube-apiserver, kube-controller-manager and kube-scheduler and serve scheduling.k8s.io/v1beta1 "
     "(docs/gang-scheduling.md)"
+)
+# The policy alone, for an operator installed another way than the chart (its cluster-wide objects only).
+POLICY_COMMAND = (
+    "helm template disagg-operator charts/disagg-operator --show-only templates/gang-policy.yaml "
+    "--api-versions scheduling.k8s.io/v1beta1/PodGroup --api-versions admissionregistration.k8s.io/v1/MutatingAdmissionPolicy "
+    "| kubectl apply -f -"
+)
+POLICY_HINT = (
+    "The chart's MutatingAdmissionPolicy, which puts each labelled pod in its PodGroup, is missing or does not match "
+    "them: install the chart (gangScheduling.admissionPolicy.enabled, on by default) or its policy alone "
+    f"(`{POLICY_COMMAND}`); pods made before it stay outside until recreated (docs/gang-scheduling.md)"
 )
 
 
@@ -108,7 +120,170 @@ def pod_label(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, str]:
     return {contract.LABEL_GANG: contract.GANG_PAIR} if pairs(dm) else {}
 
 
+# What a pod template hashed into the revision says of its PodGroup, when the operator names the pair itself: the
+# pair of the revision the hash makes (`name_pair` writes the name once the revision is known).
+PAIR_OF_ITS_REVISION = "pair-of-its-revision"
+
+
+def names_pair(dm: DisaggregatedModel) -> bool:
+    """Whether the operator puts the pods of a revision's pair in their PodGroup itself: where every engine is one
+    pod, each pod template (one per revision) can name the revision's pair, so the pair holds without the chart's
+    admission policy. An LWS's template is shared by all its groups and cannot name group 0's (the policy does)."""
+    return pairs(dm) and not any(getattr(dm.spec, r).shape.spans_pods for r in contract.ENGINE_ROLES)
+
+
+def pair_scheduling_group(dm: DisaggregatedModel) -> dict[str, Any]:
+    """The pod spec's field that puts a pod in its revision's pair (`names_pair`), as hashed."""
+    return {"schedulingGroup": {"podGroupName": PAIR_OF_ITS_REVISION}} if names_pair(dm) else {}
+
+
+def name_pair(template: dict[str, Any], dm: DisaggregatedModel, revision: str) -> dict[str, Any]:
+    """The pod template with its revision's pair named, where it names one."""
+    if ((template.get("spec") or {}).get("schedulingGroup") or {}).get("podGroupName") != PAIR_OF_ITS_REVISION:
+        return template
+    group = {"podGroupName": contract.pair_pod_group_name(dm.metadata.name, revision)}
+    return {**template, "spec": {**template["spec"], "schedulingGroup": group}}
+
+
+def names_pod_group(workload: dict[str, Any]) -> bool:
+    """Whether an engine Deployment's pods name their PodGroup themselves."""
+    return "schedulingGroup" in ((workload.get("spec") or {}).get("template") or {}).get("spec", {})
+
+
+def without_pod_group(workload: dict[str, Any]) -> dict[str, Any]:
+    """An engine Deployment whose pods name no PodGroup, for a cluster that serves none (a pod naming one that
+    cannot exist would wait forever; an API server without GenericWorkload drops the field, which would read as drift)."""
+    if not names_pod_group(workload):
+        return workload
+    pod = workload["spec"]["template"]
+    spec = {k: v for k, v in pod["spec"].items() if k != "schedulingGroup"}
+    return {**workload, "spec": {**workload["spec"], "template": {**pod, "spec": spec}}}
+
+
 def pair_label(dm: DisaggregatedModel, revision: str) -> dict[str, str]:
     """The revision's pair PodGroup, named on its engines' pods. Outside the revision hash (it holds the revision);
     `pairs` follows the roles' priority and scheduler, which are in the hash."""
     return {contract.LABEL_POD_GROUP: contract.pair_pod_group_name(dm.metadata.name, revision)} if pairs(dm) else {}
+
+
+# --- membership: what the pods say about the gangs (status.gang_scheduled) --------------------------------
+
+
+def wanted_pod_group(name: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> str | None:
+    """The PodGroup a pod of ours belongs in, the way the chart's policy names it (templates/gang-policy.yaml, and
+    the operator itself for the pods of one-pod engines, `named_pair`): a pod of the pair (LABEL_POD_GROUP, a
+    one-pod engine's or one of LWS group 0's) in its revision's pair, any other LWS pod in its leader's group."""
+    kind = labels.get(contract.LABEL_GANG)
+    if kind == contract.GANG_PAIR:
+        return labels.get(contract.LABEL_POD_GROUP)
+    lws = labels.get(contract.LWS_NAME_LABEL)
+    if kind != contract.GANG_LWS_GROUP or not lws:
+        return None
+    leader = annotations.get(contract.LWS_LEADER_NAME_ANNOTATION) or name
+    pair = labels.get(contract.LABEL_POD_GROUP)
+    return pair if pair and leader == pod_group_name(lws, 0) else leader
+
+
+def _accelerators(pod: Mapping[str, Any]) -> dict[str, int]:
+    held: dict[str, int] = {}
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        for resource in contract.ACCELERATOR_RESOURCES.values():
+            count = (resources.get("requests") or {}).get(resource, (resources.get("limits") or {}).get(resource))
+            if count is not None:
+                held[resource] = held.get(resource, 0) + int(count)
+    return held
+
+
+@dataclass(frozen=True)
+class Member:
+    """One pod of a gang, as the census holds it."""
+
+    name: str
+    role: str | None
+    engine: contract.EngineGroup  # the engine it is (part of)
+    wanted: str  # the PodGroup it belongs in
+    in_pair: bool  # that PodGroup is its revision's pair
+    actual: str | None  # the PodGroup it is in (spec.schedulingGroup), if any
+    node: str | None  # spec.nodeName: bound
+    unschedulable: bool  # PodScheduled=False, Unschedulable
+    accelerators: Mapping[str, int]
+
+    @classmethod
+    def of(cls, pod: Mapping[str, Any]) -> "Member | None":
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        labels, annotations, name = meta.get("labels") or {}, meta.get("annotations") or {}, meta.get("name", "")
+        wanted = wanted_pod_group(name, labels, annotations)
+        if wanted is None:
+            return None
+        try:
+            engine = contract.engine_group(name, labels, annotations)
+        except ValueError:
+            engine = contract.EngineGroup(name, 1)
+        unschedulable = any(c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+                            for c in (pod.get("status") or {}).get("conditions") or [])  # fmt: skip
+        return cls(name, labels.get(contract.LABEL_ROLE), engine, wanted, wanted == labels.get(contract.LABEL_POD_GROUP),
+                   (spec.get("schedulingGroup") or {}).get("podGroupName"), spec.get("nodeName"), unschedulable,
+                   _accelerators(pod))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PartlyBound:
+    """A gang some of whose pods hold nodes while others cannot be scheduled: it serves nothing and holds what
+    its bound pods asked for."""
+
+    group: str
+    bound: tuple[Member, ...]
+    waiting: tuple[Member, ...]
+
+    @property
+    def held(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for member in self.bound:
+            for resource, count in member.accelerators.items():
+                total[resource] = total.get(resource, 0) + count
+        return total
+
+    def describe(self) -> str:
+        held = ", ".join(f"{count} {resource}" for resource, count in sorted(self.held.items())) or "no accelerator"
+        on = ", ".join(f"{m.name} on {m.node}" for m in self.bound)
+        return (f"{self.group} is partly bound: {len(self.bound)} of its {len(self.bound) + len(self.waiting)} pods "
+                f"hold {held} ({on}) while {', '.join(m.name for m in self.waiting)} cannot be scheduled")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The gangs as the pods show them: the pods outside the PodGroup they belong in, and the gangs partly bound."""
+
+    members: tuple[Member, ...]
+    outside: tuple[Member, ...]
+    partly_bound: tuple[PartlyBound, ...]
+
+
+def _whole_engines(bound: Iterable[Member]) -> set[str | None]:
+    """The roles of which an engine has all its pods among `bound`."""
+    count: dict[tuple[str | None, str], int] = {}
+    for member in bound:
+        count[member.role, member.engine.key] = count.get((member.role, member.engine.key), 0) + 1
+    sizes = {(m.role, m.engine.key): m.engine.pods for m in bound}
+    return {role for (role, key), n in count.items() if n >= sizes[role, key]}
+
+
+def membership(pods: Iterable[Mapping[str, Any]], roles_to_run: Iterable[str] = contract.ENGINE_ROLES) -> Membership:
+    """Which pods are in their PodGroups, and which gangs are partly bound: some of its pods bound, another that
+    cannot be scheduled, and short of its quorum (an LWS group: all its pods; a pair: a whole engine of each role
+    in `roles_to_run`). Pods that terminate are not counted (a recreated group waits for them)."""
+    members = tuple(m for pod in pods if not (pod.get("metadata") or {}).get("deletionTimestamp") and (m := Member.of(pod)))
+    groups: dict[str, list[Member]] = {}
+    for member in members:
+        groups.setdefault(member.wanted, []).append(member)
+    partly = []
+    for group, gang in sorted(groups.items()):
+        bound = tuple(m for m in gang if m.node)
+        waiting = tuple(m for m in gang if not m.node and m.unschedulable)
+        if not (bound and waiting):
+            continue
+        if any(m.in_pair for m in gang) and _whole_engines(bound) >= set(roles_to_run):
+            continue  # the pair is there: more pods of one-pod engines bind one by one
+        partly.append(PartlyBound(group, bound, waiting))
+    return Membership(members, tuple(m for m in members if m.actual != m.wanted), tuple(partly))

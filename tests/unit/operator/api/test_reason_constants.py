@@ -32,7 +32,7 @@ WIRE_REASONS = (
     "ApplyFailed InternalError CrashLoop ImagePullFailed InsufficientGPUs InsufficientNeuronDevices InsufficientEFADevices "
     "InsufficientHugepages InsufficientCPU InsufficientMemory Unschedulable PreflightPassed NoPreflightYet PreflightFailed "
     "NixlImportFailed NixlBackendUnavailable EfaDevicesMissing AcceleratorsMissing HugepagesMissing SharedMemoryTooSmall "
-    "PodGroups PodGroupsNotServed GroupUnschedulable TransfersSucceeding TransfersFailing DeadlinesHit ProtocolMismatch "
+    "PodGroups PodGroupsNotServed PodsOutsideGroups PartlyBound GroupUnschedulable TransfersSucceeding TransfersFailing DeadlinesHit ProtocolMismatch "
     "NoTransferCompleted NoTrafficYet NotCheckedYet NoRouterReady RouterStarting RouterUnreachable"
 ).split()
 WIRE_EVENT_REASONS = "RolloutStarted RolloutStep RolloutComplete Scaled PodDraining PodRetired DrainTimedOut RevisionRetired".split()
