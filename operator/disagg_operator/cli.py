@@ -9,6 +9,7 @@ a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import socket
 import sys
@@ -27,7 +28,7 @@ from .changeplan import PlanError, change_plan
 from .config import RenderDefaults
 from .manifests import dump_all, load_all
 from .rbac import cluster_role
-from .render import render
+from .render import gang, render
 
 if TYPE_CHECKING:
     from .metrics import OperatorMetrics
@@ -74,8 +75,34 @@ def _only_models(docs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return models
 
 
+def _cluster_gangs() -> tuple[bool, frozenset[str] | None]:
+    """What the cluster of the kubeconfig offers gangs: PodGroups served, and the gang labels a bound admission
+    policy covers (None where the operator's user may not list policies)."""
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.config import ConfigException
+    from urllib3.exceptions import HTTPError
+
+    from .kube import Cluster, error_message, load_api_client
+
+    try:
+        cluster = Cluster(load_api_client())
+        served = cluster.serves(gang.POD_GROUP_API_VERSION, gang.POD_GROUP_KIND)
+    except ConfigException as error:
+        raise InputError(f"--cluster needs a kubeconfig (KUBECONFIG or ~/.kube/config): {error}") from None
+    except (ApiException, HTTPError) as error:
+        raise InputError(f"cannot reach the API server: {error}") from None
+    try:
+        covered = gang.policy_covers(cluster.list_cluster(gang.ADMISSION_API_VERSION, gang.POLICY_KIND),
+                                     cluster.list_cluster(gang.ADMISSION_API_VERSION, gang.BINDING_KIND))  # fmt: skip
+    except ApiException as error:
+        print(f"note: cannot list MutatingAdmissionPolicies: {error_message(error)}", file=sys.stderr)
+        covered = None
+    return served, covered
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     status = 0
+    gangs = _cluster_gangs() if args.cluster else ()
     for label, doc in _only_models(_read_documents(args.filename)):
         try:
             dm = parse(doc)
@@ -87,6 +114,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             continue
         transfer = render(dm).plan
         print(f"{label}: valid ({transfer.mode} via {transfer.backend}: {transfer.reason})")
+        print(f"  gangs: {gang.outlook(dm, *gangs)[1]}")
     return status
 
 
@@ -165,6 +193,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         planned = change_plan(current, new, defaults)
     except PlanError as error:
         raise InputError(str(error)) from None
+    if args.from_cluster:
+        planned = dataclasses.replace(planned, gangs=gang.outlook(new, *_cluster_gangs())[1])
     sys.stdout.write(planned.to_json() if args.output == "json" else planned.to_text())
     return 0
 
@@ -265,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     validate = sub.add_parser("validate", help="report every problem of DisaggregatedModel manifests")
     validate.add_argument("-f", "--filename", required=True, help="YAML file, or - for stdin")
+    validate.add_argument("--cluster", action="store_true",
+                          help="also say whether the models' gangs will hold on the cluster of the kubeconfig")
     validate.set_defaults(func=cmd_validate)
     rend = sub.add_parser("render", help="print the manifests the operator would apply")
     rend.add_argument("-f", "--filename", required=True, help="YAML file, or - for stdin")
@@ -277,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     against.add_argument("--current", help="the model as it is now (a file, e.g. from kubectl get -o yaml); "
                          "neither this nor --from-cluster: a first create")  # fmt: skip
     against.add_argument("--from-cluster", action="store_true",
-                         help="read the model as it is now from the cluster of the kubeconfig (name and namespace from -f)")
+                         help="read the model as it is now from the cluster of the kubeconfig (name and namespace from -f), "
+                         "and say whether its gangs will hold there")
     plan.add_argument("-n", "--namespace", help="the model's namespace (default: the manifest's)")
     plan.add_argument("-o", "--output", choices=("text", "json"), default="text")
     plan.set_defaults(func=cmd_plan)

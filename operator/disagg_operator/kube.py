@@ -83,6 +83,12 @@ class Cluster:
         self._served[(api_version, kind)] = (found, now)
         return found
 
+    def list_cluster(self, api_version: str, kind: str) -> list[dict[str, Any]]:
+        """Every object of a cluster-scoped kind (an empty list where the kind is not served)."""
+        if not self.serves(api_version, kind):
+            return []
+        return [o.to_dict() for o in self._resource(api_version, kind).get(_request_timeout=REQUEST_TIMEOUT).items]
+
     def apply(self, obj: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
         """Server-side apply with our field manager; with dry_run the API server validates and admits
         it (schema, quota, RBAC, webhooks) without storing anything."""

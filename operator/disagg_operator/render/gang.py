@@ -287,3 +287,52 @@ def membership(pods: Iterable[Mapping[str, Any]], roles_to_run: Iterable[str] = 
             continue  # the pair is there: more pods of one-pod engines bind one by one
         partly.append(PartlyBound(group, bound, waiting))
     return Membership(members, tuple(m for m in members if m.actual != m.wanted), tuple(partly))
+
+
+# --- will gangs hold? (`disagg-operator validate` and `plan`) ------------------------------------------------
+
+ADMISSION_API_VERSION = "admissionregistration.k8s.io/v1"
+POLICY_KIND, BINDING_KIND = "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"
+
+
+def policy_covers(policies: Iterable[Mapping[str, Any]], bindings: Iterable[Mapping[str, Any]]) -> frozenset[str]:
+    """The values of LABEL_GANG whose pods a bound MutatingAdmissionPolicy of the cluster selects on create and
+    gives a scheduling group (the chart's, templates/gang-policy.yaml, or one of the same shape)."""
+    bound = {(b.get("spec") or {}).get("policyName") for b in bindings}
+    covered: set[str] = set()
+    for policy in policies:
+        spec = policy.get("spec") or {}
+        if (policy.get("metadata") or {}).get("name") not in bound or "schedulingGroup" not in str(spec.get("mutations")):
+            continue
+        selector = (spec.get("matchConstraints") or {}).get("objectSelector") or {}
+        if contract.LABEL_GANG in (selector.get("matchLabels") or {}):
+            covered.add(selector["matchLabels"][contract.LABEL_GANG])
+        for expression in selector.get("matchExpressions") or []:
+            if expression.get("key") == contract.LABEL_GANG and expression.get("operator") == "In":
+                covered.update(expression.get("values") or [])
+    return frozenset(covered)
+
+
+def outlook(dm: DisaggregatedModel, served: bool | None = None, covered: frozenset[str] | None = None) -> tuple[bool | None, str]:
+    """Whether the model's gangs will hold, in words: on the cluster looked at (`served`: PodGroups served;
+    `covered`: policy_covers, None when not known), or, with neither, what they need."""
+    spanning = [f"{r} engines span {getattr(dm.spec, r).shape.pods} pods" for r in contract.ENGINE_ROLES if getattr(dm.spec, r).shape.spans_pods]
+    if not (spanning or pairs(dm)):
+        return None, "none: no engine spans pods, and prefill and decode differ in priority or scheduler (no pair)"
+    what = "; ".join(spanning + (["a revision's first prefill and decode engines are one gang (the pair)"] if pairs(dm) else []))
+    needs = "PodGroups served (GenericWorkload)" + ("" if names_pair(dm) else " and the chart's admission policy, which puts an LWS group's pods in their PodGroup")
+    if served is None:
+        return None, f"{what}: they need {needs} (docs/gang-scheduling.md)"
+    if not served:
+        return False, f"will not hold: {what}, but the cluster does not serve PodGroups; {INSTALL_HINT}"
+    wanted = set() if names_pair(dm) else {contract.GANG_LWS_GROUP, *([contract.GANG_PAIR] if pairs(dm) else [])}
+    if covered is None:
+        return None, f"{what}: PodGroups are served; whether an admission policy puts the pods in them could not be read"
+    if not wanted <= covered:
+        labels = ", ".join(f"{contract.LABEL_GANG}={v}" for v in sorted(wanted - covered))
+        return False, (f"will not hold: {what}, but no bound MutatingAdmissionPolicy puts pods labelled {labels} in their "
+                       f"PodGroup: apply the chart's (`{POLICY_COMMAND}`)")  # fmt: skip
+    how = "the pods name their pair themselves" if names_pair(dm) else "the admission policy puts the pods in their PodGroups"
+    return True, f"will hold: {what}; PodGroups are served and {how} (the scheduler needs GenericWorkload too: docs/gang-scheduling.md)"
+
+

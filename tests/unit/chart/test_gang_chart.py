@@ -52,3 +52,13 @@ def test_no_policy_where_the_cluster_cannot_use_it(args: tuple[str, ...]) -> Non
 def test_the_policy_can_be_turned_off(tmp_path: Path) -> None:
     off = values_args({"gangScheduling": {"admissionPolicy": {"enabled": False}}}, tmp_path)
     assert policies(rendered(*SERVED, *off)) == []
+
+
+def test_validate_and_plan_read_the_charts_policy_as_covering_both_gangs() -> None:
+    """`disagg-operator validate --cluster` and `plan --from-cluster` judge a cluster's policies with
+    gang.policy_covers: the chart's covers both labels; without its binding, or of another shape, none."""
+    policy, binding = policies(rendered(*SERVED))
+    assert gang.policy_covers([policy], [binding]) == {contract.GANG_LWS_GROUP, contract.GANG_PAIR}
+    assert gang.policy_covers([policy], []) == frozenset()  # not bound: it does nothing
+    other = {**policy, "spec": {**policy["spec"], "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": "[]"}}]}}
+    assert gang.policy_covers([other], [binding]) == frozenset()
