@@ -23,6 +23,9 @@
 #                            GPU/EFA nodes, install the CRDs of Gateway API (v1.6.3:
 #                            GatewayClass, Gateway, HTTPRoute) and of the inference
 #                            extension (GAIE v1.6.0: InferencePool), wait until healthy
+#   hack/cluster.sh p5en N   make the pool N fake p5en nodes, N >= 4 (hack/nodes/p5en.yaml has 4; more
+#                            are copies of its last, kwok-p5en-4 ...; `p5en 4` removes them again):
+#                            room for bigger examples (hack/demo.sh --p5en N)
 #   hack/cluster.sh down     stop everything and remove the state directory
 #   hack/cluster.sh env      print `export KUBECONFIG=...` / PATH / DISAGG_AUDIT_LOG
 #   hack/cluster.sh status   show what is running (exit 0 only if all are up, /readyz is ok
@@ -109,7 +112,8 @@ COMPONENTS=(
 )
 # What `up` runs (RUN_ORDER) and drives (kubectl): all that `build-cluster` builds. The other components are
 # the tests' tools, built by `build` only.
-CLUSTER_COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok lws kubectl)
+# helm: hack/demo.sh installs the chart's cluster-wide gang admission policy with it, as users do.
+CLUSTER_COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok lws kubectl helm)
 
 # CRDs of kinds the operator renders whose controllers are not run here (spec.gateway's InferencePool and
 # HTTPRoute, and the Gateway an HTTPRoute names): name, version, Go module, files in it. Copied from the module at
@@ -644,6 +648,31 @@ create_nodes() {
   log "up: nodes from hack/nodes/ present ($(node_names | tr '\n' ' '))"
 }
 
+# More p5en nodes than hack/nodes/p5en.yaml's 4: copies of its last node, kwok-p5en-<i>, in its zone and network
+# node (us-west-2b, the zone with no pod of the minimal example, so a model whose placement requires one zone
+# finds the copies beside kwok-p5en-2 and -3), each with a pod CIDR of its own, 127.<POD_NET>.<100+i>.0/24
+# (hack/nodes/ use 1-8, kwok's own 250, the e2e's pools 210+).
+cmd_p5en() {
+  local want=$1 i first
+  [[ "$want" =~ ^[0-9]+$ ]] && [ "$want" -ge 4 ] && [ "$want" -le 100 ] || die "usage: hack/cluster.sh p5en N (4 to 100)"
+  first="$(awk 'BEGIN{RS="\n---\n"} /name: kwok-p5en-3\n/ {print; exit}' "$ROOT/hack/nodes/p5en.yaml")"
+  [ -n "$first" ] || die "no kwok-p5en-3 in hack/nodes/p5en.yaml"
+  for ((i = 4; i < want; i++)); do
+    kc get node "kwok-p5en-$i" >/dev/null 2>&1 && continue
+    printf '%s\n' "$first" | sed "s#kwok-p5en-3#kwok-p5en-$i#g; s#127\.0\.4\.#127.$POD_NET.$((100 + i)).#g" | kc create -f - >/dev/null \
+      || die "creating node kwok-p5en-$i failed"
+  done
+  local node
+  for node in $(kc get nodes -o name | sed -n 's#^node/kwok-p5en-\([0-9]*\)$#\1#p'); do
+    [ "$node" -ge "$want" ] && [ "$node" -ge 4 ] && kc delete node "kwok-p5en-$node" --wait=false >/dev/null  # only copies
+  done
+  wait_until "$want p5en nodes Ready" 60 kwok p5en_ready "$want"
+  log "p5en: $(kc get nodes -l node.kubernetes.io/instance-type=p5en.48xlarge --no-headers | wc -l) nodes"
+}
+p5en_ready() {
+  [ "$(kc get nodes -l node.kubernetes.io/instance-type=p5en.48xlarge -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' | grep -c '^True$')" -ge "$1" ]
+}
+
 # LWS's CRDs (copied from its module next to its binary by `build`) and its webhook
 # configurations. Server-side apply: the CRDs are too big for the last-applied annotation.
 LWS_CRDS=(leaderworkersets.leaderworkerset.x-k8s.io disaggregatedsets.disaggregatedset.x-k8s.io)
@@ -865,6 +894,7 @@ case "${1:-}" in
   build-cluster) take_lock; cmd_build cluster ;;
   up) take_lock; cmd_up ;;
   down) take_lock; cmd_down ;;
+  p5en) cmd_p5en "${2:?usage: hack/cluster.sh p5en N}" ;;
   env) cmd_env ;;
   path) component_field "${2:?usage: hack/cluster.sh path COMPONENT}" 0 >/dev/null; bin_path "$2" ;;
   status) cmd_status ;;

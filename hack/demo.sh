@@ -4,8 +4,15 @@
 # model's router to simulated engines on its pods' IPs, with the answer and both legs' timings.
 #
 #   hack/demo.sh          set up (.venv only: no vLLM parser environments), build only what the control
-#                         plane runs (hack/cluster.sh up: no test tools), bring everything up, apply
-#                         the example, wait for Ready, show it, stream one completion, show its status
+#                         plane runs (hack/cluster.sh up: no test tools), bring everything up, install
+#                         what the chart installs once per cluster and the operator relies on (its gang
+#                         admission policy), apply the example, wait for Ready, show it, stream one
+#                         completion, show its status
+#   hack/demo.sh --p5en N the same on a pool of N fake p5en nodes (default 4: room for the minimal example
+#                         and a few more pods; 7 run it and examples/deepseek-v3-p5en-wide-ep.yaml whole)
+#   hack/demo.sh cluster [--p5en N]
+#                         only the cluster as the demo leaves it (control plane, pool, CRD, the chart's
+#                         policy), no operator and no example: what the e2e checks the examples on
 #   hack/demo.sh down     stop the operator and the control plane
 #
 # Afterwards: `eval "$(hack/cluster.sh env)"; kubectl get dm -A` talks to the same cluster.
@@ -30,15 +37,31 @@ if [ "${1:-}" = down ]; then
   stop_operator
   exec bash hack/cluster.sh down
 fi
+ONLY_CLUSTER=0
+if [ "${1:-}" = cluster ]; then ONLY_CLUSTER=1; shift; fi
+P5EN=4
+if [ "${1:-}" = --p5en ]; then P5EN="${2:?usage: hack/demo.sh [cluster] --p5en N}"; fi
 
-# .venv only: `up` builds what it runs (hack/cluster.sh build-cluster), not the test tools `hack/setup.sh` builds
-DISAGG_SKIP_VLLM=1 DISAGG_SKIP_CLUSTER=1 bash hack/setup.sh
+if [ "$ONLY_CLUSTER" = 0 ]; then
+  # .venv only: `up` builds what it runs (hack/cluster.sh build-cluster), not the test tools `hack/setup.sh` builds
+  DISAGG_SKIP_VLLM=1 DISAGG_SKIP_CLUSTER=1 bash hack/setup.sh
+fi
 bash hack/cluster.sh up
 eval "$(bash hack/cluster.sh env)"
+
+bash hack/cluster.sh p5en "$P5EN"
 
 log "installing the CRD"
 kubectl apply --server-side --force-conflicts -f crds/ >/dev/null
 kubectl wait --for=condition=Established --timeout=60s crd/disaggregatedmodels.disagg.dev >/dev/null
+# The chart's cluster-wide objects the operator relies on (its Deployment and RBAC stay out: the operator runs
+# here as a local process): the gang admission policy, where this cluster serves PodGroups and the policies
+# (it does: GenericWorkload), rendered by the chart as `helm install` would (docs/gang-scheduling.md).
+log "installing the chart's gang admission policy"
+"$(bash hack/cluster.sh path helm)" template disagg-operator charts/disagg-operator --show-only templates/gang-policy.yaml \
+  --api-versions scheduling.k8s.io/v1beta1/PodGroup --api-versions admissionregistration.k8s.io/v1/MutatingAdmissionPolicy \
+  | kubectl apply --server-side --force-conflicts -f - >/dev/null
+[ "$ONLY_CLUSTER" = 1 ] && exit 0
 
 stop_operator
 mkdir -p "$(dirname "$OPERATOR_PID")" "$(dirname "$OPERATOR_LOG")"
@@ -47,7 +70,7 @@ nohup .venv/bin/disagg-operator run --standalone --liveness http://127.0.0.1:180
 echo $! >"$OPERATOR_PID"
 
 log "applying $EXAMPLE"
-.venv/bin/disagg-operator validate -f "$EXAMPLE"
+.venv/bin/disagg-operator validate --cluster -f "$EXAMPLE"
 kubectl apply --server-side -f "$EXAMPLE"
 name="$(.venv/bin/python -c 'import sys,yaml; print(yaml.safe_load(open(sys.argv[1]))["metadata"]["name"])' "$EXAMPLE")"
 log "waiting for $name to be Ready"

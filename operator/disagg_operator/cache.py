@@ -40,12 +40,22 @@ def slim(body: Mapping[str, Any]) -> Obj:
     return out
 
 
+def _slim_pod_spec(spec: Mapping[str, Any]) -> Obj:
+    """What decisions read of a pod's spec: its node, its PodGroup, and what its containers ask for (the
+    accelerators a partly bound gang holds: gang.membership)."""
+    out: Obj = {"nodeName": spec.get("nodeName")}
+    if "schedulingGroup" in spec:
+        out["schedulingGroup"] = copy.deepcopy(spec["schedulingGroup"])
+    out["containers"] = [{"name": c.get("name"), "resources": copy.deepcopy(c.get("resources") or {})} for c in spec.get("containers") or []]
+    return out
+
+
 def slim_pod(body: Mapping[str, Any]) -> Obj:
     meta, status = body.get("metadata") or {}, body.get("status") or {}
     return {
         "kind": "Pod",
         "metadata": {k: copy.deepcopy(meta[k]) for k in _POD_META_FIELDS if k in meta},
-        "spec": {"nodeName": (body.get("spec") or {}).get("nodeName")},
+        "spec": _slim_pod_spec(body.get("spec") or {}),
         "status": {k: copy.deepcopy(status[k]) for k in _POD_STATUS_FIELDS if k in status},
     }
 

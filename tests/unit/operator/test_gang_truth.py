@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from disagg_connector import contract
-from disagg_operator import events, planner
+from disagg_operator import cache, events, planner
 from disagg_operator import render
 from disagg_operator.config import RenderDefaults
 from disagg_operator.render import engine, gang
@@ -182,3 +182,14 @@ def test_the_outlook_says_what_gangs_need_and_whether_they_hold_on_a_cluster() -
     assert "the admission policy" not in gang.outlook(ONE_POD.model)[1]
     apart = desired({"prefill": {"priorityClassName": "batch"}})
     assert gang.outlook(apart.model, True, frozenset()) == (None, gang.outlook(apart.model)[1]) and "none" in gang.outlook(apart.model)[1]
+
+
+def test_the_operators_cache_keeps_what_membership_reads_of_a_pod() -> None:
+    """The census is built from slim copies of the pods (cache.slim_pod): they keep the PodGroup a pod is in and
+    what it asks for, or every pod would read as outside its group and a partly bound gang as holding nothing."""
+    decode = workload(SPANNING, "decode")
+    leader, worker = engine_pods(decode, 1, bound=[0])
+    for pod in (leader, {**worker, "spec": {k: v for k, v in worker["spec"].items() if k != "schedulingGroup"}}):
+        full, kept = gang.Member.of(pod), gang.Member.of(cache.slim_pod(pod))
+        assert kept == full and full is not None
+    assert gang.Member.of(cache.slim_pod(leader)).accelerators == {"nvidia.com/gpu": 8}
