@@ -24,7 +24,8 @@
 #                            GatewayClass, Gateway, HTTPRoute) and of the inference
 #                            extension (GAIE v1.6.0: InferencePool), wait until healthy
 #   hack/cluster.sh p5en N   make the pool N fake p5en nodes, N >= 4 (hack/nodes/p5en.yaml has 4; more
-#                            are copies of its last, kwok-p5en-4 ...; `p5en 4` removes them again):
+#                            are copies of its last, kwok-p5en-4 ..., in a zone of their own,
+#                            us-west-2c; `p5en 4` removes them again):
 #                            room for bigger examples (hack/demo.sh --p5en N)
 #   hack/cluster.sh down     stop everything and remove the state directory
 #   hack/cluster.sh env      print `export KUBECONFIG=...` / PATH / DISAGG_AUDIT_LOG
@@ -648,9 +649,9 @@ create_nodes() {
   log "up: nodes from hack/nodes/ present ($(node_names | tr '\n' ' '))"
 }
 
-# More p5en nodes than hack/nodes/p5en.yaml's 4: copies of its last node, kwok-p5en-<i>, in its zone and network
-# node (us-west-2b, the zone with no pod of the minimal example, so a model whose placement requires one zone
-# finds the copies beside kwok-p5en-2 and -3), each with a pod CIDR of its own, 127.<POD_NET>.<100+i>.0/24
+# More p5en nodes than hack/nodes/p5en.yaml's 4: copies of its last node, kwok-p5en-<i>, in a zone of their own,
+# us-west-2c, under one spine (nn-c1/nn-c2/nn-c3): whichever zone the minimal example took, a model whose
+# placement requires one zone finds them all free. Each has a pod CIDR of its own, 127.<POD_NET>.<100+i>.0/24
 # (hack/nodes/ use 1-8, kwok's own 250, the e2e's pools 210+).
 cmd_p5en() {
   local want=$1 i first
@@ -659,7 +660,7 @@ cmd_p5en() {
   [ -n "$first" ] || die "no kwok-p5en-3 in hack/nodes/p5en.yaml"
   for ((i = 4; i < want; i++)); do
     kc get node "kwok-p5en-$i" >/dev/null 2>&1 && continue
-    printf '%s\n' "$first" | sed "s#kwok-p5en-3#kwok-p5en-$i#g; s#127\.0\.4\.#127.$POD_NET.$((100 + i)).#g" | kc create -f - >/dev/null \
+    printf '%s\n' "$first" | sed "s#kwok-p5en-3#kwok-p5en-$i#g; s#127\.0\.4\.#127.$POD_NET.$((100 + i)).#g; s#us-west-2b#us-west-2c#; s#nn-b\([0-9]\)\(-[0-9]\)*\"#nn-c\1\"#" | kc create -f - >/dev/null \
       || die "creating node kwok-p5en-$i failed"
   done
   local node

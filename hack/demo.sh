@@ -9,7 +9,8 @@
 #                         admission policy), apply the example, wait for Ready, show it, stream one
 #                         completion, show its status
 #   hack/demo.sh --p5en N the same on a pool of N fake p5en nodes (default 4: room for the minimal example
-#                         and a few more pods; 7 run it and examples/deepseek-v3-p5en-wide-ep.yaml whole)
+#                         and a few more pods; those beyond 4 are a zone of their own: 9 run the minimal
+#                         example and examples/deepseek-v3-p5en-wide-ep.yaml whole)
 #   hack/demo.sh cluster [--p5en N]
 #                         only the cluster as the demo leaves it (control plane, pool, CRD, the chart's
 #                         policy), no operator and no example: what the e2e checks the examples on

@@ -447,8 +447,9 @@ def gang_scheduled(desired: Desired, observed: Observed, gangs: gang.Membership)
     elif gangs.outside:
         names = ", ".join(f"{m.name} (in {m.actual or 'none'}, not {m.wanted})" for m in gangs.outside[:4])
         more = f" and {len(gangs.outside) - 4} more" if len(gangs.outside) > 4 else ""
+        fix = gang.UNNAMED_HINT if gang.names_pair(desired.model) else gang.POLICY_HINT
         cause = (Reason.PODS_OUTSIDE_GROUPS, f"{len(gangs.outside)} of the model's {len(gangs.members)} gang pods are not "
-                 f"in their PodGroup: {names}{more}; they are bound one by one. {gang.POLICY_HINT}")  # fmt: skip
+                 f"in their PodGroup: {names}{more}; they are bound one by one. {fix}")  # fmt: skip
     else:
         cause = None
     if gangs.partly_bound:

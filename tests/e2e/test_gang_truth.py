@@ -6,9 +6,9 @@ with the operator running as users run it: installed without the chart, and on t
   that binds only in part is named with the GPUs it holds, in GangScheduled, Ready and an Event.
 - One-pod engines name their revision's pair themselves: without the policy the pair still binds whole or not
   at all.
-- On the cluster as `hack/demo.sh cluster --p5en 6` leaves it (the chart's policy installed), the multi-node
-  example on the zone that fits one decode engine but not two: the pair and decode group 0 bound whole, group 1
-  waiting whole, no GPU held by a part.
+- On the cluster as `hack/demo.sh cluster --p5en 8` leaves it (the chart's policy installed, four p5en nodes in a
+  zone of their own), the multi-node example as it is, which fits one decode engine but not two: the pair and
+  decode group 0 bound whole, group 1 waiting whole, no GPU held by a part.
 
 Waits are on conditions; nothing sleeps to synchronise.
 """
@@ -156,11 +156,11 @@ def test_without_the_policy_one_pod_engines_name_their_pair_and_it_binds_whole_o
 
 @pytest.fixture
 def demo_cluster(cluster, api_client) -> Iterator[None]:
-    """The cluster as `hack/demo.sh cluster --p5en 6` leaves it: the chart's gang policy, six p5en nodes (the two
-    beyond hack/nodes/ in us-west-2b, beside kwok-p5en-2 and -3). Afterwards the pool and policy are as before."""
+    """The cluster as `hack/demo.sh cluster --p5en 8` leaves it: the chart's gang policy, eight p5en nodes (the four
+    beyond hack/nodes/ in a zone of their own, us-west-2c). Afterwards the pool and policy are as before."""
     if not cluster.local:
         pytest.skip("the demo's cluster is the local one (hack/cluster.sh); DISAGG_E2E_USE_KUBECONFIG uses another")
-    subprocess.run(["bash", "hack/demo.sh", "cluster", "--p5en", "6"], cwd=REPO, check=True, env=os.environ.copy())
+    subprocess.run(["bash", "hack/demo.sh", "cluster", "--p5en", "8"], cwd=REPO, check=True, env=os.environ.copy())
     try:
         yield
     finally:
@@ -169,15 +169,13 @@ def demo_cluster(cluster, api_client) -> Iterator[None]:
 
 
 def test_on_the_demos_cluster_the_multi_node_example_binds_whole_engines_only(operator, api_client, namespace, demo_cluster) -> None:
-    """The example in the zone of the demo's pool that has room for one decode engine beside the prefill but not two
-    (us-west-2b: 4 whole nodes for 5 pods): the pair (the prefill pod and decode group 0) bound whole, group 1
-    waiting whole, the fourth node holding no GPU."""
+    """The example as it is (its placement requires one zone for all its pods): only us-west-2c has room for its
+    pair (3 whole nodes), and not for the second decode engine beside it (4 nodes for 5 pods): the pair (the
+    prefill pod and decode group 0) bound whole, group 1 waiting whole, the fourth node holding no GPU."""
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "deepseek-v3"
-    zone = {"nodeSelector": {"node.kubernetes.io/instance-type": "p5en.48xlarge", "topology.kubernetes.io/zone": "us-west-2b"}}
-    manifest = model_manifest(name, {"prefill": zone, "decode": zone}, example=MULTI_NODE)
-    zone_nodes = [n.metadata.name for n in core.list_node(label_selector="topology.kubernetes.io/zone=us-west-2b,"
-                                                                             "node.kubernetes.io/instance-type=p5en.48xlarge").items]  # fmt: skip
+    manifest = model_manifest(name, example=MULTI_NODE)
+    zone_nodes = [n.metadata.name for n in core.list_node(label_selector="topology.kubernetes.io/zone=us-west-2c").items]
     assert len(zone_nodes) == 4, zone_nodes
     try:
         custom.create_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, manifest)

@@ -30,6 +30,12 @@ INSTALL_HINT = (
     "feature gate on kube-apiserver, kube-controller-manager and kube-scheduler and serve scheduling.k8s.io/v1beta1 "
     "(docs/gang-scheduling.md)"
 )
+# Pods of one-pod engines outside their pair, though their template names it where PodGroups are served.
+UNNAMED_HINT = (
+    "Their Deployment was made before the cluster served PodGroups, or by an operator that did not name the pair, "
+    "and is not changed in place (that would replace its pods outside a rollout's drains): the model's next "
+    "revision names it (docs/gang-scheduling.md)"
+)
 # The policy alone, for an operator installed another way than the chart (its cluster-wide objects only).
 POLICY_COMMAND = (
     "helm template disagg-operator charts/disagg-operator --show-only templates/gang-policy.yaml "

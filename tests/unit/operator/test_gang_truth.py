@@ -162,7 +162,10 @@ def test_no_pod_group_is_named_where_none_is_served_nor_in_a_running_deployment_
     made = with_role_status(Observed(children(ONE_POD), engine_pods(workload(ONE_POD, "prefill"), 1, in_group=False, bound=[0])
                                      + engine_pods(workload(ONE_POD, "decode"), 2, in_group=False, bound=[0, 1])), ONE_POD.revision)  # fmt: skip
     served = replace(made, children={**made.children, **children(ONE_POD, kinds=["PodGroup"], gangs=True)}, pod_groups_served=True)
-    assert [a for a in planner.plan(ONE_POD, served, NOW).applies if a.obj["kind"] == "Deployment"] == []
+    plan = planner.plan(ONE_POD, served, NOW)
+    assert [a for a in plan.applies if a.obj["kind"] == "Deployment"] == []
+    said = cond(plan.status, "GangScheduled")  # and the model says why its pods are outside, and when that ends
+    assert (said["status"], said["reason"]) == ("False", "PodsOutsideGroups") and gang.UNNAMED_HINT in said["message"]
 
 
 # --- validate and plan: will the gangs hold where they look? ------------------------------------------------
