@@ -10,7 +10,10 @@ pod's IP so the operator asks it what is in flight, and a client keeps short req
 Each phase starts long streams, waits until every one has its first token (so each is on a pod that the
 change will retire), makes the change, and checks: every stream ends with all its tokens and [DONE], no
 request failed, and no retired pod went while its engine still worked (its simulator's own counters at the
-moment its pod was deleted). The rollout cannot finish before the streams on the old decodes end.
+moment its pod was deleted). The rollout cannot finish before the streams on the old decodes end. A scale-in
+retires one decode of two (the newest): it starts once a long stream runs on each, and checks that the decode
+marked carried one through its mark (its simulator received the stream's decode leg, by X-Request-Id, before
+the scale-in and finished it after the mark), else the phase would have drained an idle pod and proved nothing.
 
 The test runs twice: on a quiet machine, and with both cores kept busy by CPU hogs it starts and stops
 (timing must not decide correctness).
@@ -34,7 +37,8 @@ from disagg_bench.vllm_sim.pods import PodEngines, assert_idle_when_deleted, ass
 from tests.fixtures.e2e.models import get_model, rolled_out
 from tests.fixtures.e2e.traffic import BackgroundClient, wait_for
 from tests.fixtures.e2e.waiting import condition
-from tests.fixtures.e2e.streams import LongStreams, TPOT_MS, check_whole, decode_settled, draining_pod, long_model
+from tests.fixtures.e2e.streams import (LongStreams, TPOT_MS, assert_carried_through_mark, check_whole, decode_settled, draining_pod,
+                                        long_model, on_every_decode)
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 
@@ -88,28 +92,47 @@ def test_streams_outlive_every_bound_through_day_2(load, operator, cluster, api_
         second = done["status"]["revision"]
 
         # --- 2. scale-in 2 -> 1 while long streams run on both decodes ----------------------------------
+        # Both new decodes listening and routed to: the router ejects a decode it tried before its engine listened
+        # (kwok makes a pod Ready at once) until a probe finds it up, and the streams would all go to the other one.
+        wait_for("2 decode engines listening", lambda: engines.serving(1, 2), 120)
+        wait_for("router routes to both decodes", lambda: router.table().get(second) == (1, 2), 60)
         streams = LongStreams(router.url, served, first=100)
         wait_for("every long stream has its first token", streams.all_started, 60)
+        # The operator marks the newest decode: each carries a long stream, so the one marked does.
+        spread = wait_for("a long stream on each decode", lambda: on_every_decode(engines.live("decode"), streams), 60)
+        wait_for("every long stream has its first token", streams.all_started, 60)
+        print(f"[{load}] scale-in: long streams per decode {spread}")
         scaler = contract.role_scaler_name(name, "decode")
+        scaled_at = time.monotonic()
         custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL, scaler, {"spec": {"replicas": 1}})
-        wait_for("a decode draining", lambda: draining_pod(core, namespace, name), 60)
+        leaving = wait_for("a decode draining", lambda: draining_pod(core, namespace, name), 60)
+        marked_by = time.monotonic()
         wait_for("scaled in to 1 decode", lambda: decode_settled(custom, namespace, name, 1), 600)
         check_whole(streams.wait(), "scale-in")
+        wait_for(f"{leaving} retired", lambda: any(e.pod == leaving and e.final is not None for e in engines.all()), 120)
+        assert_carried_through_mark(engines.all(), leaving, streams.streams, scaled_at, marked_by, "scale-in")
 
         # --- 3. the operator restarts while a decode drains ---------------------------------------------
         custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL, scaler, {"spec": {"replicas": 2}})
         wait_for("back at 2 decodes", lambda: decode_settled(custom, namespace, name, 2), 180)
+        wait_for("2 decode engines listening", lambda: engines.serving(1, 2), 120)
         wait_for("router table 1P2D", lambda: router.table() == {second: (1, 2)}, 60)
         streams = LongStreams(router.url, served, first=200)
         wait_for("every long stream has its first token", streams.all_started, 60)
+        spread = wait_for("a long stream on each decode", lambda: on_every_decode(engines.live("decode"), streams), 60)
+        wait_for("every long stream has its first token", streams.all_started, 60)
+        print(f"[{load}] operator restart: long streams per decode {spread}")
+        scaled_at = time.monotonic()
         custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, contract.ROLE_PLURAL, scaler, {"spec": {"replicas": 1}})
         leaving = wait_for("a decode draining", lambda: draining_pod(core, namespace, name), 60)
+        marked_by = time.monotonic()
         operator.stop()
         operator.start()
         wait_for("scaled in to 1 decode", lambda: decode_settled(custom, namespace, name, 1), 600)
         last_stream = check_whole(streams.wait(), "operator restart mid-drain")
         # Its engine stops once the pod is gone (after its preStop, as under a kubelet).
         wait_for(f"{leaving} retired", lambda: any(e.pod == leaving and e.final is not None for e in engines.all()), 120)
+        assert_carried_through_mark(engines.all(), leaving, streams.streams, scaled_at, marked_by, "operator restart mid-drain")
 
         background.wait_past(time.monotonic(), "the last phase")
         results = background.stop()
@@ -130,3 +153,4 @@ def test_streams_outlive_every_bound_through_day_2(load, operator, cluster, api_
         code = router.proc.stop()
         print(f"[{load}] router exited with {code}; log tail:\n{router.proc.log_text()[-2000:]}")
         engines.stop()
+
