@@ -62,6 +62,16 @@ log "installing the chart's gang admission policy"
 "$(bash hack/cluster.sh path helm)" template disagg-operator charts/disagg-operator --show-only templates/gang-policy.yaml \
   --api-versions scheduling.k8s.io/v1beta1/PodGroup --api-versions admissionregistration.k8s.io/v1/MutatingAdmissionPolicy \
   | kubectl apply --server-side --force-conflicts -f - >/dev/null
+# The API server takes a new policy up a moment later: wait until a server-side dry run of a pod of a pair is
+# put in its group, so that the example's first pods are.
+policy_in_effect() {
+  printf '%s\n' 'apiVersion: v1' 'kind: Pod' \
+    'metadata: {name: gang-policy-probe, namespace: default, labels: {disagg.dev/gang: pair, disagg.dev/pod-group: probe}}' \
+    'spec: {containers: [{name: probe, image: probe}]}' \
+    | kubectl create --dry-run=server -o 'jsonpath={.spec.schedulingGroup.podGroupName}' -f - 2>/dev/null | grep -qx probe
+}
+for _ in $(seq 60); do policy_in_effect && break; sleep 0.5; done
+policy_in_effect || { log "the gang admission policy is not in effect after 30 s"; exit 1; }
 [ "$ONLY_CLUSTER" = 1 ] && exit 0
 
 stop_operator

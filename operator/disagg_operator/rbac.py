@@ -35,6 +35,8 @@ def rules() -> list[dict[str, Any]]:
         {"apiGroups": [contract.API_GROUP], "resources": [f"{contract.ROLE_PLURAL}/status"], "verbs": ["get", "patch", "update"]},
         # Retirement: a draining mark and the deletion cost on a leaving pod; older revisions resized.
         {"apiGroups": [""], "resources": ["pods"], "verbs": [*READ, "patch"]},
+        # Why a gang's pods cannot be scheduled where the scheduler does not say: the weights' claim exists?
+        {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get"]},
         {"apiGroups": ["apps"], "resources": ["deployments/scale"], "verbs": ["get", "patch", "update"]},
         {"apiGroups": [group_of(LWS_API_VERSION)], "resources": [f"{LWS_PLURAL}/scale"],
          "verbs": ["get", "patch", "update"]},

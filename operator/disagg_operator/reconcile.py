@@ -36,6 +36,7 @@ from .config import RenderDefaults
 from .kube import Cluster, EventRecorder, error_message
 from .metrics import CONTROLLER, ModelCondition, OperatorMetrics, model_conditions
 from .render import gang
+from .render.engine import weights_claim
 from .state import ChildProblem, Observed, SpecProblems, desire
 from .workqueue import WorkQueue
 
@@ -104,6 +105,19 @@ class Reconciler:
                 log.exception("status of %s/%s not written either", namespace, name)
             return PassResult("error", Reason.INTERNAL_ERROR)
 
+    def _missing_claim(self, model: Any, observed: Observed, namespace: str) -> str | None:
+        """The weights' claim, if an engine pod has a scheduler error and the claim does not exist: the scheduler
+        hides a missing claim behind such an error on a gang (status.scheduler_error). A read, only then."""
+        claim = weights_claim(model)
+        if not claim or not any(status_mod.scheduler_error(p) is not None for p in observed.pods):
+            return None
+        try:
+            live = self.cluster.get({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": namespace}})
+        except ApiException as error:  # an RBAC without persistentvolumeclaims get: the scheduler's words only
+            log.info("%s/%s: cannot read PersistentVolumeClaim %s: %s", namespace, model.metadata.name, claim, error_message(error))
+            return None
+        return claim if live is None else None
+
     def _reconcile(self, key: ModelKey, body: Mapping[str, Any], previous: Mapping[str, Any] | None) -> PassResult:
         namespace, name = key
         meta = body["metadata"]
@@ -117,6 +131,7 @@ class Reconciler:
             if any(o["kind"] == gang.POD_GROUP_KIND for o in desired.rendered.objects):  # an engine spans pods
                 served = self.cluster.serves(gang.POD_GROUP_API_VERSION, gang.POD_GROUP_KIND)  # discovery, kept a while
                 observed = replace(observed, pod_groups_served=served)
+            observed = replace(observed, missing_claim=self._missing_claim(desired.model, observed, namespace))
             if self._routers_due(key, observed):  # HTTP to the router pods, not the API server
                 observed = replace(observed, routers=executor.read_routers(observed, status_mod.pod_ready))
             plan = planner.plan(desired, observed, now)

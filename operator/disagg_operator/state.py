@@ -239,6 +239,9 @@ class Observed:
     routers: RouterView | None = None  # None: not asked this pass
     # Whether the API server serves PodGroups (gang scheduling); None: not asked (no engine spans pods).
     pod_groups_served: bool | None = None
+    # The model's weights claim (spec.model.source pvc://), when this pass found it missing: asked only while an
+    # engine pod has a scheduler error (a gang's cycle hides the missing claim behind one: status._unschedulable).
+    missing_claim: str | None = None
 
     @cached_property
     def census(self) -> Census:

@@ -51,7 +51,7 @@ CAPACITY_REASONS = {
     "memory": (Reason.INSUFFICIENT_MEMORY, "memory"),
 }
 # Kubernetes's words on a pod (its PodScheduled condition, a container's waiting state), not ours.
-_POD_UNSCHEDULABLE = "Unschedulable"
+_POD_UNSCHEDULABLE, _SCHEDULER_ERROR = "Unschedulable", "SchedulerError"
 CRASH_WAITING_REASONS = {"CrashLoopBackOff"}
 IMAGE_WAITING_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
 CONDITION_TYPES = tuple(vocabulary.CONDITION_TYPES)
@@ -177,14 +177,30 @@ class Problem:
     message: str
 
 
-def _unschedulable(pod: Obj) -> Problem | None:
+def scheduler_error(pod: Obj) -> str | None:
+    """The scheduler's words when it failed on the pod rather than found no node (PodScheduled=False,
+    SchedulerError): kube-scheduler 1.37 reports so a gang's pod-group cycle in which a member cannot be placed
+    for a reason it does not carry over, such as a missing PersistentVolumeClaim."""
+    for cond in pod.get("status", {}).get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == _SCHEDULER_ERROR:
+            return cond.get("message", "")
+    return None
+
+
+def _unschedulable(pod: Obj, missing_claim: str | None = None) -> Problem | None:
+    name = pod["metadata"]["name"]
+    if (error := scheduler_error(pod)) is not None:
+        if missing_claim is not None:  # what the scheduler would say of the pod alone
+            return Problem(Reason.UNSCHEDULABLE, f"{role_of(pod)} pod {name} cannot be scheduled: persistentvolumeclaim "
+                           f'"{missing_claim}" not found (spec.model.source.uri): create it, or name a claim that exists; '
+                           f"the scheduler says: {error}")  # fmt: skip
+        return Problem(Reason.UNSCHEDULABLE, f"{role_of(pod)} pod {name} cannot be scheduled: the scheduler fails on it: {error}")
     for cond in pod.get("status", {}).get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == _POD_UNSCHEDULABLE:
             text = cond.get("message", "")
             # The resource that rules out the most nodes first: that is what to add (or ask less of).
             counted = sorted(((int(n), r) for n, r in _INSUFFICIENT.findall(text)), key=lambda c: -c[0])
             known = [r for _, r in counted if r in CAPACITY_REASONS]
-            name = pod["metadata"]["name"]
             if known:
                 reason = CAPACITY_REASONS[known[0]][0]
                 what = ", ".join(f"{m} ({CAPACITY_REASONS[m][1]})" for m in known)
@@ -193,11 +209,11 @@ def _unschedulable(pod: Obj) -> Problem | None:
     return None
 
 
-def _scheduling_problem(pods: list[PodView]) -> Problem | None:
+def _scheduling_problem(pods: list[PodView], missing_claim: str | None = None) -> Problem | None:
     """The first pod that cannot be scheduled, or the first engine of several pods that cannot be, named as one:
     with a gang none of its pods is bound, and what it lacks is in one member's message (the others wait for
     their group), so the reason is that member's, or GroupUnschedulable."""
-    problems = {p.name: problem for p in pods if (problem := _unschedulable(p.obj))}
+    problems = {p.name: problem for p in pods if (problem := _unschedulable(p.obj, missing_claim))}
     # a pod that lacks something first: one that only waits for its gang says less
     first = min((p for p in pods if p.name in problems), key=lambda p: problems[p.name].reason == Reason.UNSCHEDULABLE, default=None)
     if first is None or first.engine.pods == 1:
@@ -359,7 +375,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     current_deployments = [d for d in observed.workloads if revision_of(d) in (revision, None)]
     fabric_failures, fabric_passes = _preflight_results(current_pods)
     membership = gang.membership(observed.pods, [r for r in contract.ENGINE_ROLES if targets.get(r, 0) > 0])
-    capacity = _with_partly_bound(_scheduling_problem([p for p in engine_pods if p.revision == revision]), membership)
+    capacity = _with_partly_bound(_scheduling_problem([p for p in engine_pods if p.revision == revision], observed.missing_claim), membership)
     crash = next(filter(None, map(_container_problem, observed.pods)), None)
     creation = next(filter(None, map(_pod_creation_problem, current_deployments)), None)
     summary = facts.summary()

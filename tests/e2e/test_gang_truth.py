@@ -57,11 +57,22 @@ def remove_gang_policies(api_client) -> None:
         custom.delete_cluster_custom_object(MAP_GROUP, MAP_VERSION, "mutatingadmissionpolicies", name)
 
 
+def put_in_a_group(api_client) -> bool:
+    """Whether the API server's admission puts a pod of a pair in its PodGroup now (a server-side dry run: the API
+    server takes policies up, and lets them go, a moment after they are written)."""
+    probe = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "gang-policy-probe", "labels": {contract.LABEL_GANG: contract.GANG_PAIR, contract.LABEL_POD_GROUP: "probe"}},
+             "spec": {"containers": [{"name": "probe", "image": "probe"}]}}  # fmt: skip
+    made = client.CoreV1Api(api_client).create_namespaced_pod("default", probe, dry_run="All")
+    return made.spec.scheduling_group is not None
+
+
 @pytest.fixture
 def no_gang_policy(api_client) -> Iterator[None]:
     """The operator installed without the chart: no admission policy puts pods in their PodGroups."""
     remove_gang_policies(api_client)
-    wait_for("no gang policy", lambda: not gang.policy_covers(*gang_policies(api_client)), timeout=30)
+    wait_for("no gang policy in effect", lambda: not gang.policy_covers(*gang_policies(api_client)) and not put_in_a_group(api_client),
+             timeout=30)  # fmt: skip
     yield
 
 
@@ -161,6 +172,7 @@ def demo_cluster(cluster, api_client) -> Iterator[None]:
     if not cluster.local:
         pytest.skip("the demo's cluster is the local one (hack/cluster.sh); DISAGG_E2E_USE_KUBECONFIG uses another")
     subprocess.run(["bash", "hack/demo.sh", "cluster", "--p5en", "8"], cwd=REPO, check=True, env=os.environ.copy())
+    assert put_in_a_group(api_client), "hack/demo.sh waits until its policy is in effect"
     try:
         yield
     finally:
@@ -187,7 +199,12 @@ def test_on_the_demos_cluster_the_multi_node_example_binds_whole_engines_only(op
             whole = len(p) == 5 and all(x is not None and unschedulable(x) for x in group1)
             return p if whole and sum(bool(x.spec.node_name) for x in p.values()) == 3 else None
 
-        pods = wait_for("the pair bound, group 1 refused whole", settled, timeout=180)
+        try:
+            pods = wait_for("the pair bound, group 1 refused whole", settled, timeout=180)
+        except AssertionError as error:
+            seen = [(x.metadata.name, x.spec.node_name, [(c.reason, c.message) for c in x.status.conditions or [] if c.type == "PodScheduled"])
+                    for x in model_pods(core, namespace, name)]  # fmt: skip
+            raise AssertionError(f"{error}: pods {seen}") from None
         bound = {n for n, p in pods.items() if p.spec.node_name}
         assert {f"{lws}-0", f"{lws}-0-1"} <= bound and any(n.startswith(f"{name}-prefill-") for n in bound), bound
         assert [pods[f"{lws}-1"].spec.node_name, pods[f"{lws}-1-1"].spec.node_name] == [None, None]

@@ -164,14 +164,20 @@ def preflight_container(
     return container
 
 
+def weights_claim(dm: DisaggregatedModel) -> str | None:
+    """The PersistentVolumeClaim the engines read the weights from (spec.model.source pvc://claim/path), if any."""
+    source = dm.spec.model.source
+    if source is None or not source.uri.startswith("pvc://"):
+        return None
+    return source.uri.removeprefix("pvc://").split("/", 1)[0]
+
+
 def _volumes(dm: DisaggregatedModel) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": dm.spec.network.efa.shared_memory}}
     ]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    source = dm.spec.model.source
-    if source is not None and source.uri.startswith("pvc://"):
-        claim = source.uri.removeprefix("pvc://").split("/", 1)[0]
+    if (claim := weights_claim(dm)) is not None:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"{vllm.MODEL_MOUNT_ROOT}/{claim}", "readOnly": True})
     return volumes, mounts

@@ -196,3 +196,19 @@ def test_the_operators_cache_keeps_what_membership_reads_of_a_pod() -> None:
         full, kept = gang.Member.of(pod), gang.Member.of(cache.slim_pod(pod))
         assert kept == full and full is not None
     assert gang.Member.of(cache.slim_pod(leader)).accelerators == {"nvidia.com/gpu": 8}
+
+
+def test_a_scheduler_error_on_a_gang_is_not_a_silent_wait() -> None:
+    """kube-scheduler 1.37 fails a pair's pod-group cycle in which a member cannot be placed for another reason
+    (a missing PersistentVolumeClaim) with SchedulerError, and its words lose the reason: Ready names the pods
+    and the error, and the claim when the pass found the model's weights claim missing."""
+    claimed = desired({"model": {"source": {"uri": "pvc://weights/qwen3"}}})
+    error = {"type": "PodScheduled", "status": "False", "reason": "SchedulerError",
+             "message": 'error in "DynamicResources" PodGroupPostFilter plugins: not found'}  # fmt: skip
+    pods = tuple({**p, "status": {"conditions": [error]}} for p in engine_pods(workload(claimed, "prefill"), 1)
+                 + engine_pods(workload(claimed, "decode"), 1))  # fmt: skip
+    observed = observe(claimed, pods)
+    ready = cond(planner.plan(claimed, observed, NOW).status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "Unschedulable") and "the scheduler fails on it" in ready["message"]
+    ready = cond(planner.plan(claimed, replace(observed, missing_claim="weights"), NOW).status, "Ready")
+    assert ready["reason"] == "Unschedulable" and 'persistentvolumeclaim "weights" not found' in ready["message"]

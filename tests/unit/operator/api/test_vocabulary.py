@@ -31,6 +31,7 @@ NOT_REASONS = {
     "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "PodScheduled", "ReplicaFailure", "Invalid", "Pending",
     "Progressing", "Degraded", "FallbackToLogsOnError", "Error", "GPUs", "Normal", "Warning", "Drain", "Retire",
     "Scale", "Delete", "Plan", "Rollout", "Apply", "Status",
+    "SchedulerError", "PersistentVolumeClaim",  # kube-scheduler's PodScheduled reason (read, not written); a kind
 }  # fmt: skip
 
 
