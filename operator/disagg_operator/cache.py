@@ -42,7 +42,7 @@ def slim(body: Mapping[str, Any]) -> Obj:
 
 def _slim_pod_spec(spec: Mapping[str, Any]) -> Obj:
     """What decisions read of a pod's spec: its node, its PodGroup, and what its containers ask for (the
-    accelerators a partly bound gang holds: gang.membership)."""
+    accelerators a partly bound gang holds: gangs.membership)."""
     out: Obj = {"nodeName": spec.get("nodeName")}
     if "schedulingGroup" in spec:
         out["schedulingGroup"] = copy.deepcopy(spec["schedulingGroup"])

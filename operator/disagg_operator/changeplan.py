@@ -31,7 +31,8 @@ from . import rollout
 from .api.models import DisaggregatedModel, EngineShape, RoleSpec
 from .api.validation import SpecError, parse
 from .config import RenderDefaults
-from .render import gang, render
+from . import gangs
+from .render import render
 
 ROLES = tuple(contract.ENGINE_ROLES)
 SCHEDULE = ("every pod a step creates is ready, and every pod it retires gone, before the next step: "
@@ -83,7 +84,7 @@ class ChangePlan:
     peak_pods: Mapping[str, int]
     peak_accelerators: Mapping[str, Mapping[str, int]]
     engines: Mapping[str, EngineShape]  # role -> how one engine of the new model lays out over pods
-    gangs: str  # what its gangs need, or whether they will hold on the cluster looked at (gang.outlook)
+    gangs: str  # what its gangs need, or whether they will hold on the cluster looked at (gangs.outlook)
     schedule: str = SCHEDULE
 
     @property
@@ -254,7 +255,7 @@ def change_plan(current: DisaggregatedModel | None, new: DisaggregatedModel, def
         peak_pods={r: peaks[r][0] for r in ROLES},
         peak_accelerators={r: peaks[r][1] for r in ROLES},
         engines={r: _role(new, r).shape for r in ROLES},
-        gangs=gang.outlook(new)[1],
+        gangs=gangs.outlook(new)[1],
     )
 
 

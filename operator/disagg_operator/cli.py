@@ -28,6 +28,7 @@ from .changeplan import PlanError, change_plan
 from .config import RenderDefaults
 from .manifests import dump_all, load_all
 from .rbac import cluster_role
+from . import gangs
 from .render import gang, render
 
 if TYPE_CHECKING:
@@ -92,8 +93,8 @@ def _cluster_gangs() -> tuple[bool, frozenset[str] | None]:
     except (ApiException, HTTPError) as error:
         raise InputError(f"cannot reach the API server: {error}") from None
     try:
-        covered = gang.policy_covers(cluster.list_cluster(gang.ADMISSION_API_VERSION, gang.POLICY_KIND),
-                                     cluster.list_cluster(gang.ADMISSION_API_VERSION, gang.BINDING_KIND))  # fmt: skip
+        covered = gangs.policy_covers(cluster.list_cluster(gangs.ADMISSION_API_VERSION, gangs.POLICY_KIND),
+                                     cluster.list_cluster(gangs.ADMISSION_API_VERSION, gangs.BINDING_KIND))  # fmt: skip
     except ApiException as error:
         print(f"note: cannot list MutatingAdmissionPolicies: {error_message(error)}", file=sys.stderr)
         covered = None
@@ -114,7 +115,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             continue
         transfer = render(dm).plan
         print(f"{label}: valid ({transfer.mode} via {transfer.backend}: {transfer.reason})")
-        print(f"  gangs: {gang.outlook(dm, *gangs)[1]}")
+        print(f"  gangs: {gangs.outlook(dm, *gangs)[1]}")
     return status
 
 
@@ -194,7 +195,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except PlanError as error:
         raise InputError(str(error)) from None
     if args.from_cluster:
-        planned = dataclasses.replace(planned, gangs=gang.outlook(new, *_cluster_gangs())[1])
+        planned = dataclasses.replace(planned, gangs=gangs.outlook(new, *_cluster_gangs())[1])
     sys.stdout.write(planned.to_json() if args.output == "json" else planned.to_text())
     return 0
 

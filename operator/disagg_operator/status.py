@@ -37,6 +37,7 @@ from .api.vocabulary import (
     Reason,
 )
 from .api.models import DisaggregatedModelStatus
+from . import gangs
 from .render import gang
 from .state import ChildProblem, Desired, Obj, Observed, PodView, RouterView, revision_of, role_of
 
@@ -226,11 +227,11 @@ def _scheduling_problem(pods: list[PodView], missing_claim: str | None = None) -
                    f"{len(members)} of its pods cannot be scheduled: {words}")
 
 
-def _with_partly_bound(problem: Problem | None, gangs: gang.Membership) -> Problem | None:
+def _with_partly_bound(problem: Problem | None, membership: gangs.Membership) -> Problem | None:
     """A gang partly bound holds accelerators and serves nothing: Ready's message names it and what it holds."""
-    if not gangs.partly_bound:
+    if not membership.partly_bound:
         return problem
-    words = "; ".join(p.describe() for p in gangs.partly_bound)
+    words = "; ".join(p.describe() for p in membership.partly_bound)
     return Problem(problem.reason, f"{problem.message}; {words}") if problem else Problem(Reason.PARTLY_BOUND, words)
 
 
@@ -374,7 +375,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     current_pods = [p.obj for p in engine_pods if p.revision == revision]
     current_deployments = [d for d in observed.workloads if revision_of(d) in (revision, None)]
     fabric_failures, fabric_passes = _preflight_results(current_pods)
-    membership = gang.membership(observed.pods, [r for r in contract.ENGINE_ROLES if targets.get(r, 0) > 0])
+    membership = gangs.membership(observed.pods, [r for r in contract.ENGINE_ROLES if targets.get(r, 0) > 0])
     capacity = _with_partly_bound(_scheduling_problem([p for p in engine_pods if p.revision == revision], observed.missing_claim), membership)
     crash = next(filter(None, map(_container_problem, observed.pods)), None)
     creation = next(filter(None, map(_pod_creation_problem, current_deployments)), None)
@@ -429,9 +430,9 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
 
     ready_ages = router_ready_ages(observed, observed.routers.names, now) if observed.routers is not None else ()
     kv = (KV_TRANSFER_HEALTHY, *kv_transfer(observed.routers, previous, ready_ages))
-    gangs = [g] if (g := gang_scheduled(desired, observed, membership)) else []
+    gang_condition = [g] if (g := gang_scheduled(desired, observed, membership)) else []
     conditions = [condition(t, ok, reason, msg, ref.generation, previous, now)
-                  for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv, *gangs)]  # fmt: skip
+                  for t, ok, reason, msg in (ready_cond, progress_cond, degraded, fabric, kv, *gang_condition)]  # fmt: skip
     return _with_generic_conditions({
         "observedGeneration": ref.generation,
         "phase": _phase(facts, ready_cond[1], degraded[1]),
@@ -446,7 +447,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     }, ref.generation, previous, now)  # fmt: skip
 
 
-def gang_scheduled(desired: Desired, observed: Observed, gangs: gang.Membership) -> tuple[ConditionType, bool, Reason, str] | None:
+def gang_scheduled(desired: Desired, observed: Observed, membership: gangs.Membership) -> tuple[ConditionType, bool, Reason, str] | None:
     """GangScheduled, for a model with PodGroups (render/gang.py) whose cluster was asked whether it serves them:
     True only while every pod of a gang is in its PodGroup (spec.schedulingGroup, as the census holds the pods)
     and no gang is partly bound; a partly bound gang is named first, with what it holds and why."""
@@ -460,17 +461,17 @@ def gang_scheduled(desired: Desired, observed: Observed, gangs: gang.Membership)
     if not observed.pod_groups_served:
         cause = (Reason.POD_GROUPS_NOT_SERVED, f"the pods of the engines of {' and '.join(spanning)} are bound one by one, "
                  f"and a group that fits only in part holds the accelerators of the pods bound: {gang.INSTALL_HINT}")  # fmt: skip
-    elif gangs.outside:
-        names = ", ".join(f"{m.name} (in {m.actual or 'none'}, not {m.wanted})" for m in gangs.outside[:4])
-        more = f" and {len(gangs.outside) - 4} more" if len(gangs.outside) > 4 else ""
+    elif membership.outside:
+        names = ", ".join(f"{m.name} (in {m.actual or 'none'}, not {m.wanted})" for m in membership.outside[:4])
+        more = f" and {len(membership.outside) - 4} more" if len(membership.outside) > 4 else ""
         fix = gang.UNNAMED_HINT if gang.names_pair(desired.model) else gang.POLICY_HINT
-        cause = (Reason.PODS_OUTSIDE_GROUPS, f"{len(gangs.outside)} of the model's {len(gangs.members)} gang pods are not "
+        cause = (Reason.PODS_OUTSIDE_GROUPS, f"{len(membership.outside)} of the model's {len(membership.members)} gang pods are not "
                  f"in their PodGroup: {names}{more}; they are bound one by one. {fix}")  # fmt: skip
     else:
         cause = None
-    if gangs.partly_bound:
+    if membership.partly_bound:
         why = f"; why: {cause[1]}" if cause else ""
-        return (GANG_SCHEDULED, False, Reason.PARTLY_BOUND, "; ".join(p.describe() for p in gangs.partly_bound) + why)
+        return (GANG_SCHEDULED, False, Reason.PARTLY_BOUND, "; ".join(p.describe() for p in membership.partly_bound) + why)
     if cause:
         return (GANG_SCHEDULED, False, *cause)
     what = [f"each engine of {' and '.join(spanning)} is one PodGroup: its pods are bound all together or not at all"] if spanning else []

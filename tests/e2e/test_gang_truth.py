@@ -24,6 +24,7 @@ import pytest
 from kubernetes import client
 
 from disagg_connector import contract
+from disagg_operator import gangs
 from disagg_operator.render import gang
 
 from tests.fixtures.e2e.models import get_model, model_manifest
@@ -49,7 +50,7 @@ def remove_gang_policies(api_client) -> None:
     """Every bound policy that puts our pods in PodGroups (the chart's, the demo's copy of it, another test's)."""
     custom = client.CustomObjectsApi(api_client)
     policies, bindings = gang_policies(api_client)
-    ours = {p["metadata"]["name"] for p in policies if gang.policy_covers([p], bindings)}
+    ours = {p["metadata"]["name"] for p in policies if gangs.policy_covers([p], bindings)}
     for binding in bindings:
         if binding["spec"].get("policyName") in ours:
             custom.delete_cluster_custom_object(MAP_GROUP, MAP_VERSION, "mutatingadmissionpolicybindings", binding["metadata"]["name"])
@@ -71,7 +72,7 @@ def put_in_a_group(api_client) -> bool:
 def no_gang_policy(api_client) -> Iterator[None]:
     """The operator installed without the chart: no admission policy puts pods in their PodGroups."""
     remove_gang_policies(api_client)
-    wait_for("no gang policy in effect", lambda: not gang.policy_covers(*gang_policies(api_client)) and not put_in_a_group(api_client),
+    wait_for("no gang policy in effect", lambda: not gangs.policy_covers(*gang_policies(api_client)) and not put_in_a_group(api_client),
              timeout=30)  # fmt: skip
     yield
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from disagg_connector import contract
+from disagg_operator import gangs
 from disagg_operator.render import gang
 
 from tests.fixtures.helm import CHART, helm, values_args
@@ -56,9 +57,9 @@ def test_the_policy_can_be_turned_off(tmp_path: Path) -> None:
 
 def test_validate_and_plan_read_the_charts_policy_as_covering_both_gangs() -> None:
     """`disagg-operator validate --cluster` and `plan --from-cluster` judge a cluster's policies with
-    gang.policy_covers: the chart's covers both labels; without its binding, or of another shape, none."""
+    gangs.policy_covers: the chart's covers both labels; without its binding, or of another shape, none."""
     policy, binding = policies(rendered(*SERVED))
-    assert gang.policy_covers([policy], [binding]) == {contract.GANG_LWS_GROUP, contract.GANG_PAIR}
-    assert gang.policy_covers([policy], []) == frozenset()  # not bound: it does nothing
+    assert gangs.policy_covers([policy], [binding]) == {contract.GANG_LWS_GROUP, contract.GANG_PAIR}
+    assert gangs.policy_covers([policy], []) == frozenset()  # not bound: it does nothing
     other = {**policy, "spec": {**policy["spec"], "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": "[]"}}]}}
-    assert gang.policy_covers([other], [binding]) == frozenset()
+    assert gangs.policy_covers([other], [binding]) == frozenset()

@@ -10,8 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from disagg_connector import contract
-from disagg_operator import cache, events, planner
-from disagg_operator import render
+from disagg_operator import cache, events, gangs, planner, render
 from disagg_operator.config import RenderDefaults
 from disagg_operator.render import engine, gang
 from disagg_operator.state import Observed
@@ -93,7 +92,7 @@ def test_a_group_waiting_whole_or_bound_whole_is_not_partly_bound() -> None:
     decode = workload(SPANNING, "decode")
     pods = (engine_pods(workload(SPANNING, "prefill"), 1, bound=[0])
             + engine_pods(decode, 2, bound=[0], unschedulable=[1]))  # fmt: skip
-    membership = gang.membership(pods)
+    membership = gangs.membership(pods)
     assert membership.partly_bound == () and membership.outside == ()
     assert gang_condition(SPANNING, observe(SPANNING, pods))["status"] == "True"
 
@@ -101,13 +100,13 @@ def test_a_group_waiting_whole_or_bound_whole_is_not_partly_bound() -> None:
 def test_a_pair_of_one_pod_engines_is_partly_bound_until_it_has_an_engine_of_each_role() -> None:
     prefill, decode = workload(ONE_POD, "prefill"), workload(ONE_POD, "decode")
     half = engine_pods(prefill, 1, bound=[0]) + engine_pods(decode, 2, unschedulable=[0, 1])
-    (partly,) = gang.membership(half).partly_bound
+    (partly,) = gangs.membership(half).partly_bound
     assert partly.group == contract.pair_pod_group_name("m", ONE_POD.revision) and partly.held == {"nvidia.com/gpu": 8}
     # a whole pair bound: a second decode pod waiting is a one-pod engine bound on its own, not a partly bound gang
     whole = engine_pods(prefill, 1, bound=[0]) + engine_pods(decode, 2, bound=[0], unschedulable=[1])
-    assert gang.membership(whole).partly_bound == ()
+    assert gangs.membership(whole).partly_bound == ()
     # ... unless the role is not to run: then the pair is the prefill alone
-    assert gang.membership(engine_pods(prefill, 1, bound=[0]), roles_to_run=["prefill"]).partly_bound == ()
+    assert gangs.membership(engine_pods(prefill, 1, bound=[0]), roles_to_run=["prefill"]).partly_bound == ()
 
 
 def test_where_no_pod_groups_are_served_a_partly_bound_group_says_why() -> None:
@@ -126,7 +125,7 @@ def test_terminating_pods_are_not_counted() -> None:
     leader, worker = engine_pods(decode, 1, bound=[0])
     gone = {**leader, "metadata": {**leader["metadata"], "deletionTimestamp": NOW}}
     refused = engine_pods(decode, 1, unschedulable=[0])[1]
-    assert gang.membership((gone, refused)).partly_bound == ()
+    assert gangs.membership((gone, refused)).partly_bound == ()
 
 
 # --- the operator names the pair itself where it can ------------------------------------------------------
@@ -173,18 +172,18 @@ def test_no_pod_group_is_named_where_none_is_served_nor_in_a_running_deployment_
 
 def test_the_outlook_says_what_gangs_need_and_whether_they_hold_on_a_cluster() -> None:
     both = frozenset({contract.GANG_LWS_GROUP, contract.GANG_PAIR})
-    assert gang.outlook(SPANNING.model)[0] is None and "the chart's admission policy" in gang.outlook(SPANNING.model)[1]
-    held, words = gang.outlook(SPANNING.model, True, both)
+    assert gangs.outlook(SPANNING.model)[0] is None and "the chart's admission policy" in gangs.outlook(SPANNING.model)[1]
+    held, words = gangs.outlook(SPANNING.model, True, both)
     assert held is True and words.startswith("will hold: decode engines span 2 pods")
-    held, words = gang.outlook(SPANNING.model, True, frozenset())
+    held, words = gangs.outlook(SPANNING.model, True, frozenset())
     assert held is False and "disagg.dev/gang=lws-group, disagg.dev/gang=pair" in words and gang.POLICY_COMMAND in words
-    assert gang.outlook(SPANNING.model, False, both)[0] is False
-    assert gang.outlook(SPANNING.model, True, None)[0] is None  # policies not readable: cannot tell
+    assert gangs.outlook(SPANNING.model, False, both)[0] is False
+    assert gangs.outlook(SPANNING.model, True, None)[0] is None  # policies not readable: cannot tell
     # one-pod engines name their pair themselves: no policy needed
-    assert gang.outlook(ONE_POD.model, True, frozenset())[0] is True
-    assert "the admission policy" not in gang.outlook(ONE_POD.model)[1]
+    assert gangs.outlook(ONE_POD.model, True, frozenset())[0] is True
+    assert "the admission policy" not in gangs.outlook(ONE_POD.model)[1]
     apart = desired({"prefill": {"priorityClassName": "batch"}})
-    assert gang.outlook(apart.model, True, frozenset()) == (None, gang.outlook(apart.model)[1]) and "none" in gang.outlook(apart.model)[1]
+    assert gangs.outlook(apart.model, True, frozenset()) == (None, gangs.outlook(apart.model)[1]) and "none" in gangs.outlook(apart.model)[1]
 
 
 def test_the_operators_cache_keeps_what_membership_reads_of_a_pod() -> None:
@@ -193,9 +192,9 @@ def test_the_operators_cache_keeps_what_membership_reads_of_a_pod() -> None:
     decode = workload(SPANNING, "decode")
     leader, worker = engine_pods(decode, 1, bound=[0])
     for pod in (leader, {**worker, "spec": {k: v for k, v in worker["spec"].items() if k != "schedulingGroup"}}):
-        full, kept = gang.Member.of(pod), gang.Member.of(cache.slim_pod(pod))
+        full, kept = gangs.Member.of(pod), gangs.Member.of(cache.slim_pod(pod))
         assert kept == full and full is not None
-    assert gang.Member.of(cache.slim_pod(leader)).accelerators == {"nvidia.com/gpu": 8}
+    assert gangs.Member.of(cache.slim_pod(leader)).accelerators == {"nvidia.com/gpu": 8}
 
 
 def test_a_scheduler_error_on_a_gang_is_not_a_silent_wait() -> None:
