@@ -33,7 +33,7 @@ from kubernetes import client
 from disagg_connector import contract
 
 from tests.fixtures.helm import CHART, helm
-from tests.fixtures.e2e.models import model_manifest
+from tests.fixtures.e2e.models import model_manifest, whole_node_pair
 from tests.fixtures.e2e.nodes import POOL, Pool
 from tests.fixtures.e2e.models import get_model
 from tests.fixtures.e2e.waiting import condition, pod_ready, wait_for
@@ -515,13 +515,8 @@ def test_a_pair_is_bound_whole_or_not_at_all(operator, cluster, api_client, name
     keeps its GPUs. A second node, and both are bound at once."""
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     pool = Pool(api_client, f"{namespace}-pair")
-    place = {"nodeSelector": {POOL: pool.label}}
     name = "pair"
-    manifest = model_manifest(name, {
-        "prefill": {"replicas": 1, "parallelism": {"tensor": 8}, "accelerator": {"count": 8}, **place},
-        "decode": {"replicas": 1, "parallelism": {"tensor": 8}, "accelerator": {"count": 8}, **place},
-        "network": {"placement": {"zone": "None", "spine": "None"}},
-    })  # fmt: skip
+    manifest = whole_node_pair(name, pool.label)
     engines = f"{contract.LABEL_MODEL}={contract.model_label_value(name)},{contract.LABEL_ROLE} in (prefill,decode)"
     try:
         pool.add(1)

@@ -27,7 +27,7 @@ from disagg_connector import contract
 from disagg_operator import gangs
 from disagg_operator.render import gang
 
-from tests.fixtures.e2e.models import get_model, model_manifest
+from tests.fixtures.e2e.models import get_model, model_manifest, whole_node_pair
 from tests.fixtures.e2e.nodes import POOL, Pool
 from tests.fixtures.e2e.waiting import condition, wait_for
 from tests.fixtures.models import REPO
@@ -137,13 +137,8 @@ def test_without_the_policy_one_pod_engines_name_their_pair_and_it_binds_whole_o
     so neither binds (the node keeps its GPUs); a second node, and both bind at once."""
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     pool = Pool(api_client, f"{namespace}-pair")
-    place = {"nodeSelector": {POOL: pool.label}}
     name = "pair"
-    manifest = model_manifest(name, {
-        "prefill": {"replicas": 1, "parallelism": {"tensor": 8}, "accelerator": {"count": 8}, **place},
-        "decode": {"replicas": 1, "parallelism": {"tensor": 8}, "accelerator": {"count": 8}, **place},
-        "network": {"placement": {"zone": "None", "spine": "None"}},
-    })  # fmt: skip
+    manifest = whole_node_pair(name, pool.label)
     try:
         pool.add(1)
         custom.create_namespaced_custom_object(contract.API_GROUP, contract.API_VERSION, namespace, contract.PLURAL, manifest)
