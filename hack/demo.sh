@@ -8,9 +8,9 @@
 #                         what the chart installs once per cluster and the operator relies on (its gang
 #                         admission policy), apply the example, wait for Ready, show it, stream one
 #                         completion, show its status
-#   hack/demo.sh --p5en N the same on a pool of N fake p5en nodes (default 4: room for the minimal example
-#                         and a few more pods; those beyond 4 are a zone of their own: 9 run the minimal
-#                         example and examples/deepseek-v3-p5en-wide-ep.yaml whole)
+#   hack/demo.sh --p5en N the same on a pool of N fake p5en nodes (hack/nodes/ has 4: room for the minimal
+#                         example and a few more pods; those beyond 4 are a zone of their own: 9 run the
+#                         minimal example and examples/deepseek-v3-p5en-wide-ep.yaml whole; 4 removes them)
 #   hack/demo.sh cluster [--p5en N]
 #                         only the cluster as the demo leaves it (control plane, pool, CRD, the chart's
 #                         policy), no operator and no example: what the e2e checks the examples on
@@ -40,7 +40,7 @@ if [ "${1:-}" = down ]; then
 fi
 ONLY_CLUSTER=0
 if [ "${1:-}" = cluster ]; then ONLY_CLUSTER=1; shift; fi
-P5EN=4
+P5EN=""  # the pool as it is (4 p5en nodes from hack/nodes/, or what an earlier --p5en made)
 if [ "${1:-}" = --p5en ]; then P5EN="${2:?usage: hack/demo.sh [cluster] --p5en N}"; fi
 
 if [ "$ONLY_CLUSTER" = 0 ]; then
@@ -50,7 +50,7 @@ fi
 bash hack/cluster.sh up
 eval "$(bash hack/cluster.sh env)"
 
-bash hack/cluster.sh p5en "$P5EN"
+[ -z "$P5EN" ] || bash hack/cluster.sh p5en "$P5EN"
 
 log "installing the CRD"
 kubectl apply --server-side --force-conflicts -f crds/ >/dev/null
