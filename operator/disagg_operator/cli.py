@@ -103,7 +103,7 @@ def _cluster_gangs() -> tuple[bool, frozenset[str] | None]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     status = 0
-    gangs = _cluster_gangs() if args.cluster else ()
+    looked_at = _cluster_gangs() if args.cluster else ()
     for label, doc in _only_models(_read_documents(args.filename)):
         try:
             dm = parse(doc)
@@ -115,7 +115,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             continue
         transfer = render(dm).plan
         print(f"{label}: valid ({transfer.mode} via {transfer.backend}: {transfer.reason})")
-        print(f"  gangs: {gangs.outlook(dm, *gangs)[1]}")
+        print(f"  gangs: {gangs.outlook(dm, *looked_at)[1]}")
     return status
 
 

@@ -7,14 +7,19 @@ status and planner functions over censuses of pods in, out of and half in their 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from disagg_connector import contract
 from disagg_operator import cache, events, gangs, planner, render
+from disagg_operator.cli import main
 from disagg_operator.config import RenderDefaults
 from disagg_operator.render import engine, gang
 from disagg_operator.state import Observed
 
+from tests.fixtures.models import REPO, load_example
 from tests.fixtures.planner import NOW, cond
 from tests.fixtures.world import children, desired, engine_pods, with_role_status
 
@@ -211,3 +216,19 @@ def test_a_scheduler_error_on_a_gang_is_not_a_silent_wait() -> None:
     assert (ready["status"], ready["reason"]) == ("False", "Unschedulable") and "the scheduler fails on it" in ready["message"]
     ready = cond(planner.plan(claimed, replace(observed, missing_claim="weights"), NOW).status, "Ready")
     assert ready["reason"] == "Unschedulable" and 'persistentvolumeclaim "weights" not found' in ready["message"]
+
+
+def test_the_validate_command_says_what_the_gangs_need_and_asks_a_cluster_only_when_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = str(REPO / "examples" / "deepseek-v3-p5en-wide-ep.yaml")
+    assert main(["validate", "-f", example]) == 0
+    out = capsys.readouterr().out
+    assert "valid (Push via LIBFABRIC" in out
+    assert f"  gangs: {gangs.outlook(desired(load_example(Path(example))['spec']).model)[1]}\n" in out
+    assert "the chart's admission policy" in out
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["validate", "--cluster", "-f", example]) == 2
+    err = capsys.readouterr().err
+    assert "--cluster needs a kubeconfig" in err and "Traceback" not in err
