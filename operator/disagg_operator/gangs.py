@@ -160,10 +160,10 @@ def outlook(dm: DisaggregatedModel, served: bool | None = None, covered: frozens
     if not served:
         return False, f"will not hold: {what}, but the cluster does not serve PodGroups; {INSTALL_HINT}"
     wanted = set() if names_pair(dm) else {contract.GANG_LWS_GROUP, *([contract.GANG_PAIR] if pairs(dm) else [])}
-    if covered is None:
+    if wanted and covered is None:
         return None, f"{what}: PodGroups are served; whether an admission policy puts the pods in them could not be read"
-    if not wanted <= covered:
-        labels = ", ".join(f"{contract.LABEL_GANG}={v}" for v in sorted(wanted - covered))
+    if not wanted <= (covered or frozenset()):
+        labels = ", ".join(f"{contract.LABEL_GANG}={v}" for v in sorted(wanted - (covered or frozenset())))
         return False, (f"will not hold: {what}, but no bound MutatingAdmissionPolicy puts pods labelled {labels} in their "
                        f"PodGroup: apply the chart's (`{POLICY_COMMAND}`)")  # fmt: skip
     how = "the pods name their pair themselves" if names_pair(dm) else "the admission policy puts the pods in their PodGroups"

@@ -186,6 +186,7 @@ def test_the_outlook_says_what_gangs_need_and_whether_they_hold_on_a_cluster() -
     assert gangs.outlook(SPANNING.model, True, None)[0] is None  # policies not readable: cannot tell
     # one-pod engines name their pair themselves: no policy needed
     assert gangs.outlook(ONE_POD.model, True, frozenset())[0] is True
+    assert gangs.outlook(ONE_POD.model, True, None)[0] is True  # nor a policy that could not be read
     assert "the admission policy" not in gangs.outlook(ONE_POD.model)[1]
     apart = desired({"prefill": {"priorityClassName": "batch"}})
     assert gangs.outlook(apart.model, True, frozenset()) == (None, gangs.outlook(apart.model)[1]) and "none" in gangs.outlook(apart.model)[1]
