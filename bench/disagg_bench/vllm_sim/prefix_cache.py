@@ -91,6 +91,24 @@ def generated_token_id(i: int, wrong: bool = False) -> int:
     return word_token_id(f"??{i}" if wrong else f"tok{i}")
 
 
+_GENERATED_INDEX: dict[int, int] = {}  # generated_token_id(i) -> i, for the first GENERATED_INDEX_SIZE tokens
+GENERATED_INDEX_SIZE = 1 << 16
+
+
+def generated_run(token_ids: Sequence[int]) -> int:
+    """How many of the simulator's own tokens end ``token_ids`` in order (``tok0 ... tok<n-1>``): the next token
+    is ``tok<n>``. The simulator's answer is so a function of the token-id prefix, as greedy decoding is: a
+    continuation whose prompt is the original prompt plus the tokens already generated (stream migration) goes on
+    exactly where the answer broke off, and one that dropped or repeated a token starts again from ``tok0``."""
+    if not _GENERATED_INDEX:
+        _GENERATED_INDEX.update((generated_token_id(i), i) for i in range(GENERATED_INDEX_SIZE))
+    last = _GENERATED_INDEX.get(token_ids[-1]) if token_ids else None
+    if last is None or last + 1 > len(token_ids):
+        return 0
+    run = token_ids[len(token_ids) - last - 1 :]
+    return last + 1 if all(_GENERATED_INDEX.get(t) == i for i, t in enumerate(run)) else 0
+
+
 # --- block hashes ----------------------------------------------------------------------------------------
 def prompt_block_hashes(tokens: Sequence[int], block_size: int, algo: kv_blocks.HashAlgo = "sha256") -> list[bytes]:
     """The 32-byte hashes of the full blocks of ``tokens``, as a vLLM 0.33.0 engine with

@@ -401,6 +401,11 @@ class Seq:
     expected: int = 1
     kv_ready: bool = False
     computing: bool = False  # P: this prefill has the accelerator
+    start: int = 0  # the number of the first token it writes (prefix_cache.generated_run of its prompt)
+
+    def generated_id(self, i: int) -> int:
+        """The id of the i-th token this request writes."""
+        return pc.generated_token_id(i if self.wrong else self.start + i, self.wrong)
 
     @property
     def transfer_id(self) -> str | None:
@@ -615,7 +620,7 @@ class Engine:
             return
         cache = self.caches[seq.rank]
         if finished:
-            cache.commit(seq.blocks, [pc.generated_token_id(i, seq.wrong) for i in range(seq.emitted - 1)])
+            cache.commit(seq.blocks, [seq.generated_id(i) for i in range(seq.emitted - 1)])
         cache.free(seq.blocks)
 
     def publish_events(self) -> None:
@@ -1146,6 +1151,7 @@ class Engine:
         params = params if isinstance(params, dict) else None
         stream = bool(body.get("stream", False))
         seq = Seq(xid, rid, resp_id, kind, prompt_tokens, max_tokens, rank, params, token_ids)
+        seq.start = pc.generated_run(token_ids)
         self.inflight[id(seq)] = seq
         self.counters["requests"] += 1
         self.event(
@@ -1219,21 +1225,32 @@ class Engine:
         return d
 
     def _text(self, seq: Seq, i: int) -> str:
-        return f" ??{i}" if seq.wrong else f" tok{i}"
+        return f" ??{i}" if seq.wrong else f" tok{seq.start + i}"
 
-    def _chunk(self, seq: Seq, created: int, i: int | None, final: bool, first: bool) -> dict[str, Any]:
+    def _chunk(self, seq: Seq, created: int, i: int | None, final: bool, first: bool, ids: bool) -> dict[str, Any]:
+        """One streamed event. ``ids`` (the request's ``return_token_ids``): as vLLM's, the prompt's token ids in the
+        first event (completions: in its choice; chat: at the top, on the role's event) and each event's own."""
         fr = "length" if final else None
         if seq.kind == "completions":
             choice = {"index": 0, "text": "" if i is None else self._text(seq, i), "logprobs": None, "finish_reason": fr, "stop_reason": None}
+            if ids:
+                choice["prompt_token_ids"] = seq.token_ids if first else None
+                choice["token_ids"] = [] if i is None else [seq.generated_id(i)]
             return {"id": seq.resp_id, "object": "text_completion", "created": created, "model": self.a.served_model_name, "choices": [choice]}
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {"content": self._text(seq, i or 0)}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fr}
-        return {"id": seq.resp_id, "object": "chat.completion.chunk", "created": created, "model": self.a.served_model_name, "choices": [choice]}
+        if ids and not first:
+            choice["token_ids"] = [seq.generated_id(i or 0)]
+        out = {"id": seq.resp_id, "object": "chat.completion.chunk", "created": created, "model": self.a.served_model_name, "choices": [choice]}
+        if ids and first:
+            out["prompt_token_ids"] = seq.token_ids
+        return out
 
     async def respond(
         self, request: web.Request, body: dict[str, Any], seq: Seq, stream: bool, tokens: list[int] | None, kvp: dict[str, Any] | None
     ) -> web.StreamResponse:
         created = int(time.time())
+        ids = bool(body.get("return_token_ids"))
         usage = lambda n: {"prompt_tokens": seq.prompt_tokens, "total_tokens": seq.prompt_tokens + n, "completion_tokens": n}  # noqa: E731
         if not stream:
             got: list[int] = []
@@ -1248,9 +1265,15 @@ class Engine:
             if seq.kind == "completions":
                 choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length", "stop_reason": None, "prompt_logprobs": None}
                 out = {"id": seq.resp_id, "object": "text_completion", "created": created, "model": self.a.served_model_name, "choices": [choice]}
+                if ids:
+                    choice["prompt_token_ids"] = seq.token_ids
             else:
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
                 out = {"id": seq.resp_id, "object": "chat.completion", "created": created, "model": self.a.served_model_name, "choices": [choice]}
+                if ids:
+                    out["prompt_token_ids"] = seq.token_ids
+            if ids:
+                choice["token_ids"] = [seq.generated_id(i) for i in got]
             out["usage"] = usage(len(got))
             out["kv_transfer_params"] = kvp
             self.counters["completed"] += 1
@@ -1275,9 +1298,9 @@ class Engine:
                 await send(error_body(500, str(item), "InternalServerError"))
                 break
             if n == 0 and seq.kind == "chat":
-                await send(self._chunk(seq, created, None, False, True))
+                await send(self._chunk(seq, created, None, False, True, ids))
             n += 1
-            await send(self._chunk(seq, created, item, n >= seq.max_tokens, False))
+            await send(self._chunk(seq, created, item, n >= seq.max_tokens, n == 1 and seq.kind == "completions", ids))
         opts = body.get("stream_options") or {}
         if n and isinstance(opts, dict) and opts.get("include_usage"):
             await send({"id": seq.resp_id, "object": "text_completion" if seq.kind == "completions" else "chat.completion.chunk",

@@ -53,6 +53,7 @@ class RouterConfig:
     leg_timeout: float = default_leg_timeout(VLLM_DEFAULT_LEASE_SECONDS)
     request_timeout: float = 600.0
     max_retries: int = 1
+    max_migrations: int = 2  # continuations of one stream whose decode failed mid-stream; 0: off
     shutdown_grace: float = 30.0
     disaggregation_threshold_tokens: int = 0
     probe_interval: float = 5.0
@@ -117,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="deadline of a non-streaming decode leg (its first byte is its last)",
     )
     p.add_argument("--max-retries", type=int, default=_default("max_retries"), help="retries on another pair with fresh ids")
+    p.add_argument(
+        "--max-migrations", type=int, default=_default("max_migrations"),
+        help="times one stream is continued on another pair when its decode fails after the first token "
+        "(docs/router.md, Failures and stream migration); 0 turns migration off",
+    )  # fmt: skip
     p.add_argument("--shutdown-grace-seconds", type=float, default=_default("shutdown_grace"))
     p.add_argument(
         "--disaggregation-threshold-tokens",
@@ -195,6 +201,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         )
     if a.max_retries < 0:
         parser.error("--max-retries must be >= 0")
+    if a.max_migrations < 0:
+        parser.error("--max-migrations must be >= 0 (0 turns stream migration off)")
     if a.disaggregation_threshold_tokens < 0:
         parser.error("--disaggregation-threshold-tokens must be >= 0")
     if a.probe_interval_seconds < 0:
@@ -216,6 +224,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         leg_timeout=leg_timeout,
         request_timeout=max(a.request_timeout_seconds, leg_timeout),
         max_retries=a.max_retries,
+        max_migrations=a.max_migrations,
         shutdown_grace=a.shutdown_grace_seconds,
         disaggregation_threshold_tokens=a.disaggregation_threshold_tokens,
         probe_interval=a.probe_interval_seconds,

@@ -72,7 +72,8 @@ from disagg_connector.router.outcomes import OutcomeRecorder
 from disagg_connector.router.pairing import Balancer, Candidates
 from disagg_connector.router.policy import Pick, Policies
 from disagg_connector.router.prefix import PromptKey, prompt_key
-from disagg_connector.router.relay import Opened, Relay
+from disagg_connector.router.migration import decode_leg_body, refusal
+from disagg_connector.router.relay import Migration, Opened, Relay
 from disagg_connector.router.stats import RouterStats
 
 log = logging.getLogger("disagg_router.dispatch")
@@ -99,6 +100,7 @@ class RequestContext:
     revision: str = ""  # of the current (last) attempt
     flow: str = ""  # of the current attempt: "push" | "pull" | "local"
     tokens: int = 0  # the prompt's estimated length
+    leg_body: dict[str, Any] | None = None  # what the legs send, when it differs from the client's body
     _key: PromptKey | None = None
 
     def prompt_key(self) -> PromptKey:
@@ -168,6 +170,7 @@ class Dispatcher:
         threshold = self.cfg.disaggregation_threshold_tokens
         ctx.tokens = estimate_prompt_tokens(ctx.kind, ctx.body)
         local = bool(threshold) and ctx.tokens < threshold
+        migration = self._migration(ctx)
         status = 500
         self.outcomes.request_started()
         try:
@@ -191,7 +194,7 @@ class Dispatcher:
                             break
                         continue
                     status = opened.answer.status
-                    return await self.relay.answer(ctx.request, ctx.t0, opened)
+                    return await self.relay.answer(ctx.request, ctx.t0, opened, migration)
             assert failure is not None
             if failure.passthrough:
                 st, data, ctype = failure.passthrough
@@ -205,6 +208,49 @@ class Dispatcher:
             raise
         finally:
             self.outcomes.request_ended(ctx.revision, ctx.flow, ctx.kind, status, time.monotonic() - ctx.t0)
+
+    # --- stream migration ---------------------------------------------------------------------------
+    def _migration(self, ctx: RequestContext) -> Migration | None:
+        """How this request's stream may be continued when its decode fails mid-stream (None: it ends)."""
+        if not ctx.stream or self.cfg.max_migrations <= 0:
+            return None
+        refused = refusal(ctx.kind, ctx.body)
+        if refused is None:
+            ctx.leg_body = decode_leg_body(ctx.body)  # the token ids a continuation needs
+        return Migration(ctx.kind, ctx.body, self.cfg.max_migrations, refused,
+                         lambda failed, body, held: self._continue(ctx, failed, body, held))  # fmt: skip
+
+    async def _continue(self, ctx: RequestContext, failed: Opened, body: dict[str, Any], held: contextlib.ExitStack) -> Opened:
+        """Open the continuation of ``ctx``'s stream (``body``: migration.continuation_body) on a pair of a serving
+        revision that avoids every engine that failed this request, through a prefill or, below the
+        disaggregation threshold, locally; with the retries a request has. ``held`` keeps its decode count and
+        response. Raises the last LegFailure when no pair takes it."""
+        ctx.excluded.add(failed.decode.key)
+        cont = RequestContext(
+            ctx.request, "completions", "/v1/completions", body, True, ctx.t0, ctx.auth, ctx.excluded, ctx.avoided,
+        )  # fmt: skip
+        cont.tokens = estimate_prompt_tokens("completions", body)  # token ids: exact
+        threshold = self.cfg.disaggregation_threshold_tokens
+        local = bool(threshold) and cont.tokens < threshold
+        failure: LegFailure | None = None
+        for _ in range(1 + self.cfg.max_retries):
+            with contextlib.ExitStack() as attempt:
+                try:
+                    opened = await self._attempt(cont, local, False, attempt)  # counted as a migration, not a retry
+                except LegFailure as f:
+                    if f.cause != "no_backend":
+                        self.outcomes.failed(cont.revision, cont.flow, f.cause)
+                    failure = failure if f.cause == "no_backend" and failure is not None else f
+                    ctx.excluded.update(b.key for b in f.blamed)
+                    ctx.avoided.update(b.key for b in f.implicated)
+                    if f.cause == "no_backend" or f.passthrough or not f.retryable:
+                        break
+                    continue
+                held.enter_context(attempt.pop_all())
+                ctx.revision, ctx.flow = cont.revision, cont.flow
+                return opened
+        assert failure is not None
+        raise failure
 
     # --- attempts -----------------------------------------------------------------------------------
     def _no_pair(self) -> LegFailure:
@@ -248,7 +294,7 @@ class Dispatcher:
         ctx.revision, ctx.flow = rev.revision, "local" if local else "push" if rev.mode == "Push" else "pull"
         self.outcomes.attempt(rev.revision, ctx.flow, retry)
         xid, transfer_id = mint_ids()
-        req = LegRequest(ctx.kind, ctx.path, ctx.body, ctx.stream, ctx.auth, xid, transfer_id)
+        req = LegRequest(ctx.kind, ctx.path, ctx.leg_body or ctx.body, ctx.stream, ctx.auth, xid, transfer_id)
         tl = Timeline(time.monotonic())
         if local:
             d = self._pick_decode(chosen.decode)

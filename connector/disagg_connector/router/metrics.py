@@ -6,7 +6,7 @@ after both its leg started and the prefill finished: in pull the whole decode le
 in push the part of it after the prefill), time to first token, time per output token (streamed answers:
 vLLM sends one SSE event per token unless its --stream-interval batches them) and end to end; failures by cause (the
 vocabulary of :mod:`health`). Per backend, read at scrape time from the balancer: in-flight legs,
-draining, ejected, the load the policies see; per revision: ready pairs and traffic weight. Routing: the
+draining, ejected, the load the policies see; per revision: ready pairs and traffic weight. Stream migrations by cause and outcome, and the gap each added. Routing: the
 policies' picks by role, policy and reason; per prefill backend the prompt tokens sent and those the policy
 expected cached there (divide for the expected hit ratio; vLLM's own is ``vllm:prefix_cache_hits_total`` over
 ``vllm:prefix_cache_queries_total``); the sizes of the prefix index and of the KV-event index.
@@ -90,6 +90,18 @@ class RouterMetrics:
         )  # fmt: skip
         self.failures = Counter("disagg_router_failures", "Failed attempts and streams by cause", [*_LABELS, "cause"], registry=r)
         self.retries = Counter("disagg_router_retries", "Retries on another pair with fresh ids", ["revision"], registry=r)
+        self.migrations = Counter(
+            "disagg_router_migrations",
+            "Streams whose decode failed after the first token, by the failed attempt's revision, the cause and what became "
+            "of the stream: migrated (continued on another pair), complete (every token was out), refused (the request "
+            "cannot be continued faithfully), exhausted (maxMigrations reached), failed (no pair took the continuation), "
+            "off (migration is off)",
+            ["revision", "cause", "outcome"], registry=r,
+        )  # fmt: skip
+        self.migration_gap = hist(
+            "disagg_router_migration_gap_seconds",
+            "What a migration added to the client's stream: its last chunk before the failure to the continuation's first",
+        )
         self.despite_ejections = Counter(
             "disagg_router_routed_despite_ejections",
             "Attempts sent to a pair with an ejected backend because ejections left no other (panic routing)", ["revision"], registry=r,

@@ -75,6 +75,14 @@ class OutcomeRecorder:
         if revision and flow != "local":
             self.stats.failed(revision, cause)
 
+    def migration(self, revision: str, cause: str, outcome: str) -> None:
+        """A stream's decode failed after its first token (``cause``): what became of the stream (metrics.migrations)."""
+        self.metrics.child(self.metrics.migrations, revision, cause, outcome).inc()
+
+    def migration_gap(self, revision: str, flow: str, seconds: float) -> None:
+        """A continuation's first chunk reached the client ``seconds`` after its last chunk before the failure."""
+        self.metrics.child(self.metrics.migration_gap, revision, flow).observe(seconds)
+
     def first_chunk(self, revision: str, flow: str, seconds: float) -> None:
         self.metrics.child(self.metrics.ttft, revision, flow).observe(seconds)
 

@@ -1,24 +1,31 @@
-"""The decode's answer to the client: a whole body as it is, or a stream byte for byte, each chunk as it
-comes, never stalling longer than the leg deadline between chunks (:class:`StallTimer`). After the first
-byte nothing can be retried: a stream that breaks, stalls or carries the engine's own error event ends
-with an SSE error event and ``data: [DONE]``, as vLLM ends a failed stream. The prefill leg is cancelled
-before the decode's connection is closed (:func:`legs.abort_legs`).
+"""The decode's answer to the client: a whole body as it is, or a stream event by event as it comes, never
+stalling longer than the leg deadline between chunks (:class:`StallTimer`).
+
+After the first byte nothing can be retried, but a stream can be continued: when the decode's stream breaks,
+stalls or ends in the engine's own error event, and the request allows it (:mod:`migration`), the relay asks the
+dispatcher for a continuation on another pair (``Migration.reopen``) and splices it into the client's stream, at
+most ``limit`` times per request. A stream that cannot be continued ends with an error event that says why and no
+``data: [DONE]``, so that no client takes the truncated answer for a whole one. The prefill leg is cancelled
+before the decode's connection is closed (:func:`legs.abort_legs`). Without migration (``--max-migrations 0``)
+the stream is relayed byte for byte, and ends the same way when it fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
-from disagg_connector.contract.vllm_pd import SSE_DONE, SSE_ERROR, sse_error
+from disagg_connector.contract.vllm_pd import SSE_DONE, SSE_ERROR, sse_error_message
 from disagg_connector.router.discovery import Backend
 from disagg_connector.router.legs import DecodeAnswer, LegFailure, Timeline, abort_legs
+from disagg_connector.router.migration import REFUSALS, Trail, continuation_body, end_event, include_usage
 from disagg_connector.router.outcomes import OutcomeRecorder
 from disagg_connector.router.pairing import Ejections
 
@@ -37,6 +44,22 @@ class Opened:
     answer: DecodeAnswer
     timeline: Timeline
     prefill_task: asyncio.Task[Any] | None = None
+
+
+# Opens a continuation: the failed attempt, the continuation's /v1/completions body, and the stack that holds the
+# continuation's decode count and response until the relay ends. Raises LegFailure when no pair takes it.
+Reopen = Callable[[Opened, dict[str, Any], contextlib.ExitStack], Awaitable[Opened]]
+
+
+@dataclass
+class Migration:
+    """What the relay needs to continue one request's stream elsewhere."""
+
+    kind: str  # "completions" | "chat"
+    body: dict[str, Any]  # the client's
+    limit: int  # continuations allowed (maxMigrations)
+    refused: str | None  # a key of migration.REFUSALS known from the request itself
+    reopen: Reopen
 
 
 class StallTimer:
@@ -79,6 +102,27 @@ class StallTimer:
         self.handle.cancel()
 
 
+class _Passthrough:
+    """The bytes of a stream relayed as they come (no migration): only an engine's ``[DONE]`` after its own
+    error event is held back, so that a failed stream never ends like a whole one."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.done = False
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.error is None and SSE_ERROR in chunk:
+            at = chunk.index(SSE_ERROR)
+            self.error = sse_error_message(chunk[at:])
+            return chunk[:at]
+        if self.error is not None:
+            return b""  # the engine's error event and its [DONE]: the relay ends this stream
+        self.events += chunk.count(b"\n\n")  # JSON escapes newlines: a blank line only ends an event
+        self.done = chunk.endswith(SSE_DONE)
+        return chunk
+
+
 class Relay:
     def __init__(self, outcomes: OutcomeRecorder, ejections: Ejections, stall_limit: float) -> None:
         self.outcomes, self.ejections, self.stall_limit = outcomes, ejections, stall_limit
@@ -91,74 +135,155 @@ class Relay:
             log.warning("request %s answered, but its prefill leg failed: %s (%s)", o.xid, failure, cause)
         self.outcomes.answered(o.revision, o.flow, o.timeline, cause)
 
-    async def answer(self, request: web.Request, t0: float, o: Opened) -> web.StreamResponse:
+    async def answer(self, request: web.Request, t0: float, o: Opened, migration: Migration | None = None) -> web.StreamResponse:
         """Relay ``o`` to the client of ``request`` (which arrived at ``t0``). Closes the decode's response."""
         headers = {"Content-Type": o.answer.content_type, "X-Request-Id": o.xid}
         timing = o.timeline.server_timing(t0)
         if timing:
             headers["Server-Timing"] = timing
-        resp = o.answer.resp
-        if resp is None:
+        if o.answer.resp is None:
             self._answered(o)
             await abort_legs(o.prefill_task)
             return web.Response(status=o.answer.status, body=o.answer.data, headers=headers)
-        finished = False
+        headers["Cache-Control"] = "no-cache"
+        out = web.StreamResponse(status=o.answer.status, headers=headers)
+        await out.prepare(request)
+        reader: Trail | _Passthrough = (
+            Trail(migration.kind, bool(migration.body.get("return_token_ids"))) if migration and not migration.refused else _Passthrough()
+        )
+        with contextlib.ExitStack() as continuations:
+            try:
+                return await self._stream(out, o, reader, migration, continuations, t0)
+            except ConnectionError:  # the client went away while we wrote to it
+                raise asyncio.CancelledError() from None
+
+    async def _stream(
+        self, out: web.StreamResponse, o: Opened, reader: Trail | _Passthrough, migration: Migration | None,
+        continuations: contextlib.ExitStack, t0: float,
+    ) -> web.StreamResponse:
         try:
-            headers["Cache-Control"] = "no-cache"
-            out = web.StreamResponse(status=o.answer.status, headers=headers)
-            await out.prepare(request)
-            await out.write(o.answer.data)
+            await out.write(reader.feed(o.answer.data))
             first = time.monotonic()
             self.outcomes.first_chunk(o.revision, o.flow, first - t0)
-            events, last = 0, b""  # SSE events after the first chunk (one token each), for the TPOT
-            engine_error = False
-            stall = StallTimer(self.stall_limit)
-            try:
-                while True:
-                    try:
-                        with stall:
-                            chunk = await resp.content.readany()
-                    except (TimeoutError, aiohttp.ClientError) as e:
-                        cause = "decode_stall" if isinstance(e, TimeoutError) else "decode_stream_broken"
-                        self.outcomes.failed(o.revision, o.flow, cause)
-                        log.warning("decode stream from %s ended abnormally: %s", o.decode.key, cause)
-                        if cause == "decode_stream_broken":
-                            self.ejections.suspect(o.decode.key)
-                        await out.write(sse_error(502, f"decode engine stream failed ({cause})"))
-                        break
-                    if not chunk:
-                        finished = True
-                        break
-                    engine_error = engine_error or SSE_ERROR in chunk
-                    events += chunk.count(b"\n\n")  # JSON escapes newlines: a blank line only ends an event
-                    last = chunk
-                    await out.write(chunk)
-                    if chunk.endswith(SSE_DONE):
-                        # The client has the whole answer and may hang up now: not waiting for the engine to
-                        # close its stream keeps such a client from counting as a disconnect (499).
-                        finished = True
-                        break
-            finally:
-                stall.close()
-            if finished and engine_error:  # the engine ended the stream with its own error event
-                finished = False
-                self.outcomes.failed(o.revision, o.flow, "decode_stream_broken")
-            elif finished:
-                self._answered(o)
-                tokens = events - last.endswith(SSE_DONE)  # [DONE] carries no token
-                if tokens > 0:
-                    self.outcomes.per_token(o.revision, o.flow, (time.monotonic() - first) / tokens)
-            try:
-                await out.write_eof()
-            except ConnectionError:
-                if not finished:
-                    raise
-            return out
-        except ConnectionError:  # the client went away while we wrote to it
-            raise asyncio.CancelledError() from None
+            migrated = 0
+            last_write = first
+            while True:
+                cause, last_write = await self._pass(out, o, reader, last_write)
+                if cause is None:
+                    break
+                # The decode failed mid-stream: its prefill leg and response are done with, whatever comes next.
+                await self._close(o, finished=False)
+                ended = await self._after_failure(out, o, reader, migration, cause, migrated, continuations)
+                if not isinstance(ended, Opened):
+                    await out.write(ended)
+                    with contextlib.suppress(ConnectionError):
+                        await out.write_eof()
+                    return out
+                migrated += 1
+                self.outcomes.migration_gap(ended.revision, ended.flow, time.monotonic() - last_write)
+                o = ended
+        except BaseException:
+            await self._close(o, finished=False)
+            raise
+        self._answered(o)
+        tokens = reader.events - (not isinstance(reader, Trail) and reader.done)  # [DONE] carries no token
+        if tokens > 0:
+            self.outcomes.per_token(o.revision, o.flow, (time.monotonic() - first) / tokens)
+        await self._close(o, finished=True)
+        with contextlib.suppress(ConnectionError):
+            await out.write_eof()
+        return out
+
+    async def _pass(self, out: web.StreamResponse, o: Opened, reader: Trail | _Passthrough, last_write: float) -> tuple[str | None, float]:
+        """Relay ``o``'s stream until it ends: None when it ended whole, else the cause of its failure; and when
+        the client was last written to (the gap a continuation adds is counted from there)."""
+        resp = o.answer.resp
+        assert resp is not None
+        stall = StallTimer(self.stall_limit)
+        try:
+            while True:
+                try:
+                    with stall:
+                        chunk = await resp.content.readany()
+                except (TimeoutError, aiohttp.ClientError) as e:
+                    cause = "decode_stall" if isinstance(e, TimeoutError) else "decode_stream_broken"
+                    log.warning("decode stream %s from %s ended abnormally: %s", o.xid, o.decode.key, cause)
+                    if cause == "decode_stream_broken":
+                        self.ejections.suspect(o.decode.key)
+                    return cause, last_write
+                if not chunk:  # the engine closed its stream before [DONE]
+                    return "decode_stream_broken", last_write
+                data = reader.feed(chunk)
+                if data:
+                    await out.write(data)
+                    last_write = time.monotonic()
+                if reader.error is not None:
+                    log.warning("decode %s ended stream %s with its own error: %s", o.decode.key, o.xid, reader.error)
+                    self.ejections.suspect(o.decode.key)
+                    return "decode_stream_broken", last_write
+                if reader.done:
+                    # The client has the whole answer and may hang up now: not waiting for the engine to
+                    # close its stream keeps such a client from counting as a disconnect (499).
+                    return None, last_write
         finally:
-            await abort_legs(o.prefill_task, decode_follows=not finished)  # prefill first, then the decode
-            if finished:
-                resp.release()  # the connection goes back to the pool
-            else:
-                resp.close()
+            stall.close()
+
+    async def _after_failure(
+        self, out: web.StreamResponse, o: Opened, reader: Trail | _Passthrough, migration: Migration | None, cause: str,
+        migrated: int, continuations: contextlib.ExitStack,
+    ) -> Opened | bytes:
+        """After ``o``'s stream failed with ``cause``: a continuation that has begun, or the stream's last bytes."""
+        self.outcomes.failed(o.revision, o.flow, cause)
+        if migration is None:
+            self.outcomes.migration(o.revision, cause, "off")
+            return end_event(cause, "stream migration is off (spec.router.migration)")
+        if not isinstance(reader, Trail):  # refused up front: relayed byte for byte
+            assert migration.refused is not None
+            self.outcomes.migration(o.revision, cause, "refused")
+            return end_event(cause, f"it cannot be continued on another engine: {REFUSALS[migration.refused]}")
+        if reader.finished:
+            # Every token was out (a finish_reason came) before the decode failed: the answer is whole.
+            self.outcomes.migration(o.revision, cause, "complete")
+            reader.done = True
+            return reader.closing(include_usage(migration.body))
+        refused = reader.why_not()
+        if refused is not None:
+            self.outcomes.migration(o.revision, cause, "refused")
+            log.warning("stream %s not continued after %s: %s", o.xid, cause, REFUSALS[refused])
+            return end_event(cause, f"it cannot be continued on another engine: {REFUSALS[refused]}")
+        if migrated >= migration.limit:
+            self.outcomes.migration(o.revision, cause, "exhausted")
+            return end_event(cause, f"it was already continued {migrated} time(s), the most spec.router.migration allows")
+        body = continuation_body(migration.kind, migration.body, reader)
+        if body is None:  # every token max_tokens allows is out: the answer is whole
+            self.outcomes.migration(o.revision, cause, "complete")
+            reader.done = True
+            return reader.closing(include_usage(migration.body))
+        with contextlib.ExitStack() as attempt:
+            try:
+                opened = await migration.reopen(o, body, attempt)
+            except LegFailure as f:
+                self.outcomes.migration(o.revision, cause, "failed")
+                log.warning("stream %s not continued after %s: %s (%s)", o.xid, cause, f, f.cause)
+                return end_event(cause, f"no other pair took its continuation ({f})")
+            continuation = attempt.pop_all()
+        self.outcomes.migration(o.revision, cause, "migrated")
+        log.warning(
+            "stream %s continued as %s on %s after %s of %s (%d tokens sent)", o.xid, opened.xid, opened.decode.key, cause,
+            o.decode.key, len(reader.generated),
+        )  # fmt: skip
+        continuations.enter_context(continuation)  # its decode count and response, until the relay ends
+        reader.continue_here()
+        await out.write(reader.feed(opened.answer.data))
+        return opened
+
+    async def _close(self, o: Opened, finished: bool) -> None:
+        """Cancel ``o``'s prefill leg first, then release (whole) or close (failed: vLLM's abort) its decode's."""
+        await abort_legs(o.prefill_task, decode_follows=not finished)
+        o.prefill_task = None
+        resp = o.answer.resp
+        assert resp is not None
+        if finished:
+            resp.release()  # the connection goes back to the pool
+        elif not resp.closed:
+            resp.close()

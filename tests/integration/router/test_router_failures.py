@@ -93,12 +93,17 @@ def test_prefill_killed_before_the_first_byte_retries_on_another_pair(log_dir):
         h.stop_all(R, P1, P2, D)
 
 
-def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(log_dir):
+@pytest.mark.parametrize(
+    ("migrations", "why"), [("2", b"no other pair took its continuation"), ("0", b"stream migration is off")]
+)
+def test_decode_killed_mid_stream_with_no_other_decode_ends_with_an_error_and_no_done(log_dir, migrations, why):
+    """Migration finds no other decode, or is off: the stream ends with an error event that says why and without
+    ``[DONE]``, so that a client that trusts ``[DONE]`` does not take the truncated answer for a whole one."""
     P = h.launch_sim(log_dir, "prefill", "push")
     D = h.launch_sim(log_dir, "decode", "push", tpot_ms=50.0)  # 200 tokens: a 10 s stream
-    static = log_dir / "torn.json"
+    static = log_dir / f"torn-{migrations}.json"
     h.write_static(static, [P.static_entry(), D.static_entry()])
-    R = h.launch_router(log_dir, static, "push", name="router-torn")
+    R = h.launch_router(log_dir, static, "push", name=f"router-torn-{migrations}", extra=["--max-migrations", migrations])
     try:
         h.wait_ready(P, D, R)
 
@@ -113,8 +118,9 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(log_dir):
         body = asyncio.run(go())
         events = [e for e in body.split(b"\n\n") if e]
         assert events[0].startswith(b'data: {"id"')
-        assert events[-2].startswith(b'data: {"error"') and b"decode_stream_broken" in events[-2]
-        assert events[-1] == b"data: [DONE]"
+        assert events[-1].startswith(b'data: {"error"') and b"decode_stream_broken" in events[-1]
+        assert b"the answer is incomplete" in events[-1] and why in events[-1]
+        assert b"data: [DONE]" not in events
         assert P.stats()["held"] == 0  # the prefill's blocks were pushed and released, nothing left open
         h.wait_until(lambda: _settled(R), 10, what="no leg in flight")
         assert _failures(R) == {"decode_stream_broken": 1}
@@ -143,7 +149,7 @@ def test_decode_stream_that_goes_silent_ends_at_the_deadline(log_dir):
         finally:
             D.control(stall=False)
         events = [e for e in body.split(b"\n\n") if e]
-        assert b"decode_stall" in events[-2] and events[-1] == b"data: [DONE]"
+        assert b"decode_stall" in events[-1] and b"the answer is incomplete" in events[-1] and b"data: [DONE]" not in events
         h.wait_until(lambda: D.counter("cancelled") == 1, 20, what="the stalled decode leg cancelled")
         assert _failures(R) == {"decode_stall": 1}
     finally:

@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 from disagg_bench.vllm_sim import harness as h  # noqa: E402
+from tests.fixtures.router import client_events  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def test_graceful_shutdown_finishes_in_flight_streams(env):
 
         xid, body = asyncio.run(go())
         assert body.endswith(b"data: [DONE]\n\n")
-        assert body == D.body(xid)
+        assert client_events(body) == client_events(D.body(xid))
         assert R.proc.popen.wait(30) == 0
         with pytest.raises(aiohttp.ClientConnectionError):  # no longer listening
             asyncio.run(h.post(R.url + "/v1/completions", h.completion(), timeout=5))

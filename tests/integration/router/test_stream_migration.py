@@ -1,0 +1,111 @@
+"""Stream migration against simulated engines in separate processes (docs/router.md, "Failures and stream
+migration"): a decode engine killed with streams in flight cuts none of them. The simulator's tokens are a function
+of the token-id prefix (greedy), so a continued stream is compared token for token with an uncrashed run of the
+same request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import random
+import signal
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
+from disagg_bench.vllm_sim import harness as h  # noqa: E402
+
+STREAMS = 32
+MAX_TOKENS = 80
+TPOT_MS = 20.0  # 80 tokens: a 1.6 s stream
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("stream-migration")
+
+
+def _requests() -> list[tuple[str, dict]]:
+    """Both APIs, streamed (half of them asking for usage) and not, prompts of different lengths."""
+    out = []
+    for i in range(STREAMS):
+        kind = "chat" if i % 2 else "completions"
+        stream = i % 8 != 7
+        extra = {"stream_options": {"include_usage": True}} if stream and i % 4 < 2 else {}
+        words = 40 + 7 * i
+        body = (h.chat(words=words, max_tokens=MAX_TOKENS, stream=stream, **extra) if kind == "chat"
+                else h.completion(prompt_words=words, max_tokens=MAX_TOKENS, stream=stream, **extra))  # fmt: skip
+        body["temperature"] = 0
+        out.append((kind, body))
+    return out
+
+
+def _answer(kind: str, reply: h.Reply) -> dict:
+    """What the client got: its text, usage, the response ids it saw, and how the stream ended."""
+    assert reply.status == 200, reply.body
+    if not reply.headers["content-type"].startswith("text/event-stream"):
+        doc = reply.json()
+        c = doc["choices"][0]
+        return {"text": c["text"] if kind == "completions" else c["message"]["content"], "usage": doc["usage"], "ids": {doc["id"]}, "done": 0}
+    events = [e for e in reply.body.split(b"\n\n") if e]
+    done = sum(e == b"data: [DONE]" for e in events)
+    assert events[-1] == b"data: [DONE]", events[-3:]
+    objs = [json.loads(e[6:]) for e in events if e != b"data: [DONE]"]
+    assert not [o for o in objs if "error" in o]
+    text = "".join((c.get("text") or "") if kind == "completions" else (c["delta"].get("content") or "") for o in objs for c in o["choices"])
+    usage = [o["usage"] for o in objs if o.get("usage")]
+    return {"text": text, "usage": usage, "ids": {o["id"] for o in objs}, "done": done}
+
+
+def _migrations(R: h.Router) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], float] = {}
+    for line in R.metrics().splitlines():
+        if line.startswith("disagg_router_migrations_total{"):
+            labels = dict(kv.split("=") for kv in line[line.index("{") + 1 : line.index("}")].replace('"', "").split(","))
+            out[(labels["cause"], labels["outcome"])] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_decode_killed_with_streams_in_flight_cuts_none(log_dir, mode):
+    P = h.launch_sim(log_dir, "prefill", mode)
+    D1 = h.launch_sim(log_dir, "decode", mode, tpot_ms=TPOT_MS)
+    D2 = h.launch_sim(log_dir, "decode", mode, tpot_ms=TPOT_MS)
+    static = log_dir / f"{mode}.json"
+    h.write_static(static, [P.static_entry(), D1.static_entry(), D2.static_entry()])
+    R = h.launch_router(log_dir, static, mode, name=f"router-{mode}")
+    requests = _requests()
+    try:
+        h.wait_ready(P, D1, D2, R)
+
+        async def run(kill: bool) -> list[h.Reply]:
+            rng = random.Random(7)
+
+            async def one(body: dict) -> h.Reply:
+                await asyncio.sleep(rng.uniform(0, 0.8))  # staggered: the kill finds streams at random positions
+                return await h.post(R.url + ("/v1/chat/completions" if "messages" in body else "/v1/completions"), body)
+
+            tasks = [asyncio.create_task(one(body)) for _, body in requests]
+            if kill:
+                before = len(D1.events("first_token"))
+                await asyncio.to_thread(h.wait_until, lambda: len(D1.events("first_token")) >= before + 8, 30, 0.02, "8 streams on D1")
+                D1.proc.signal(signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+        uncrashed = asyncio.run(run(kill=False))
+        crashed = asyncio.run(run(kill=True))
+        for (kind, body), a, b in zip(requests, uncrashed, crashed):
+            want, got = _answer(kind, a), _answer(kind, b)
+            assert got["text"] == want["text"] == "".join(f" tok{i}" for i in range(MAX_TOKENS))
+            assert got["usage"] == want["usage"]  # prompt tokens: the client's prompt; completion tokens: all it got
+            assert len(got["ids"]) == 1 and got["done"] == want["done"] == body["stream"]
+        migrations = _migrations(R)
+        migrated = migrations.get(("decode_stream_broken", "migrated"), 0)
+        assert migrated >= 1 and set(migrations) == {("decode_stream_broken", "migrated")}, migrations
+        # every continuation went to the survivor, as a completions request on the token ids of what was sent
+        continued = [e for e in D2.events("leg_received") if e["max_tokens"] < MAX_TOKENS]
+        assert len(continued) == migrated and {e["endpoint"] for e in continued} == {"completions"}
+    finally:
+        h.stop_all(R, P, D1, D2)
