@@ -700,6 +700,21 @@ class ServiceSpec(ApiModel):
     )
 
 
+class MigrationSpec(ApiModel):
+    """Stream migration: a decode engine that crashes, hangs or fails mid-stream does not cut the client's answer."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Continue a stream whose decode engine fails after the first token on another P/D pair of a "
+        "serving revision: the router re-submits the prompt and every token already sent as token ids, with fresh "
+        "request ids, and splices the continuation into the same client stream (docs/router.md, Failures and "
+        "stream migration). Off: such a stream ends with an error event and no [DONE].",
+    )
+    max_migrations: Annotated[int, Field(ge=1, le=10)] = Field(
+        default=2, description="Continuations of one stream at most; the next failure ends it with an error event."
+    )
+
+
 class RouterSpec(ApiModel):
     """The router: an OpenAI-compatible endpoint that sends each request's prefill and decode legs."""
 
@@ -720,6 +735,7 @@ class RouterSpec(ApiModel):
     max_retries: Annotated[int, Field(ge=0, le=5)] = Field(
         default=1, description="Retries on another P/D pair, only while nothing reached the client."
     )
+    migration: MigrationSpec = _sub(MigrationSpec, "Stream migration after the first token.")
     disaggregation_threshold_tokens: Annotated[int, Field(ge=0, le=1048576)] = Field(
         default=256,
         description="Prompts shorter than this many tokens (estimated from their length, 4 bytes per "

@@ -37,6 +37,7 @@ def router_args(dm: DisaggregatedModel) -> list[str]:
         "--leg-timeout-seconds", str(router.request_deadline_seconds),
         "--kv-lease-seconds", str(dm.spec.kv_transfer.lease_seconds),
         "--max-retries", str(router.max_retries),
+        "--max-migrations", str(router.migration.max_migrations if router.migration.enabled else 0),
         "--disaggregation-threshold-tokens", str(router.disaggregation_threshold_tokens),
         "--prefill-policy", PREFILL_POLICY_FLAGS[router.prefill_policy],
         "--decode-policy", DECODE_POLICY_FLAGS[router.decode_policy],

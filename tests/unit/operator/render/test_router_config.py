@@ -29,6 +29,17 @@ def test_contract_flags():
         parse_args(["--served-model-name", "q", "--namespace", "ns"])  # no selector, no static file
 
 
+@pytest.mark.parametrize(("migration", "flag"), [({}, "2"), ({"maxMigrations": 5}, "5"), ({"enabled": False, "maxMigrations": 5}, "0")])
+def test_migration_is_rendered_as_the_routers_budget(migration, flag):
+    """spec.router.migration: on by default with 2 continuations; off renders 0, which the router reads as off."""
+    doc = load_example(EXAMPLES[0])
+    doc["spec"].setdefault("router", {})["migration"] = migration
+    [deploy] = [o for o in render(parse(doc)).objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-router")]
+    args = deploy["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-migrations") + 1] == flag
+    assert parse_args(args).max_migrations == int(flag)
+
+
 def test_standalone_leg_timeout_is_derived_below_the_lease():
     """vLLM's default lease is 30 s; a standalone router's deadline must not equal it (issue 11)."""
     cfg = parse_args(["--served-model-name", "q", "--static-endpoints", "f.json"])
@@ -54,6 +65,7 @@ def test_the_operators_rendered_arguments_parse(path):
     spec = model.spec
     assert cfg.kv_lease_seconds == spec.kv_transfer.lease_seconds > cfg.leg_timeout == spec.router.request_deadline_seconds
     assert cfg.disaggregation_threshold_tokens == spec.router.disaggregation_threshold_tokens
+    assert cfg.max_migrations == (spec.router.migration.max_migrations if spec.router.migration.enabled else 0) > 0
     # No default mode is rendered: every engine pod carries its revision's mode, which the router follows.
     assert "--mode" not in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
     engines = [o for o in rendered.objects if o["kind"] == "Deployment" and o["metadata"]["labels"].get(contract.LABEL_ROLE) in contract.ENGINE_ROLES]
