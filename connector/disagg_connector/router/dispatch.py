@@ -46,9 +46,10 @@ just failed or timed out); when no such pair exists the request fails at once wi
 decode that failed before its first token implicates its prefill too (``push_failure``): the retry takes
 another prefill where one pairs.
 Statuses: 503 when no pair is ready; 502 when an engine fails before the decode's first byte; 504 when a leg
-or the KV wait passes its deadline; engine 4xx answers passed through as they are; after the first byte, an
-SSE error event (then ``data: [DONE]``, as vLLM ends a failed stream) and the end of the stream. An engine
-that answers 503 or drops its connection is ejected and re-probed (see ``pairing.Ejections``).
+or the KV wait passes its deadline; engine 4xx answers passed through as they are; after the first byte, the
+stream is continued on another pair (``_continue``, :mod:`migration`), or ends with an SSE error event and no
+``data: [DONE]`` (:mod:`relay`). An engine that answers 503 or drops its connection is ejected and re-probed
+(see ``pairing.Ejections``).
 """
 
 from __future__ import annotations
