@@ -198,6 +198,7 @@ def launch_sim(
     group: tuple[str, int, int] | None = None,
     dp_local: int | None = None,
     side_port: int | None = None,
+    group_leader: Sim | None = None,
     extra: Iterable[str] = (),
     **timing: float,
 ) -> Sim:
@@ -206,6 +207,7 @@ def launch_sim(
     One pod of an engine that spans pods: ``group`` = (LWS name, group index, worker index) and ``dp_local``
     ranks per pod; it serves ranks [worker index x dp_local, + dp_local) of ``dp``. Its pods share the
     side-channel base (``side_port``: a free_port_block(dp) for all of them), each listening on base + its ranks.
+    ``group_leader``: a worker pod's leader; then the pods fail together (``sim.Engine.group_watch``).
     """
     name = name or f"{revision}-{role}-{uuid.uuid4().hex[:6]}"
     uid = str(uuid.uuid4())
@@ -223,6 +225,8 @@ def launch_sim(
     ]
     if dp_local is not None:
         argv += ["--dp-start-rank", str(dp_start), "--dp-size-local", str(dp_local)]
+    if group_leader is not None:
+        argv += ["--group-leader", group_leader.url]
     for k, v in {**FAST, **timing}.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     argv += list(extra)

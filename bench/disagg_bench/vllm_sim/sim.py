@@ -66,6 +66,11 @@ Only a bidirectional turn-2 read checks the expiry first.
   event), the side channel closes with the engine core, ``/health`` answers 503, a new request gets 500
   "The server had an error while processing your request." and makes the API server exit (the port closes;
   ``terminate_if_errored``), as the watchdog does anyway within ``--watchdog-seconds``. The process exits 1.
+- **An engine that spans pods fails as one** (``--group-leader``: a worker pod's leader). Its ranks run
+  collectives together at every step, so when one pod's engine stops answering, every other pod's engine dies at
+  its next collective (NCCL: the remote process is gone) and every stream on every rank of the group ends; the
+  LWS (``RecreateGroupOnPodRestart``) then recreates the whole group. Workers join their leader and watch it, the
+  leader watches every worker that joined (``/health`` every ``GROUP_WATCH_SECONDS``).
 - Legs whose ids don't match never rendezvous: D waits in WAITING_FOR_REMOTE_KVS forever (after
   ``--push-registration-timeout`` it only logs and counts), until the client disconnects.
 - A registration arriving after P's lease ended finds nothing: push D waits forever.
@@ -413,6 +418,10 @@ class Seq:
         return tid if isinstance(tid, str) else None
 
 
+GROUP_WATCH_SECONDS = 0.1  # how often a pod of an engine that spans pods checks the others (its collective's step)
+GROUP_PEER_TIMEOUT = 2.0  # a peer that does not answer its /health within this is gone
+
+
 @dataclass
 class Held:
     seq: Seq
@@ -523,6 +532,8 @@ class Engine:
         self._ev = itertools.count()
         self.session: aiohttp.ClientSession | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.group_peers: set[str] = set()  # the other pods of an engine that spans pods (group_watch)
+        self.group_task: asyncio.Task[None] | None = None
         self.inflight: dict[int, Seq] = {}  # id(seq) -> every request handed to the engine, until its answer is sent
         self.writing: dict[int, Seq] = {}  # id(seq) -> prefills whose KV P is writing (push)
         self.caches = {r: pc.PrefixCache(a.num_gpu_blocks, a.block_size, a.enable_prefix_caching, a.prefix_caching_hash_algo)
@@ -1019,8 +1030,49 @@ class Engine:
         app.router.add_get("/sim/events", self.get_events)
         app.router.add_get("/sim/body/{xid}", self.body)
         app.router.add_post("/sim/control", self.control)
+        app.router.add_post("/sim/group/join", self.group_join)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
+
+    # --- an engine that spans pods ----------------------------------------------------------------------
+    async def group_join(self, request: web.Request) -> web.Response:
+        """A worker pod of this (leader's) engine joins its collectives: from now on this engine watches it too."""
+        url = (await request.json())["url"]
+        if url not in self.group_peers:
+            self.group_peers.add(url)
+            self.event("group_joined", peer=url)
+            if len(self.group_peers) == 1 and self.group_task is None:
+                self.group_task = asyncio.create_task(self.group_watch())
+        return web.json_response({"joined": True})
+
+    async def group_watch(self) -> None:
+        """The collectives of an engine that spans pods (expert/data parallel over an LWS group): every rank takes
+        part in every step, so when one pod's engine stops answering, the others fail at their next collective
+        (NCCL reports the remote process gone) and die: every stream on every rank of the group ends, as in vLLM.
+        A worker joins its leader (``--group-leader``) and watches it; the leader watches every worker that joined."""
+        assert self.session is not None
+        if self.a.group_leader:
+            self.group_peers.add(self.a.group_leader)
+            me = f"http://{self.a.host}:{self.a.port}"
+            while not self.dead:
+                try:
+                    async with self.session.post(self.a.group_leader + "/sim/group/join", json={"url": me}) as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(GROUP_WATCH_SECONDS)
+        while not self.dead:
+            await asyncio.sleep(GROUP_WATCH_SECONDS)
+            for peer in list(self.group_peers):
+                try:
+                    async with self.session.get(peer + "/health", timeout=aiohttp.ClientTimeout(total=GROUP_PEER_TIMEOUT)) as r:
+                        alive = r.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    alive = False
+                if not alive:
+                    self.die(f"a collective of the engine's group failed: the rank at {peer} is gone (NCCL: remote process exited)")
+                    return
 
     async def version(self, request: web.Request) -> web.Response:
         """vLLM's ``GET /version``: the release this engine answers as (``--vllm-version``)."""
@@ -1393,6 +1445,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--record-bodies", action="store_true", help="keep every response's bytes for /sim/body")
     p.add_argument("--log-events", action="store_true")
+    p.add_argument(
+        "--group-leader", default=None,
+        help="a worker pod of an engine that spans pods: the HTTP URL of its leader pod's engine (vLLM's "
+        "--data-parallel-address). The ranks of one engine run collectives together: when a pod of the group stops, "
+        "every other pod's engine dies with it (see Engine.group_watch)",
+    )  # fmt: skip
     return p
 
 
@@ -1410,12 +1468,16 @@ async def serve(a: argparse.Namespace) -> int:
     if a.kv_events_config is not None and a.kv_events_config.publishes:
         engine.publishers = {rank: KVEventPublisher(a.kv_events_config, rank, a.kv_events_host) for rank in engine.ranks}
     loop_task = asyncio.create_task(engine.loop())
+    if a.group_leader:
+        engine.group_task = asyncio.create_task(engine.group_watch())
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, engine.stop.set)
     log.info("vllm_sim %s/%s %s listening on %s:%d (DP ranks %s of %d, side channel %d + rank)", a.role, a.mode, a.engine_id,
              a.host, a.port, list(engine.ranks), a.dp_size, a.side_channel_port)
     await engine.stop.wait()
     loop_task.cancel()
+    if engine.group_task is not None:
+        engine.group_task.cancel()
     for r in (main, *engine.side_runners):
         await r.cleanup()
     await engine.session.close()

@@ -221,6 +221,17 @@ class EndpointTable:
         backends = backends_from_pod(pod)
         return _PodEntry(revision, _parse_time(meta.get("creationTimestamp")), backends, _group(pod) if backends else None)
 
+    def engine_keys(self, key: str) -> set[str]:
+        """The keys of every backend of the engine that backend ``key`` serves: its pod's ranks, and for an engine that
+        spans pods every pod of its group (they fail together: their ranks run collectives at every step). A request
+        whose attempt failed on one avoids them all. Just ``key`` when no pod lists it any more."""
+        entry = next((e for e in self._pods.values() if any(b.key == key for b in e.backends)), None)
+        if entry is None:
+            return {key}
+        if entry.group is None or entry.group.pods == 1:
+            return {b.key for b in entry.backends}
+        return {b.key for e in self._pods.values() if e.group is not None and e.group.key == entry.group.key for b in e.backends}
+
     def replace(self, pods: Iterable[Mapping[str, Any]]) -> None:
         """A full list (relist or static file): the new truth."""
         self._pods = {pod_key(p): self._entry(p) for p in pods}

@@ -189,8 +189,7 @@ class Dispatcher:
                         if f.cause != "no_backend":
                             self.outcomes.failed(ctx.revision, ctx.flow, f.cause)
                         log.warning("attempt %d/%d failed: %s (%s)", attempt + 1, attempts, f, f.cause)
-                        ctx.excluded.update(b.key for b in f.blamed)
-                        ctx.avoided.update(b.key for b in f.implicated)
+                        self._avoid(ctx, f)
                         if f.passthrough or not f.retryable:
                             break
                         continue
@@ -210,6 +209,12 @@ class Dispatcher:
         finally:
             self.outcomes.request_ended(ctx.revision, ctx.flow, ctx.kind, status, time.monotonic() - ctx.t0)
 
+    def _avoid(self, ctx: RequestContext, f: LegFailure) -> None:
+        """What the request's later attempts avoid after ``f``: every backend of each engine it blamed or implicated
+        (an engine that spans pods fails whole)."""
+        ctx.excluded.update(k for b in f.blamed for k in self.table.engine_keys(b.key))
+        ctx.avoided.update(k for b in f.implicated for k in self.table.engine_keys(b.key))
+
     # --- stream migration ---------------------------------------------------------------------------
     def _migration(self, ctx: RequestContext) -> Migration | None:
         """How this request's stream may be continued when its decode fails mid-stream (None: it ends)."""
@@ -226,7 +231,7 @@ class Dispatcher:
         revision that avoids every engine that failed this request, through a prefill or, below the
         disaggregation threshold, locally; with the retries a request has. ``held`` keeps its decode count and
         response. Raises the last LegFailure when no pair takes it."""
-        ctx.excluded.add(failed.decode.key)
+        ctx.excluded.update(self.table.engine_keys(failed.decode.key))
         cont = RequestContext(
             ctx.request, "completions", "/v1/completions", body, True, ctx.t0, ctx.auth, ctx.excluded, ctx.avoided,
         )  # fmt: skip
@@ -242,8 +247,7 @@ class Dispatcher:
                     if f.cause != "no_backend":
                         self.outcomes.failed(cont.revision, cont.flow, f.cause)
                     failure = failure if f.cause == "no_backend" and failure is not None else f
-                    ctx.excluded.update(b.key for b in f.blamed)
-                    ctx.avoided.update(b.key for b in f.implicated)
+                    self._avoid(ctx, f)
                     if f.cause == "no_backend" or f.passthrough or not f.retryable:
                         break
                     continue

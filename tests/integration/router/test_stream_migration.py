@@ -109,3 +109,47 @@ def test_a_decode_killed_with_streams_in_flight_cuts_none(log_dir, mode):
         assert len(continued) == migrated and {e["endpoint"] for e in continued} == {"completions"}
     finally:
         h.stop_all(R, P, D1, D2)
+
+
+def test_a_decode_group_that_loses_a_pod_fails_whole_and_its_streams_move_to_the_survivors(log_dir):
+    """A two-pod decode engine (expert/data parallel over an LWS group): killing its worker pod's engine stops the
+    leader's too (their collectives), and every stream on either pod is continued on the two one-pod decodes left,
+    spread over both, token for token as an uncrashed run."""
+    side = h.free_port_block(2)
+    leader = h.launch_sim(log_dir, "decode", "push", name="g-decode-0", dp=2, group=("m-decode-r1", 0, 0), dp_local=1,
+                          side_port=side, tpot_ms=TPOT_MS)  # fmt: skip
+    worker = h.launch_sim(log_dir, "decode", "push", name="g-decode-0-1", dp=2, group=("m-decode-r1", 0, 1), dp_local=1,
+                          side_port=side, group_leader=leader, tpot_ms=TPOT_MS)  # fmt: skip
+    P = h.launch_sim(log_dir, "prefill", "push")
+    survivors = [h.launch_sim(log_dir, "decode", "push", tpot_ms=TPOT_MS) for _ in range(2)]
+    static = log_dir / "group.json"
+    h.write_static(static, [P.static_entry(), leader.static_entry(), worker.static_entry(), *(s.static_entry() for s in survivors)])
+    R = h.launch_router(log_dir, static, "push", name="router-group")
+    requests = [(kind, {**body, "stream": True}) for kind, body in _requests()]
+    try:
+        h.wait_ready(leader, worker, P, *survivors, R)
+        h.wait_until(lambda: leader.events("group_joined"), 30, what="the worker joined its leader")
+
+        async def run() -> list[h.Reply]:
+            async def one(kind: str, body: dict) -> h.Reply:
+                return await h.post(R.url + ("/v1/chat/completions" if kind == "chat" else "/v1/completions"), body)
+
+            tasks = [asyncio.create_task(one(kind, body)) for kind, body in requests]
+            await asyncio.to_thread(
+                h.wait_until, lambda: all(len(s.events("first_token")) >= 3 for s in (leader, worker)), 30, 0.02, "streams on both pods"
+            )  # fmt: skip
+            worker.proc.signal(signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+        replies = asyncio.run(run())
+        for (kind, _), reply in zip(requests, replies):
+            got = _answer(kind, reply)
+            assert got["text"] == "".join(f" tok{i}" for i in range(MAX_TOKENS)) and got["done"] == 1
+        # the leader's engine died with its worker (then its API server exited, as vLLM's does)
+        assert leader.proc.popen.wait(30) == 1 and "a collective of the engine's group failed" in leader.proc.log_text()
+        continued = {s.name: [e for e in s.events("leg_received") if e["max_tokens"] < MAX_TOKENS] for s in survivors}
+        migrated = _migrations(R).get(("decode_stream_broken", "migrated"), 0)
+        assert sum(map(len, continued.values())) == migrated >= 6  # at least the 3 streams seen on each pod
+        assert all(continued.values()), {k: len(v) for k, v in continued.items()}  # spread over both survivors
+    finally:
+        h.stop_all(R, P, leader, worker, *survivors)
