@@ -230,12 +230,15 @@ class PodEngines:
                 ip = (pod.get("status") or {}).get("podIP")
                 if known or not ip or not contract.pod_serving(pod):
                     return
+                leader = self._leader_url(pod)
+                if leader == "":
+                    return  # a worker pod before its leader's engine: the next relist (2 s) launches it
                 # kwok hands a deleted pod's IP to the next pod of its node at once: that pod's engine is gone.
                 for other_uid, other in self.engines.items():
                     if other.ip == ip and other.proc.alive():
                         self.gone.add(other_uid)
                         other.stop()
-                self.engines[uid] = annotate = self._launch(pod, ip)
+                self.engines[uid] = annotate = self._launch(pod, ip, leader)
         if annotate is not None:
             self._annotate(annotate.pod, {ENGINE_ANNOTATION: annotate.engine_id})
         if hook is not None:
@@ -286,7 +289,17 @@ class PodEngines:
         with self.lock:
             return next((e.pre_stop for e in self.engines.values() if e.pod == pod and e.pre_stop is not None), None)
 
-    def _launch(self, pod: dict[str, Any], ip: str) -> PodEngine:
+    def _leader_url(self, pod: dict[str, Any]) -> str | None:
+        """For a worker pod of an engine that spans pods, the URL of its leader pod's engine ("" while that engine is
+        not running); None for any other pod. The simulator's pods of one engine then fail together."""
+        meta = pod["metadata"]
+        if (meta.get("labels") or {}).get(contract.LWS_WORKER_INDEX_LABEL, "0") == "0":
+            return None
+        name = (meta.get("annotations") or {}).get(contract.LWS_LEADER_NAME_ANNOTATION)
+        leader = next((e for e in self.engines.values() if e.pod == name and e.proc.alive()), None)
+        return f"http://{leader.ip}:{leader.http_port}" if leader is not None else ""
+
+    def _launch(self, pod: dict[str, Any], ip: str, leader: str | None = None) -> PodEngine:
         meta = pod["metadata"]
         ann = meta.get("annotations") or {}
         labels = meta["labels"]
@@ -307,6 +320,8 @@ class PodEngines:
         if len(ranks) < int(ann.get(contract.ANNOTATION_DP_SIZE, "1")):  # a pod of an engine that spans pods
             argv += ["--dp-start-rank", str(ranks[0]), "--dp-size-local", str(len(ranks))]
         argv += kv_cache_argv(pod, ip)
+        if leader:
+            argv += ["--group-leader", leader]
         for k, v in self.timing.items():
             argv += [f"--{k.replace('_', '-')}", str(v)]
         env = engine_env(pod)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -311,4 +312,29 @@ def test_pod_engines_launch_a_pods_own_ranks(tmp_path):
             ([2, 3], ["d-0-1.uid-d-0-1_dp2", "d-0-1.uid-d-0-1_dp3"]), ([0, 1], ["d9.uid-d9_dp0", "d9.uid-d9_dp1"])]  # fmt: skip
     finally:
         for e in launched:
+            e.proc.stop()
+
+
+def test_pod_engines_of_one_group_fail_together(tmp_path):
+    """pods.py points a worker pod's simulator at its leader's (waiting for the leader's engine first), so the pods of
+    one engine fail as one: the worker's engine dies, and the leader's with it."""
+    from disagg_bench.vllm_sim.pods import PodEngines
+
+    engines = PodEngines(None, "ns", "m", h.MODEL, tmp_path)  # no API call: only its launcher is used
+    side, ports = h.free_port_block(4), h.free_ports(2)
+    ann = {contract.ANNOTATION_TRANSFER_MODE: "Push", contract.ANNOTATION_SIDE_CHANNEL_PORT: str(side)}
+    leader = member("d-0", 0, annotations={**ann, contract.ANNOTATION_HTTP_PORT: str(ports[0])})
+    worker = member("d-0-1", 1, annotations={**ann, contract.ANNOTATION_HTTP_PORT: str(ports[1]), contract.LWS_LEADER_NAME_ANNOTATION: "d-0"})
+    assert engines._leader_url(leader) is None and engines._leader_url(worker) == ""  # the worker waits for its leader
+    engines.engines["uid-d-0"] = first = engines._launch(leader, h.HOST)
+    url = engines._leader_url(worker)
+    assert url == f"http://{h.HOST}:{ports[0]}"
+    second = engines._launch(worker, h.HOST, url)
+    try:
+        h.wait_until(lambda: first.ready() and second.ready(), 60, what="simulators on the pods")
+        h.wait_until(lambda: any(e["kind"] == "group_joined" for e in first.events()), 30, what="the worker joined its leader")
+        second.proc.signal(signal.SIGKILL)
+        assert first.proc.popen.wait(30) == 1 and "a collective of the engine's group failed" in first.proc.log_text()
+    finally:
+        for e in (first, second):
             e.proc.stop()
