@@ -1,0 +1,60 @@
+"""A crashed decode engine cuts no stream, on the real API server: simulated engines on the pods' IPs, the router on
+its pod's IP with the operator's rendered arguments (stream migration on by default, spec.router.migration).
+
+A 1P2D model; long streams (24 s) on both decodes; one decode's engine is killed (SIGKILL) mid-generation. Every
+stream still ends with all its tokens in order (the simulator's answer is a function of the token-id prefix: a
+dropped or repeated token would show) and [DONE], and the router counts one migration per stream that was on the
+dead engine."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from kubernetes import client
+
+from disagg_connector import contract
+from disagg_bench.vllm_sim.harness import FAST, http_get
+from disagg_bench.vllm_sim.pods import PodEngines, start_pod_router
+
+from tests.fixtures.e2e.models import get_model
+from tests.fixtures.e2e.streams import LongStreams, TPOT_MS, check_whole, decode_streams, long_model, on_every_decode
+from tests.fixtures.e2e.traffic import wait_for
+from tests.fixtures.e2e.waiting import condition
+
+GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
+
+
+def _migrated(metrics: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("disagg_router_migrations_total{") and 'outcome="migrated"' in line)  # fmt: skip
+
+
+def test_a_decode_engine_killed_mid_stream_cuts_no_stream(operator, cluster, api_client, namespace, tmp_path: Path) -> None:
+    custom = client.CustomObjectsApi(api_client)
+    name = "crash"
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, long_model(name))
+    revision = wait_for("1P2D Ready", lambda: (o := get_model(custom, namespace, name)) and condition(o, "Ready").get("status") == "True"
+                        and o["status"]["decode"]["readyReplicas"] == 2 and o, 180)["status"]["revision"]  # fmt: skip
+    served = get_model(custom, namespace, name)["spec"]["model"]["name"]
+    engines = PodEngines(cluster.api_client(), namespace, name, served, tmp_path, timing={**FAST, "tpot_ms": TPOT_MS})
+    engines.start()
+    wait_for("3 engines listening", lambda: engines.serving(1, 2), 120)
+    router = start_pod_router(cluster, namespace, name, tmp_path)
+    try:
+        wait_for("router table 1P2D", lambda: router.table() == {revision: (1, 2)}, 60)
+        assert "--max-migrations" in router.argv and router.argv[router.argv.index("--max-migrations") + 1] == "2"
+        streams = LongStreams(router.url, served, first=0)
+        wait_for("every long stream has its first token", streams.all_started, 60)
+        spread = wait_for("a long stream on each decode", lambda: on_every_decode(engines.live("decode"), streams), 60)
+        wait_for("every long stream has its first token", streams.all_started, 60)
+        victim = engines.live("decode")[0]
+        on_victim = decode_streams([victim], streams.streams)[victim.pod]
+        victim.proc.signal(signal.SIGKILL)  # the engine dies mid-generation (an Xid error, an OOM kill)
+        check_whole(streams.wait(), f"{victim.pod} killed with streams {on_victim} on it (spread {spread})")
+        status, body = http_get(router.url + "/metrics", timeout=5)
+        assert status == 200 and _migrated(body.decode()) >= len(on_victim) >= 1, body.decode()[-2000:]
+    finally:
+        router.proc.stop()
+        engines.stop()
+
