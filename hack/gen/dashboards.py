@@ -5,9 +5,10 @@
 
 Two dashboards, each a file the chart puts into a ConfigMap for Grafana's sidecar (`dashboards.enabled`):
 - ``disagg-model.json``: one DisaggregatedModel, per revision: its conditions, the TTFT split (prefill leg, KV
-  wait, first token), TPOT, E2E, request rate and failures by cause, retries, ready pairs, traffic weights,
-  in-flight, draining and ejected backends, the router's discovery. Routing decisions and the prefix cache hit
-  rate (issue 19) get a row of their own when their metrics exist: the place is marked in model_dashboard().
+  wait, first token), TPOT, E2E, request rate and failures by cause, retries, stream migrations by outcome and
+  the gap they add, ready pairs, traffic weights, in-flight, draining and ejected backends, the router's
+  discovery. Routing decisions and the prefix cache hit rate (issue 19) get a row of their own when their
+  metrics exist: the place is marked in model_dashboard().
 - ``disagg-operator.json``: the operator's reconcile view in controller-runtime's names: reconciles by result,
   errors and errors by reason, latency, active workers, the work queue, children applied and deleted,
   models by phase.
@@ -230,6 +231,22 @@ def model_dashboard() -> gd.Dashboard:
                                   "{{revision}}")))
     d = d.with_panel(series("Requests in flight", "Client requests in progress per router replica.", "none",
                             query(f"sum by (pod) (disagg_router_requests_in_flight{{{ROUTER}}})", "{{pod}}")))
+
+    d = d.with_row(gd.Row("Stream migrations"))
+    d = d.with_panel(series(
+        "Stream migrations",
+        "Streams whose decode engine failed after the first token, per second, by what became of them and the cause: "
+        "migrated (continued on another pair, the client saw nothing but a gap), complete (every token was out); "
+        "cut, with an error event and no [DONE]: refused (the request cannot be continued faithfully), exhausted "
+        "(maxMigrations reached), failed (no pair took the continuation), off (migration is off). docs/alerts.md, "
+        "DisaggStreamsCut.",
+        "ops",
+        query(f"sum by (outcome, cause) ({rate('disagg_router_migrations_total', ROUTER_REV)})", "{{outcome}} {{cause}}"),
+        stacked=True,
+    ))  # fmt: skip
+    d = d.with_panel(series("Migration gap", "What a migration added to the client's stream: its last chunk before the "
+                            "failure to the continuation's first.", "s",
+                            *quantiles("disagg_router_migration_gap_seconds", ROUTER_REV)))
 
     d = d.with_row(gd.Row("Pairs and backends"))
     d = d.with_panel(series("Ready pairs", "Usable prefill/decode pairs per revision: a rollout moves them from the old "

@@ -35,7 +35,7 @@ from kubernetes import client
 from disagg_connector import contract
 from disagg_bench.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble
 
-from tests.fixtures.e2e.models import PRODUCTION_DRAIN_TIMEOUT, model_manifest
+from tests.fixtures.e2e.models import wide_ep_model
 from tests.fixtures.e2e.serving import Serving
 from tests.fixtures.e2e.nodes import Pool
 from tests.fixtures.e2e.models import get_model, rolled_out
@@ -55,17 +55,6 @@ def pool(cluster, namespace) -> Any:
     nodes.add(NODES)
     yield nodes
     nodes.remove()
-
-
-def wide_ep_model(name: str, pool_label: str) -> dict[str, Any]:
-    place = {"nodeSelector": {f"{contract.API_GROUP}/rollout-pool": pool_label}}
-    return model_manifest(name, {
-        "prefill": {"replicas": 1, "parallelism": {"data": 8, "expert": True}, "accelerator": {"count": 8}, **place},
-        "decode": {"replicas": 2, "parallelism": {"data": 16, "expert": True}, "accelerator": {"count": 8}, **place},
-        "router": {"replicas": 1, "requestDeadlineSeconds": 60, "disaggregationThresholdTokens": 0, "maxRetries": 3},
-        "kvTransfer": {"leaseSeconds": 120},
-        "network": {"placement": {"zone": "None", "spine": "None"}}, **PRODUCTION_DRAIN_TIMEOUT,
-    })  # fmt: skip
 
 
 def _engine_facts(pod: Any) -> tuple[str, str, str, bool]:

@@ -1,23 +1,30 @@
 """A crashed decode engine cuts no stream, on the real API server: simulated engines on the pods' IPs, the router on
 its pod's IP with the operator's rendered arguments (stream migration on by default, spec.router.migration).
 
-A 1P2D model; long streams (24 s) on both decodes; one decode's engine is killed (SIGKILL) mid-generation. Every
-stream still ends with all its tokens in order (the simulator's answer is a function of the token-id prefix: a
-dropped or repeated token would show) and [DONE], and the router counts one migration per stream that was on the
-dead engine."""
+1. A 1P2D model; long streams (24 s) on both decodes; one decode's engine is killed (SIGKILL) mid-generation. Every
+   stream still ends with all its tokens in order (the simulator's answer is a function of the token-id prefix: a
+   dropped or repeated token would show) and [DONE], and the router counts one migration per stream that was on the
+   dead engine.
+2. Engines that span nodes (two decode engines of DP16, each an LWS group of two pods): long streams on every decode
+   pod, then the worker pod of group 0 crashes (its engine killed, its pod deleted as a kubelet's restart would make
+   LWS recreate the group). The leader's engine dies with it (their collectives), every stream of both pods moves to
+   the other group, none is cut, and the recreated group comes back into routing."""
 
 from __future__ import annotations
 
 import signal
 from pathlib import Path
 
+import pytest
 from kubernetes import client
 
 from disagg_connector import contract
 from disagg_bench.vllm_sim.harness import FAST, http_get
 from disagg_bench.vllm_sim.pods import PodEngines, start_pod_router
 
-from tests.fixtures.e2e.models import get_model
+from tests.fixtures.e2e.models import get_model, rolled_out, wide_ep_model
+from tests.fixtures.e2e.nodes import Pool
+from tests.fixtures.e2e.serving import Serving
 from tests.fixtures.e2e.streams import LongStreams, TPOT_MS, check_whole, decode_streams, long_model, on_every_decode
 from tests.fixtures.e2e.traffic import wait_for
 from tests.fixtures.e2e.waiting import condition
@@ -58,3 +65,36 @@ def test_a_decode_engine_killed_mid_stream_cuts_no_stream(operator, cluster, api
         router.proc.stop()
         engines.stop()
 
+
+
+@pytest.fixture
+def pool(cluster, namespace):
+    nodes = Pool(cluster.api_client(), f"{namespace}-mig")
+    nodes.add(8)  # prefill 1 + 1 surge, decode 2 x 2 + one surge engine of 2
+    yield nodes
+    nodes.remove()
+
+
+def test_a_decode_group_losing_its_worker_moves_every_stream_of_both_pods(operator, cluster, api_client, namespace, pool,
+                                                                        tmp_path: Path) -> None:
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    name = "widecrash"
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, wide_ep_model(name, pool.label))
+    first = wait_for("rolled out", lambda: rolled_out(custom, namespace, name, ""), 240)
+    revision, served = first["status"]["revision"], first["spec"]["model"]["name"]
+    with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 4), timing={**FAST, "tpot_ms": TPOT_MS}) as harness:
+        sims, router = harness.engines, harness.router
+        wait_for("router offers 8 prefill ranks and 4 decode pods", lambda: router.table() == {revision: (8, 4)}, 60)
+        streams = LongStreams(router.url, served, first=0)
+        spread = wait_for("a long stream on each decode pod", lambda: on_every_decode(sims.live("decode"), streams, most=12), 90)
+        wait_for("every long stream has its first token", streams.all_started, 60)
+        leader = next(e for e in sims.live("decode") if e.pod.endswith("-0"))
+        worker = next(e for e in sims.live("decode") if e.pod == f"{leader.pod}-1")
+        on_group = spread[leader.pod] + spread[worker.pod]
+        worker.proc.signal(signal.SIGKILL)  # a GPU of the worker's node fails: its engine dies ...
+        core.delete_namespaced_pod(worker.pod, namespace)  # ... and LWS recreates the group (RecreateGroupOnPodRestart)
+        check_whole(streams.wait(), f"group {leader.pod} lost its worker with streams {on_group} on it (spread {spread})")
+        assert leader.proc.popen.wait(30) == 1  # the leader's engine died with its worker (a stopped one exits 0)
+        status, body = http_get(router.url + "/metrics", timeout=5)
+        assert status == 200 and _migrated(body.decode()) >= len(on_group) >= 2, body.decode()[-2000:]
+        wait_for("the router offers the recreated group", lambda: router.table().get(revision) == (8, 4), 180)

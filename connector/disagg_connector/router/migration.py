@@ -26,6 +26,13 @@ import orjson
 
 from disagg_connector.contract.vllm_pd import SSE_DONE, error_body
 
+# What became of a stream whose decode failed after its first token (disagg_router_migrations_total's outcome):
+# continued on another pair; whole already (every token was out); not continued (the request rules it out; its
+# maxMigrations reached; no pair took it; migration off). The chart's alerts count all but UNCUT as cut streams.
+MIGRATED, COMPLETE, REFUSED, EXHAUSTED, FAILED, OFF = "migrated", "complete", "refused", "exhausted", "failed", "off"
+OUTCOMES = (MIGRATED, COMPLETE, REFUSED, EXHAUSTED, FAILED, OFF)
+UNCUT = (MIGRATED, COMPLETE)
+
 # Why a stream cannot be continued on another engine exactly as it would have gone on (the error event names it).
 REFUSALS = {
     "n": "it asks for several choices (n or best_of above 1): each would need its own continuation",

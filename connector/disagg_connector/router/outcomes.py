@@ -13,6 +13,7 @@ from typing import Callable
 from disagg_connector.router.discovery import Backend
 from disagg_connector.router.legs import Timeline
 from disagg_connector.router.metrics import RouterMetrics
+from disagg_connector.router.migration import MIGRATED
 from disagg_connector.router.policy import Pick
 from disagg_connector.router.stats import RouterStats
 
@@ -62,6 +63,8 @@ class OutcomeRecorder:
         """An attempt dispatched to a pair (``flow`` push|pull) or a decode alone (``local``) of ``revision``."""
         retries = self.metrics.child(self.metrics.retries, revision)  # at 0 from a revision's first attempt
         self.metrics.child(self.metrics.despite_ejections, revision)  # likewise: a panel shows 0, not "no data"
+        self.metrics.child(self.metrics.migrations, revision, "decode_stream_broken", MIGRATED)  # likewise
+        self.metrics.child(self.metrics.migration_gap, revision, flow)
         if retry:
             retries.inc()
         if flow == "local":

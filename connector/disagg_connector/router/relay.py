@@ -25,7 +25,9 @@ from aiohttp import web
 from disagg_connector.contract.vllm_pd import SSE_DONE, SSE_ERROR, sse_error_message
 from disagg_connector.router.discovery import Backend
 from disagg_connector.router.legs import DecodeAnswer, LegFailure, Timeline, abort_legs
-from disagg_connector.router.migration import REFUSALS, Trail, continuation_body, end_event, include_usage
+from disagg_connector.router.migration import (
+    COMPLETE, EXHAUSTED, FAILED, MIGRATED, OFF, REFUSALS, REFUSED, Trail, continuation_body, end_event, include_usage,
+)
 from disagg_connector.router.outcomes import OutcomeRecorder
 from disagg_connector.router.pairing import Ejections
 
@@ -235,39 +237,39 @@ class Relay:
         """After ``o``'s stream failed with ``cause``: a continuation that has begun, or the stream's last bytes."""
         self.outcomes.failed(o.revision, o.flow, cause)
         if migration is None:
-            self.outcomes.migration(o.revision, cause, "off")
+            self.outcomes.migration(o.revision, cause, OFF)
             return end_event(cause, "stream migration is off (spec.router.migration)")
         if not isinstance(reader, Trail):  # refused up front: relayed byte for byte
             assert migration.refused is not None
-            self.outcomes.migration(o.revision, cause, "refused")
+            self.outcomes.migration(o.revision, cause, REFUSED)
             return end_event(cause, f"it cannot be continued on another engine: {REFUSALS[migration.refused]}")
         if reader.finished:
             # Every token was out (a finish_reason came) before the decode failed: the answer is whole.
-            self.outcomes.migration(o.revision, cause, "complete")
+            self.outcomes.migration(o.revision, cause, COMPLETE)
             reader.done = True
             return reader.closing(include_usage(migration.body))
         refused = reader.why_not()
         if refused is not None:
-            self.outcomes.migration(o.revision, cause, "refused")
+            self.outcomes.migration(o.revision, cause, REFUSED)
             log.warning("stream %s not continued after %s: %s", o.xid, cause, REFUSALS[refused])
             return end_event(cause, f"it cannot be continued on another engine: {REFUSALS[refused]}")
         if migrated >= migration.limit:
-            self.outcomes.migration(o.revision, cause, "exhausted")
+            self.outcomes.migration(o.revision, cause, EXHAUSTED)
             return end_event(cause, f"it was already continued {migrated} time(s), the most spec.router.migration allows")
         body = continuation_body(migration.kind, migration.body, reader)
         if body is None:  # every token max_tokens allows is out: the answer is whole
-            self.outcomes.migration(o.revision, cause, "complete")
+            self.outcomes.migration(o.revision, cause, COMPLETE)
             reader.done = True
             return reader.closing(include_usage(migration.body))
         with contextlib.ExitStack() as attempt:
             try:
                 opened = await migration.reopen(o, body, attempt)
             except LegFailure as f:
-                self.outcomes.migration(o.revision, cause, "failed")
+                self.outcomes.migration(o.revision, cause, FAILED)
                 log.warning("stream %s not continued after %s: %s (%s)", o.xid, cause, f, f.cause)
                 return end_event(cause, f"no other pair took its continuation ({f})")
             continuation = attempt.pop_all()
-        self.outcomes.migration(o.revision, cause, "migrated")
+        self.outcomes.migration(o.revision, cause, MIGRATED)
         log.warning(
             "stream %s continued as %s on %s after %s of %s (%d tokens sent)", o.xid, opened.xid, opened.decode.key, cause,
             o.decode.key, len(reader.generated),

@@ -20,6 +20,7 @@ import yaml
 
 from disagg_connector import contract
 from disagg_connector.contract.health import CAUSES, DEADLINE, PROTOCOL, TRANSFER
+from disagg_connector.router.migration import MIGRATED, OUTCOMES, UNCUT
 from tests.fixtures.helm import CHART, REPO, helm, values_args
 from hack.gen.prometheus import exported_metric_names, run_promtool, selected_metrics
 
@@ -142,6 +143,20 @@ def test_kv_alerts_match_the_contract_categories(rules: list[dict[str, Any]]) ->
     assert _causes(rules, "namespace_model_revision:disagg_router_deadline_failures:rate5m") == by(DEADLINE)
 
 
+def test_cut_streams_are_the_outcomes_the_router_counts(rules: list[dict[str, Any]]) -> None:
+    """DisaggStreamsCut counts every outcome of disagg_router_migrations_total but the router's UNCUT ones as a cut
+    stream (a renamed outcome would make every migrated stream a cut one), and the runbook says what each means."""
+    outcomes = set(OUTCOMES)
+    (rule,) = [r for r in rules if r.get("record") == "namespace_model:disagg_router_cut_streams:rate5m"]
+    (match,) = re.findall(r'outcome!~"([^"]+)"', rule["expr"])
+    assert set(match.split("|")) == set(UNCUT)
+    (migrated,) = [r for r in rules if r.get("record") == "namespace_model:disagg_router_migrated_streams:rate5m"]
+    assert f'outcome="{MIGRATED}"' in migrated["expr"]
+    runbook = RUNBOOKS.read_text()
+    undocumented = [o for o in outcomes if f"| `{o}` |" not in runbook]
+    assert not undocumented, f"docs/alerts.md, DisaggStreamsCut: no row for the outcomes {undocumented}"
+
+
 def test_the_model_label_comes_from_the_router_pod_name(rules: list[dict[str, Any]]) -> None:
     """Router pods are the Deployment <model>-router's: <model>-router-<template hash>-<suffix>."""
     patterns = {m for r in rules for m in re.findall(r'"model", "\$1", "pod", "([^"]+)"', r["expr"])}
@@ -174,7 +189,7 @@ def test_values_shape_the_rules(tmp_path: Path) -> None:
     assert ranges == {"2m"}, ranges
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
-    assert "DisaggRouterQueueing" not in alerts and len(alerts) == 9
+    assert "DisaggRouterQueueing" not in alerts and len(alerts) == 11
     kv = alerts["DisaggKVTransfersFailing"]
     assert kv["expr"].endswith("> 0.2") and kv["for"] == "10m" and kv["labels"] == {"severity": "page"}
     drain = alerts["DisaggEngineDrainingTooLong"]
