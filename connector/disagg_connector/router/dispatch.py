@@ -73,7 +73,7 @@ from disagg_connector.router.outcomes import OutcomeRecorder
 from disagg_connector.router.pairing import Balancer, Candidates
 from disagg_connector.router.policy import Pick, Policies
 from disagg_connector.router.prefix import PromptKey, prompt_key
-from disagg_connector.router.migration import decode_leg_body, refusal
+from disagg_connector.router.migration import refusal
 from disagg_connector.router.relay import Migration, Opened, Relay
 from disagg_connector.router.stats import RouterStats
 
@@ -101,7 +101,7 @@ class RequestContext:
     revision: str = ""  # of the current (last) attempt
     flow: str = ""  # of the current attempt: "push" | "pull" | "local"
     tokens: int = 0  # the prompt's estimated length
-    leg_body: dict[str, Any] | None = None  # what the legs send, when it differs from the client's body
+    token_ids: bool = False  # the decode leg asks for token ids (a continuation needs them: stream migration)
     _key: PromptKey | None = None
 
     def prompt_key(self) -> PromptKey:
@@ -221,8 +221,7 @@ class Dispatcher:
         if not ctx.stream or self.cfg.max_migrations <= 0:
             return None
         refused = refusal(ctx.kind, ctx.body)
-        if refused is None:
-            ctx.leg_body = decode_leg_body(ctx.body)  # the token ids a continuation needs
+        ctx.token_ids = refused is None
         return Migration(ctx.kind, ctx.body, self.cfg.max_migrations, refused,
                          lambda failed, body, held: self._continue(ctx, failed, body, held))  # fmt: skip
 
@@ -234,7 +233,7 @@ class Dispatcher:
         ctx.excluded.update(self.table.engine_keys(failed.decode.key))
         cont = RequestContext(
             ctx.request, "completions", "/v1/completions", body, True, ctx.t0, ctx.auth, ctx.excluded, ctx.avoided,
-        )  # fmt: skip
+        )  # fmt: skip (the body asks for token ids itself)
         cont.tokens = estimate_prompt_tokens("completions", body)  # token ids: exact
         threshold = self.cfg.disaggregation_threshold_tokens
         local = bool(threshold) and cont.tokens < threshold
@@ -299,7 +298,7 @@ class Dispatcher:
         ctx.revision, ctx.flow = rev.revision, "local" if local else "push" if rev.mode == "Push" else "pull"
         self.outcomes.attempt(rev.revision, ctx.flow, retry)
         xid, transfer_id = mint_ids()
-        req = LegRequest(ctx.kind, ctx.path, ctx.leg_body or ctx.body, ctx.stream, ctx.auth, xid, transfer_id)
+        req = LegRequest(ctx.kind, ctx.path, ctx.body, ctx.stream, ctx.auth, xid, transfer_id, ctx.token_ids)
         tl = Timeline(time.monotonic())
         if local:
             d = self._pick_decode(chosen.decode)

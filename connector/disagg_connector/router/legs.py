@@ -25,6 +25,7 @@ from disagg_connector.contract.vllm_pd import (
     stream_failed_early,
 )
 from disagg_connector.router.discovery import Backend
+from disagg_connector.router.migration import decode_leg_body
 from disagg_connector.router.pairing import Ejections
 
 # vLLM notices a closed connection asynchronously (API server, then engine core at its next step).
@@ -93,6 +94,7 @@ class LegRequest:
     auth: str | None
     xid: str
     transfer_id: str
+    token_ids: bool = False  # the decode leg asks for token ids (stream migration), whatever the client asked
 
 
 @dataclass
@@ -169,7 +171,7 @@ class Legs:
     ) -> DecodeAnswer:
         """Send the decode leg and wait for its first chunk (streaming) or its whole answer. An open
         response is the caller's to close (``relay``, or the attempt that failed meanwhile)."""
-        payload = orjson.dumps(decode_body(req.body, params))
+        payload = orjson.dumps(decode_body(decode_leg_body(req.body) if req.token_ids else req.body, params))
         tl.decode_sent = time.monotonic()
         async with self._deadline("decode", d, deadline, timeout_cause):
             resp = await self.client.post(d.base_url + req.path, data=payload, headers=leg_headers(req.xid, req.auth, None))
