@@ -35,7 +35,7 @@ from kubernetes import client
 from disagg_connector import contract
 from disagg_bench.vllm_sim.pods import PodEngines, assert_idle_when_deleted, assert_no_kv_trouble
 
-from tests.fixtures.e2e.models import wide_ep_model
+from tests.fixtures.e2e.models import create_rolled_out, wide_ep_model
 from tests.fixtures.e2e.serving import Serving
 from tests.fixtures.e2e.nodes import Pool
 from tests.fixtures.e2e.models import get_model, rolled_out
@@ -95,10 +95,9 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
                                                                          tmp_path: Path) -> None:
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "wide"
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, wide_ep_model(name, pool.label))
 
     # --- 1. Ready, in engines ------------------------------------------------------------------------------
-    first = wait_for("rolled out", lambda: rolled_out(custom, namespace, name, ""), 240)
+    first = create_rolled_out(custom, namespace, wide_ep_model(name, pool.label))
     revision = first["status"]["revision"]
     assert (first["status"]["decode"]["readyReplicas"], first["status"]["decode"]["replicas"]) == (2, 2)
     lws_name = contract.engine_deployment_name(name, "decode", revision)

@@ -22,7 +22,7 @@ from disagg_connector import contract
 from disagg_bench.vllm_sim.harness import FAST, http_get
 from disagg_bench.vllm_sim.pods import PodEngines, start_pod_router
 
-from tests.fixtures.e2e.models import get_model, rolled_out, wide_ep_model
+from tests.fixtures.e2e.models import create_rolled_out, get_model, wide_ep_model
 from tests.fixtures.e2e.nodes import Pool
 from tests.fixtures.e2e.serving import Serving
 from tests.fixtures.e2e.streams import LongStreams, TPOT_MS, check_whole, decode_streams, long_model, on_every_decode
@@ -79,8 +79,7 @@ def test_a_decode_group_losing_its_worker_moves_every_stream_of_both_pods(operat
                                                                         tmp_path: Path) -> None:
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "widecrash"
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, wide_ep_model(name, pool.label))
-    first = wait_for("rolled out", lambda: rolled_out(custom, namespace, name, ""), 240)
+    first = create_rolled_out(custom, namespace, wide_ep_model(name, pool.label))
     revision, served = first["status"]["revision"], first["spec"]["model"]["name"]
     with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 4), timing={**FAST, "tpot_ms": TPOT_MS}) as harness:
         sims, router = harness.engines, harness.router
