@@ -153,3 +153,28 @@ def test_a_decode_group_that_loses_a_pod_fails_whole_and_its_streams_move_to_the
         assert all(continued.values()), {k: len(v) for k, v in continued.items()}  # spread over both survivors
     finally:
         h.stop_all(R, P, leader, worker, *survivors)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_prefill_that_dies_after_the_decodes_first_token_breaks_no_stream(log_dir, mode):
+    """Prefill-side faults after the first token are not the stream's: its KV is the decode's by then (pull: read;
+    push: written), so the stream goes on, whole, and nothing is migrated."""
+    P = h.launch_sim(log_dir, "prefill", mode)
+    D = h.launch_sim(log_dir, "decode", mode, tpot_ms=TPOT_MS)
+    static = log_dir / f"prefill-dies-{mode}.json"
+    h.write_static(static, [P.static_entry(), D.static_entry()])
+    R = h.launch_router(log_dir, static, mode, name=f"router-prefill-dies-{mode}")
+    try:
+        h.wait_ready(P, D, R)
+
+        async def run() -> h.Reply:
+            task = asyncio.create_task(h.post(R.url + "/v1/completions", h.completion(prompt_words=200, max_tokens=MAX_TOKENS, stream=True)))
+            await asyncio.to_thread(h.wait_until, lambda: D.events("first_token"), 30, 0.02, "the decode's first token")
+            P.proc.signal(signal.SIGKILL)
+            return await task
+
+        got = _answer("completions", asyncio.run(run()))
+        assert got["text"] == "".join(f" tok{i}" for i in range(MAX_TOKENS)) and got["done"] == 1
+        assert not _migrations(R).get(("decode_stream_broken", "migrated")), _migrations(R)
+    finally:
+        h.stop_all(R, P, D)
