@@ -232,6 +232,8 @@ NOT_REGENERABLE_SUMMARIES: tuple[Summary, ...] = (
     Summary("operator-scale.md", (), NOT_REGENERABLE,
             "`python -m disagg_bench.operator_scale --sizes 50,200 --runs 3` (local control plane); no raw data committed"),
     Summary("router-bench.txt", (), NOT_REGENERABLE, "`python -m disagg_bench.router_bench` (timed run); no raw data committed"),
+    Summary("migration-gap-sim.md", (), NOT_REGENERABLE,
+            "`python -m disagg_bench.migration_bench` (timed run of simulated engines, H200 profile); no raw data committed"),
     Summary("router-bench-cpu.txt", (), NOT_REGENERABLE,
             "`python -m disagg_bench.router_bench --only-cpu ...` (the file's header); no raw data committed"),
     Summary("router-bench-short.txt", (), NOT_REGENERABLE,
