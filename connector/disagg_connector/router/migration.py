@@ -95,12 +95,14 @@ class Trail:
 
     kind: str  # of the client's request: "completions" | "chat"
     keep_ids: bool  # the client asked for token ids itself: they stay in its events
+    usage: bool = False  # the client asked for a usage event (stream_options.include_usage)
     prompt_ids: list[int] | None = None
     generated: list[int] = field(default_factory=list)
     response_id: str = ""
     created: int = 0
     model: str = ""
     finished: bool = False  # a finish_reason came: every token is out
+    usage_sent: bool = False  # the usage event came
     done: bool = False  # [DONE] came
     error: dict[str, Any] | None = None  # the engine's own error event, taken out of the stream
     unfaithful: str | None = None  # a key of REFUSALS learnt from the events themselves
@@ -152,6 +154,7 @@ class Trail:
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
     def _learn(self, obj: dict[str, Any]) -> None:
+        self.usage_sent = self.usage_sent or (obj.get("usage") is not None and not obj.get("choices"))
         if not self.response_id and not self._splice:
             self.response_id, self.created, self.model = str(obj.get("id", "")), int(obj.get("created", 0)), str(obj.get("model", ""))
         choices = obj.get("choices") or []
@@ -221,11 +224,12 @@ class Trail:
             return "no_token_ids"
         return None
 
-    def closing(self, include_usage: bool) -> bytes:
+    def closing(self) -> bytes:
         """The end of a stream whose every token was out when its decode failed (a finish_reason came): the
-        usage event the client asked for, then [DONE]."""
+        usage event the client asked for, unless it came, then [DONE]."""
+        self.done = True
         out = b""
-        if include_usage and self.prompt_ids is not None:
+        if self.usage and not self.usage_sent and self.prompt_ids is not None:
             n, p = len(self.generated), len(self.prompt_ids)
             usage = {"prompt_tokens": p, "total_tokens": p + n, "completion_tokens": n}
             obj = {"id": self.response_id, "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
@@ -255,7 +259,7 @@ def continuation_body(kind: str, body: dict[str, Any], trail: Trail) -> dict[str
     return b
 
 
-def include_usage(body: dict[str, Any]) -> bool:
+def wants_usage(body: dict[str, Any]) -> bool:
     opts = body.get("stream_options")
     return isinstance(opts, dict) and bool(opts.get("include_usage"))
 

@@ -26,7 +26,7 @@ from disagg_connector.contract.vllm_pd import SSE_DONE, SSE_ERROR, sse_error_mes
 from disagg_connector.router.discovery import Backend
 from disagg_connector.router.legs import DecodeAnswer, LegFailure, Timeline, abort_legs
 from disagg_connector.router.migration import (
-    COMPLETE, EXHAUSTED, FAILED, MIGRATED, OFF, REFUSALS, REFUSED, Trail, continuation_body, end_event, include_usage,
+    COMPLETE, EXHAUSTED, FAILED, MIGRATED, OFF, REFUSALS, REFUSED, Trail, continuation_body, end_event, wants_usage,
 )
 from disagg_connector.router.outcomes import OutcomeRecorder
 from disagg_connector.router.pairing import Ejections
@@ -151,7 +151,8 @@ class Relay:
         out = web.StreamResponse(status=o.answer.status, headers=headers)
         await out.prepare(request)
         reader: Trail | _Passthrough = (
-            Trail(migration.kind, bool(migration.body.get("return_token_ids"))) if migration and not migration.refused else _Passthrough()
+            Trail(migration.kind, bool(migration.body.get("return_token_ids")), wants_usage(migration.body))
+            if migration and not migration.refused else _Passthrough()
         )
         with contextlib.ExitStack() as continuations:
             try:
@@ -214,6 +215,10 @@ class Relay:
                         self.ejections.suspect(o.decode.key)
                     return cause, last_write
                 if not chunk:  # the engine closed its stream before [DONE]
+                    log.warning("decode stream %s from %s closed before [DONE]", o.xid, o.decode.key)
+                    if isinstance(reader, Trail) and reader.finished:  # after every token: the answer is whole
+                        await out.write(reader.closing())
+                        return None, last_write
                     return "decode_stream_broken", last_write
                 data = reader.feed(chunk)
                 if data:
@@ -246,8 +251,7 @@ class Relay:
         if reader.finished:
             # Every token was out (a finish_reason came) before the decode failed: the answer is whole.
             self.outcomes.migration(o.revision, cause, COMPLETE)
-            reader.done = True
-            return reader.closing(include_usage(migration.body))
+            return reader.closing()
         refused = reader.why_not()
         if refused is not None:
             self.outcomes.migration(o.revision, cause, REFUSED)
@@ -259,8 +263,7 @@ class Relay:
         body = continuation_body(migration.kind, migration.body, reader)
         if body is None:  # every token max_tokens allows is out: the answer is whole
             self.outcomes.migration(o.revision, cause, COMPLETE)
-            reader.done = True
-            return reader.closing(include_usage(migration.body))
+            return reader.closing()
         with contextlib.ExitStack() as attempt:
             try:
                 opened = await migration.reopen(o, body, attempt)

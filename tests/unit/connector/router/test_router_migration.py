@@ -133,12 +133,18 @@ def test_continuation_events_read_as_the_rest_of_the_clients_stream(kind):
 
 
 def test_a_stream_whose_every_token_was_out_closes_with_its_usage():
-    trail = Trail("completions", keep_ids=False)
+    trail = Trail("completions", keep_ids=False, usage=True)
     trail.feed(sse(*vllm_stream("completions", PROMPT, TOKENS, resp_id="orig")))
-    assert trail.finished
-    usage, done = _events(trail.closing(include_usage=True))
+    assert trail.finished and not trail.usage_sent
+    usage, done = _events(trail.closing())
     assert usage["usage"] == {"prompt_tokens": 3, "total_tokens": 7, "completion_tokens": 4} and usage["id"] == "orig"
-    assert done == "[DONE]"
+    assert done == "[DONE]" and trail.done
+
+
+def test_a_usage_event_that_came_is_not_sent_again():
+    trail = Trail("chat", keep_ids=False, usage=True)
+    trail.feed(sse(*vllm_stream("chat", PROMPT, TOKENS, usage=True)))
+    assert trail.usage_sent and _events(trail.closing()) == ["[DONE]"]
 
 
 def test_an_end_that_cannot_be_continued_is_an_error_without_done():
