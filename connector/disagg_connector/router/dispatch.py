@@ -69,11 +69,11 @@ from disagg_connector.router.config import RouterConfig
 from disagg_connector.router.discovery import Backend, EndpointTable, RevisionView
 from disagg_connector.router.legs import DecodeAnswer, LegFailure, LegRequest, Legs, Timeline, abort_legs
 from disagg_connector.router.metrics import RouterMetrics
+from disagg_connector.router.migration import refusal
 from disagg_connector.router.outcomes import OutcomeRecorder
 from disagg_connector.router.pairing import Balancer, Candidates
 from disagg_connector.router.policy import Pick, Policies
 from disagg_connector.router.prefix import PromptKey, prompt_key
-from disagg_connector.router.migration import refusal
 from disagg_connector.router.relay import Migration, Opened, Relay
 from disagg_connector.router.stats import RouterStats
 
@@ -231,9 +231,10 @@ class Dispatcher:
         disaggregation threshold, locally; with the retries a request has. ``held`` keeps its decode count and
         response. Raises the last LegFailure when no pair takes it."""
         ctx.excluded.update(self.table.engine_keys(failed.decode.key))
+        # a completions request on token ids (the body asks for token ids itself), sharing what the request avoids
         cont = RequestContext(
             ctx.request, "completions", "/v1/completions", body, True, ctx.t0, ctx.auth, ctx.excluded, ctx.avoided,
-        )  # fmt: skip (the body asks for token ids itself)
+        )  # fmt: skip
         cont.tokens = estimate_prompt_tokens("completions", body)  # token ids: exact
         threshold = self.cfg.disaggregation_threshold_tokens
         local = bool(threshold) and cont.tokens < threshold
