@@ -100,13 +100,19 @@ def generated_run(token_ids: Sequence[int]) -> int:
     is ``tok<n>``. The simulator's answer is so a function of the token-id prefix, as greedy decoding is: a
     continuation whose prompt is the original prompt plus the tokens already generated (stream migration) goes on
     exactly where the answer broke off, and one that dropped or repeated a token starts again from ``tok0``."""
-    if not _GENERATED_INDEX:
-        _GENERATED_INDEX.update((generated_token_id(i), i) for i in range(GENERATED_INDEX_SIZE))
-    last = _GENERATED_INDEX.get(token_ids[-1]) if token_ids else None
+    index = generated_index()
+    last = index.get(token_ids[-1]) if token_ids else None
     if last is None or last + 1 > len(token_ids):
         return 0
     run = token_ids[len(token_ids) - last - 1 :]
-    return last + 1 if all(_GENERATED_INDEX.get(t) == i for i, t in enumerate(run)) else 0
+    return last + 1 if all(index.get(t) == i for i, t in enumerate(run)) else 0
+
+
+def generated_index() -> dict[int, int]:
+    """generated_token_id(i) -> i, built once (an engine builds it as it starts: not on its first request's path)."""
+    if not _GENERATED_INDEX:
+        _GENERATED_INDEX.update((generated_token_id(i), i) for i in range(GENERATED_INDEX_SIZE))
+    return _GENERATED_INDEX
 
 
 # --- block hashes ----------------------------------------------------------------------------------------

@@ -532,6 +532,7 @@ class Engine:
         self._ev = itertools.count()
         self.session: aiohttp.ClientSession | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
+        pc.generated_index()  # built before the engine listens, not on its first request's path
         self.group_peers: set[str] = set()  # the other pods of an engine that spans pods (group_watch)
         self.group_task: asyncio.Task[None] | None = None
         self.inflight: dict[int, Seq] = {}  # id(seq) -> every request handed to the engine, until its answer is sent
