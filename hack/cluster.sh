@@ -443,7 +443,7 @@ KCFG
 
 write_audit_policy() {
   cat > "$STATE/audit-policy.yaml" <<'POLICY'
-# Metadata for every write; nothing for reads. Tests count writes per user from
+# Metadata for every write (the body too of our status writes); nothing for reads. Tests count writes per user from
 # $STATE/audit.log (one JSON event per line, stage ResponseComplete).
 apiVersion: audit.k8s.io/v1
 kind: Policy
@@ -452,6 +452,12 @@ rules:
 # bench/disagg_bench/operator_scale.py counts every request (reads and watches too) of its ServiceAccounts.
 - level: Metadata
   userGroups: ["system:serviceaccounts:disagg-bench"]
+# Status writes with their bodies: a test that finds one where none was due says what it changed.
+- level: Request
+  verbs: ["update", "patch"]
+  resources:
+  - group: disagg.dev
+    resources: ["disaggregatedmodels/status", "disaggregatedroles/status"]
 - level: Metadata
   verbs: ["create", "update", "patch", "delete", "deletecollection"]
 - level: None
