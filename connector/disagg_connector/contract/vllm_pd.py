@@ -141,11 +141,6 @@ def error_body(status: int, message: str, param: str | None = None, err_type: st
     return {"error": {"message": message, "type": err_type or _ERROR_STATUS_TYPES.get(status, "Error"), "param": param, "code": status}}
 
 
-def sse_error(status: int, message: str) -> bytes:
-    """An error event, then ``[DONE]``, as vLLM ends a failed stream."""
-    return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n" + SSE_DONE
-
-
 # --- the prompt's length -----------------------------------------------------------------------------------
 def _text_tokens(value: Any) -> int:
     if isinstance(value, str):

@@ -241,36 +241,34 @@ class Relay:
     ) -> Opened | bytes:
         """After ``o``'s stream failed with ``cause``: a continuation that has begun, or the stream's last bytes."""
         self.outcomes.failed(o.revision, o.flow, cause)
+
+        def ended(outcome: str, last: bytes) -> bytes:
+            self.outcomes.migration(o.revision, cause, outcome)
+            return last
+
         if migration is None:
-            self.outcomes.migration(o.revision, cause, OFF)
-            return end_event(cause, "stream migration is off (spec.router.migration)")
+            return ended(OFF, end_event(cause, "stream migration is off (spec.router.migration)"))
         if not isinstance(reader, Trail):  # refused up front: relayed byte for byte
             assert migration.refused is not None
-            self.outcomes.migration(o.revision, cause, REFUSED)
-            return end_event(cause, f"it cannot be continued on another engine: {REFUSALS[migration.refused]}")
+            return ended(REFUSED, end_event(cause, f"it cannot be continued on another engine: {REFUSALS[migration.refused]}"))
         if reader.finished:
             # Every token was out (a finish_reason came) before the decode failed: the answer is whole.
-            self.outcomes.migration(o.revision, cause, COMPLETE)
-            return reader.closing()
+            return ended(COMPLETE, reader.closing())
         refused = reader.why_not()
         if refused is not None:
-            self.outcomes.migration(o.revision, cause, REFUSED)
             log.warning("stream %s not continued after %s: %s", o.xid, cause, REFUSALS[refused])
-            return end_event(cause, f"it cannot be continued on another engine: {REFUSALS[refused]}")
+            return ended(REFUSED, end_event(cause, f"it cannot be continued on another engine: {REFUSALS[refused]}"))
         if migrated >= migration.limit:
-            self.outcomes.migration(o.revision, cause, EXHAUSTED)
-            return end_event(cause, f"it was already continued {migrated} time(s), the most spec.router.migration allows")
+            return ended(EXHAUSTED, end_event(cause, f"it was already continued {migrated} time(s), the most spec.router.migration allows"))
         body = continuation_body(migration.kind, migration.body, reader)
         if body is None:  # every token max_tokens allows is out: the answer is whole
-            self.outcomes.migration(o.revision, cause, COMPLETE)
-            return reader.closing()
+            return ended(COMPLETE, reader.closing())
         with contextlib.ExitStack() as attempt:
             try:
                 opened = await migration.reopen(o, body, attempt)
             except LegFailure as f:
-                self.outcomes.migration(o.revision, cause, FAILED)
                 log.warning("stream %s not continued after %s: %s (%s)", o.xid, cause, f, f.cause)
-                return end_event(cause, f"no other pair took its continuation ({f})")
+                return ended(FAILED, end_event(cause, f"no other pair took its continuation ({f})"))
             continuation = attempt.pop_all()
         self.outcomes.migration(o.revision, cause, MIGRATED)
         log.warning(

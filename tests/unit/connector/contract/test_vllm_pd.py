@@ -3,14 +3,12 @@ checked, the shapes of a failed stream."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 from disagg_connector.contract.vllm_pd import (
     DP_RANK_HEADER,
-    SSE_DONE,
     PrefillAnswerError,
     decode_body,
     error_body,
@@ -18,9 +16,9 @@ from disagg_connector.contract.vllm_pd import (
     prefill_transfer_params,
     pull_decode_params,
     returned_request_id,
-    sse_error,
     stream_failed_early,
 )
+from tests.fixtures.router import vllm_failed_stream
 
 
 def test_leg_headers_carry_the_dispatch_id_credentials_and_the_pinned_rank_only_when_asked():
@@ -66,12 +64,10 @@ def test_prefill_answer_is_checked_against_the_revisions_mode(answer, mode, erro
 def test_a_stream_that_fails_before_its_first_token_says_why():
     assert stream_failed_early(b'data: {"id": "cmpl-1", "choices": []}\n\n') is None
     assert stream_failed_early(b"") == "an empty stream"
-    assert stream_failed_early(sse_error(500, "engine died")) == "engine died"
+    assert stream_failed_early(vllm_failed_stream(500, "engine died")) == "engine died"
     assert stream_failed_early(b'data: {"error": nope}\n\n') == "error event"
 
 
-def test_sse_error_ends_the_stream_as_vllm_does():
-    event = sse_error(502, "decode engine stream failed (decode_stall)")
-    assert event.endswith(b"\n\n" + SSE_DONE)
-    assert json.loads(event[len(b"data: ") :].split(b"\n\n")[0]) == error_body(502, "decode engine stream failed (decode_stall)")
+def test_error_body_is_vllms_openai_error():
     assert error_body(504, "late")["error"] == {"message": "late", "type": "GatewayTimeoutError", "param": None, "code": 504}
+    assert error_body(400, "bad", param="n")["error"] == {"message": "bad", "type": "BadRequestError", "param": "n", "code": 400}
