@@ -1337,7 +1337,8 @@ class Engine:
         sent = bytearray()
 
         async def send(obj: Any) -> None:
-            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+            # pydantic's model_dump_json, as vLLM writes its chunks: compact, UTF-8 as is
+            data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()) + b"\n\n"
             sent.extend(data)
             await resp.write(data)
 

@@ -26,6 +26,7 @@ class OutcomeRecorder:
     def __init__(self, metrics: RouterMetrics, stats: RouterStats, clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics, self.stats, self.clock = metrics, stats, clock
         self._panic_logged_at: float | None = None
+        self._zeroed: set[tuple[str, str]] = set()  # (revision, flow) whose series exist at 0
 
     def request_started(self) -> None:
         self.metrics.in_flight.inc()
@@ -61,12 +62,14 @@ class OutcomeRecorder:
 
     def attempt(self, revision: str, flow: str, retry: bool) -> None:
         """An attempt dispatched to a pair (``flow`` push|pull) or a decode alone (``local``) of ``revision``."""
-        retries = self.metrics.child(self.metrics.retries, revision)  # at 0 from a revision's first attempt
-        self.metrics.child(self.metrics.despite_ejections, revision)  # likewise: a panel shows 0, not "no data"
-        self.metrics.child(self.metrics.migrations, revision, "decode_stream_broken", MIGRATED)  # likewise
-        self.metrics.child(self.metrics.migration_gap, revision, flow)
+        if (revision, flow) not in self._zeroed:  # at 0 from a revision's first attempt: a panel shows 0, not "no data"
+            self._zeroed.add((revision, flow))
+            self.metrics.child(self.metrics.retries, revision)
+            self.metrics.child(self.metrics.despite_ejections, revision)
+            self.metrics.child(self.metrics.migrations, revision, "decode_stream_broken", MIGRATED)
+            self.metrics.child(self.metrics.migration_gap, revision, flow)
         if retry:
-            retries.inc()
+            self.metrics.child(self.metrics.retries, revision).inc()
         if flow == "local":
             self.stats.local(revision)
         else:

@@ -3,9 +3,12 @@ passes on, the continuation's body, and the continuation's events as the client 
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from disagg_connector.router.migration import REFUSALS, Trail, continuation_body, decode_leg_body, end_event, refusal
 
@@ -13,6 +16,15 @@ from tests.fixtures.router import sse, vllm_stream
 
 PROMPT = [11, 12, 13]
 TOKENS = [(" a", 101), (" b", 102), (" c", 103), (" d", 104)]
+
+
+# One token event of vLLM 0.26.0's completions stream as its pydantic model writes it
+# (CompletionStreamResponse(...).model_dump_json(exclude_unset=True)): compact JSON, UTF-8 as is.
+VLLM_TOKEN_EVENT = (b'data: {"id":"cmpl-1","created":1,"model":"m","choices":[{"index":0,"text":" a\\"\xc3\xa9","logprobs":null,'
+                    b'"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[5]}]}\n\n')  # fmt: skip
+# Texts that look like the fields the relay reads on an event's bytes.
+LOOKALIKES = ['","token_ids":[9]', '"token_ids":[1, 2]', '"finish_reason":null', '"finish_reason":"stop"', '"usage":{"x":1}',
+              '"delta":{"content":"x"}', "\\", '\\"', "é€😀", ",", '"}']  # fmt: skip
 
 
 def _events(data: bytes) -> list[object]:
@@ -64,6 +76,31 @@ def test_trail_learns_the_ids_and_gives_the_client_the_events_without_them(kind)
         for c in e["choices"]:
             c.pop("prompt_token_ids", None), c.pop("token_ids", None)
     assert _events(out) == expected
+
+
+def test_a_plain_token_event_reaches_the_client_as_vllm_wrote_it_less_the_ids():
+    trail = Trail("completions", keep_ids=False)
+    trail.feed(sse(*vllm_stream("completions", PROMPT, TOKENS[:1], finish=False)))
+    assert trail.feed(VLLM_TOKEN_EVENT) == VLLM_TOKEN_EVENT.replace(b',"prompt_token_ids":null,"token_ids":[5]', b"")
+    assert trail.generated == [101, 5] and not trail.finished
+
+
+@given(texts=st.lists(st.one_of(st.text(), st.sampled_from(LOOKALIKES)), min_size=1, max_size=6),
+       kind=st.sampled_from(["completions", "chat"]), keep_ids=st.booleans())  # fmt: skip
+def test_trail_reads_every_event_alike_whatever_its_text(texts, kind, keep_ids):
+    tokens = [(text, 200 + n) for n, text in enumerate(texts)]
+    events = vllm_stream(kind, PROMPT, tokens, usage=True)
+    trail = Trail(kind, keep_ids=keep_ids)
+    out = trail.feed(sse(*events, "[DONE]"))
+    assert (trail.prompt_ids, trail.generated) == (PROMPT, [tid for _, tid in tokens])
+    assert trail.finished and trail.usage_sent and trail.done and trail.why_not() is None
+    expected = copy.deepcopy(events)
+    if not keep_ids:
+        for e in expected:
+            e.pop("prompt_token_ids", None)
+            for c in e["choices"]:
+                c.pop("prompt_token_ids", None), c.pop("token_ids", None)
+    assert _events(out) == [*expected, "[DONE]"]
 
 
 def test_trail_keeps_the_ids_a_client_asked_for():
