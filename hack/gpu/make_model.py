@@ -68,7 +68,9 @@ def main(out: str, shape: str = "qwen3-8b") -> None:
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]",
                    "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                   "model_max_length": 40960, "clean_up_tokenization_spaces": False}, f, indent=2)
+                   "model_max_length": 40960, "clean_up_tokenization_spaces": False,
+                   # chat requests (localrun migrate --chat): the messages' words, then the answer's
+                   "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}, f, indent=2)
     with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
         json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": "[UNK]"}, f)
 

@@ -39,7 +39,7 @@
 # runs out of time (each cell is saved as it completes). REHEARSAL=1 runs the same command lines on a CPU
 # machine with the simulator in place of vLLM (bench/disagg_bench/vllm_sim/as_vllm.py) and a short sweep.
 set -u
-stage=${1:?usage: hack/gpu/run.sh unpack-a1|unpack-a3|push|pull-1gpu|issue20-1gpu|issue20-peers|issue19-routing|issue12-push|issue12-pull|issue18-dp2}
+stage=${1:?usage: hack/gpu/run.sh unpack-a1|unpack-a3|push|pull-1gpu|issue20-1gpu|issue20-peers|issue19-routing|issue30-migration|issue12-push|issue12-pull|issue18-dp2}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$REPO"
 SITE=${SITE:-/tmp/site}
@@ -210,6 +210,26 @@ case "$stage" in
       bench "$name19-noreuse" --gpus 0 --colocate $ENGINES19 \
       --modes "${NOREUSE_MODES:-router-push:least-outstanding,router-push:prefix-and-load}" --prompts 2048 --rates "$NOREUSE19" --max-tokens 64 \
       --cell-seconds 5 --min-requests 16 --drain-timeout 20
+    ;;
+  issue30-migration)
+    # Issue 30: stream migration on real engines. One prefill and two decodes sharing the GPU (24 GiB of KV each),
+    # push then pull, the router with its defaults (migration on); 16 greedy streams (every other one a chat),
+    # 1024-token prompts, 160 tokens each; once every stream has 40 tokens the decode running the most is killed
+    # (SIGKILL). Every stream is judged against an uninterrupted pass of the same requests on the same engines:
+    # whole, exact (token ids and text), and for the migrated ones the gap against the inter-token time.
+    prepare
+    for mode in ${MODES:-Push Pull}; do
+      name30="issue30-migration-${mode,,}"
+      log "migrate $name30"
+      timeout -s INT -k 40 "${BUDGET30:-240}" $PY -m disagg_bench.localrun migrate -f hack/gpu/qwen3-0.6b-h200.yaml \
+        --vllm "$VLLM" --model-path "$WORK/model" --load-format dummy --enforce-eager --transfer-mode "$mode" \
+        --env VLLM_USE_FLASHINFER_SAMPLER=0 --env HF_HUB_OFFLINE=1 --env TRANSFORMERS_OFFLINE=1 \
+        --gpus 0 --colocate --kv-cache-memory-bytes 25769803776 --gpu-memory-utilization 0.22 \
+        --streams "${STREAMS:-16}" --chat --out "$WORK/$name30" --startup-timeout 300
+      log "migrate $name30 exited with $?"
+      for f in migration.json migration.md; do [ -f "$WORK/$name30/$f" ] && cp "$WORK/$name30/$f" "$OUT/$name30-$f"; done
+      tar cf - -C "$WORK/$name30" logs 2>/dev/null | xz -T0 > "$OUT/$name30-logs.tar.xz"
+    done
     ;;
   issue12-push)
     prepare

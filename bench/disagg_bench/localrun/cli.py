@@ -7,6 +7,7 @@
         --system-tokens 2048 --rates 2,4 --turns 4 --user-tokens 256 --think-time 1   # conversations, rates in sessions/s
     disagg-localrun bench -f dm.yaml [options] --workload multi-turn --router-replicas 2 --replica-spread request \
         --prompt-format token-ids ...   # two router replicas sharing the traffic (and only the engines' state)
+    disagg-localrun migrate -f dm.yaml [options] --streams 16 --chat   # a decode killed mid-stream: every stream judged
     disagg-localrun report a/results.json b/results.json --baseline router-pull   # one table of several runs
     disagg-localrun report r1/results.json r2/results.json r3/results.json --repeats   # medians of repetitions
 
@@ -33,6 +34,7 @@ from disagg_operator.manifests import load_all
 from ..results import load_results
 from . import loadgen, report
 from .bench import Sweep, mode, run_bench
+from .migrate import run_migration
 from .kube_env import UnresolvableEnv
 from .plan import PEER_POLICIES, PEER_ROUTER_MODES, PREFILL_POLICIES, ROUTER_MODES, LocalOptions, LocalRunError, describe, local_plan
 from .procs import StartupFailed, started
@@ -169,6 +171,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_migrate(a: argparse.Namespace) -> int:
+    out = Path(a.out)
+    result = run_migration(read_model(a.filename), options_from(a, str(out)), out, a.startup_timeout, streams=a.streams,
+                           prompt_tokens=a.prompt_tokens, output_tokens=a.output_tokens, kill_after=a.kill_after, chat=a.chat)  # fmt: skip
+    print((out / "migration.md").read_text())
+    moved = result["summary"]["migrated"]
+    return 0 if moved["streams"] and moved["whole"] == moved["streams"] else 1
+
+
 def cmd_report(a: argparse.Namespace) -> int:
     runs = []
     for path in a.results:
@@ -236,6 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "keeping one per conversation) or over requests (a client pooling connections)")
     bench.add_argument("--out", default=".localrun/bench", help="results and logs folder")
     bench.set_defaults(func=cmd_bench)
+    mig = sub.add_parser("migrate", help="stream migration on these engines: one of two decodes killed mid-stream, every "
+                         "stream judged against an uninterrupted pass (migration.json, migration.md)")  # fmt: skip
+    add_local_options(mig)
+    mig.add_argument("--streams", type=int, default=16, help="streams of each pass")
+    mig.add_argument("--prompt-tokens", type=int, default=1024)
+    mig.add_argument("--output-tokens", type=int, default=160)
+    mig.add_argument("--kill-after", type=int, default=40, help="tokens every stream has when a decode engine is killed")
+    mig.add_argument("--chat", action="store_true", help="every other stream a chat (the model's tokenizer needs a chat template)")
+    mig.add_argument("--out", default=".localrun/migrate", help="results and logs folder")
+    mig.set_defaults(func=cmd_migrate)
     rep = sub.add_parser("report", help="one markdown report of several results.json (e.g. push and pull runs)")
     rep.add_argument("results", nargs="+", help="results.json files (or .json.xz, .json.gz: bench/results stores them so)")
     rep.add_argument("--baseline", help="the mode the ratios are to (default: the first)")

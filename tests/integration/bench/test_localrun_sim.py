@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from disagg_bench.localrun.migrate import run_migration
 from disagg_bench.localrun.plan import LocalOptions, local_plan
 from disagg_bench.localrun.procs import started
 from disagg_bench.vllm_sim import harness as h
@@ -159,3 +160,19 @@ def test_multi_turn_sessions_compare_prefill_policies_by_the_engines_own_prefix_
     # the KV-aware policy finds more of each conversation cached than the blind pick
     lo, pal = figures[modes[0]], figures[modes[1]]
     assert lo is not None and pal is not None and pal.hit_ratio > lo.hit_ratio, (pal, lo)
+
+
+@pytest.mark.parametrize("mode", ["Push", "Pull"])
+def test_migrate_kills_the_busiest_decode_and_every_stream_ends_whole_and_exact(tmp_path: Path, mode: str) -> None:
+    # the H200 profile's 26.5 ms per token: the streams are still running when the decode is killed
+    doc = dm({"engine": {"enablePrefixCaching": False}}, name="mig")
+    options = LocalOptions(gpus=("0", "1", "2"), port_base=h.free_port_block(64), workdir=str(tmp_path), launcher=SIM,
+                           env=(("DISAGG_SIM_PROFILE", "h200-1gpu-push"),), transfer_mode=mode)  # fmt: skip
+    result = run_migration(doc, options, tmp_path, 60, streams=8, prompt_tokens=256, output_tokens=80, kill_after=20, chat=True)
+    moved, stayed = result["summary"]["migrated"], result["summary"]["not migrated"]
+    assert moved["streams"] == result["router_migrations"]["migrated"] == result["killed"]["running_then"] > 0, result["summary"]
+    assert moved["streams"] + stayed["streams"] == 8 and set(moved["exact_by_kind"]) == {"chat", "completions"}
+    for group in (moved, stayed):
+        assert group["whole"] == group["exact"] == group["streams"], group
+    assert moved["gap_ms"]["p50"] > moved["itl_ms_p50"]  # the continuation prefilled prompt and tokens again
+    assert (tmp_path / "migration.md").read_text().startswith(f"# Stream migration on {mode.lower()} 1P2D")
