@@ -114,6 +114,13 @@ def _localrun_report(baseline: str | None = None, repeats: bool = False) -> Call
     return render
 
 
+def _migration(runs: list[Any]) -> str:
+    """disagg-localrun migrate's report of each run (migration.md), in order."""
+    from disagg_bench.localrun.migrate import markdown
+
+    return "\n".join(markdown(run) for run in runs)
+
+
 def _kvbench(runs: list[Any]) -> str:
     """kvbench's own per-run lines (its table on the terminal), one block per results file."""
     from disagg_bench import kvbench
@@ -145,6 +152,8 @@ SUMMARIES: tuple[Summary, ...] = (
             other_raws=("h200-issue20-peers-8b.json",),
             note=f"its 8B section's two tables are rows of `{_LR} h200-issue20-peers-8b.json.xz`, reordered by hand (every row "
             "verbatim, checked once; not by --check)"),
+    Summary("h200-issue30-migration.md", ("h200-issue30-migration-push.json", "h200-issue30-migration-pull.json"), TABLES,
+            "the migration.md that `disagg-localrun migrate` wrote with each .json.xz (hack/gpu/run.sh issue30-migration)", _migration),
     Summary("kvbench-h200.md", ("kvbench-h200.json", "kvbench-h200-per-block.json", "kvbench-h200-llama70b.json"), TABLES,
             "kvbench's per-run lines (disagg_bench.kvbench._print_run) of each of the three .json.xz", _kvbench,
             known_difference="Llama-3.1-70B table, pull-background's bg-thr ms: the page says 1.650, "

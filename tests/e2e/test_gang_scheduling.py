@@ -212,7 +212,22 @@ def gpus_in_use(core: client.CoreV1Api, nodes: list[str] = P5EN_NODES) -> dict[s
 def free_gpu_nodes(api_client) -> None:
     """The p5en nodes hold no GPU pod (earlier tests' namespaces may still be going)."""
     core = client.CoreV1Api(api_client)
-    wait_for("every p5en node's GPUs free", lambda: not any(gpus_in_use(core).values()), timeout=120)
+    try:
+        wait_for("every p5en node's GPUs free", lambda: not any(gpus_in_use(core).values()), timeout=120)
+    except AssertionError as e:  # which test left them, and what holds them there
+        raise AssertionError(f"{e}; GPU pods left on them: {gpu_holders(core)}") from None
+
+
+def gpu_holders(core: client.CoreV1Api, nodes: list[str] = P5EN_NODES) -> list[str]:
+    """The pods that hold GPUs of the p5en nodes: namespace/name, phase, since when deleting, finalizers, annotations."""
+    return [
+        f"{p.metadata.namespace}/{p.metadata.name} on {p.spec.node_name} ({p.status.phase}, deleting since "
+        f"{p.metadata.deletion_timestamp}, finalizers {p.metadata.finalizers}, owners "
+        f"{[o.kind + '/' + o.name for o in p.metadata.owner_references or []]}, annotations {sorted(p.metadata.annotations or {})})"
+        for p in core.list_pod_for_all_namespaces().items
+        if p.spec.node_name in nodes and p.status.phase not in ("Succeeded", "Failed")
+        and any(int(((c.resources and c.resources.requests) or {}).get(GPU, 0)) for c in p.spec.containers)
+    ]  # fmt: skip
 
 
 def lws_pods(core: client.CoreV1Api, namespace: str, name: str) -> dict[str, client.V1Pod]:
