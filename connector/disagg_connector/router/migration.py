@@ -19,7 +19,6 @@ What cannot be continued faithfully (:data:`REFUSALS`) ends with an error event 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,12 +55,6 @@ _CHAT_ONLY = (
     "reasoning_effort", "include_reasoning", "return_prompt_text", "response_format",
 )  # fmt: skip
 _CHAT_DELTA = frozenset(("role", "content"))
-
-# A token event as vLLM writes it (pydantic's compact JSON), read without parsing it: the hot path of every relayed
-# token. Inside a JSON string a quote is always escaped, so none of these can match a part of the generated text.
-_TOKEN_IDS = re.compile(rb'"token_ids":\[([0-9, ]*)\]')
-_IDS_FIELDS = re.compile(rb',"(?:prompt_)?token_ids":(?:null|\[[0-9, ]*\])')
-_CONTENT_ONLY_DELTA = re.compile(rb'"delta":\{"content":"(?:[^"\\]|\\.)*"\}')
 
 
 def refusal(kind: str, body: dict[str, Any]) -> str | None:
@@ -144,9 +137,6 @@ class Trail:
                 return b""  # the engine ended its error with [DONE]: the relay decides how this stream ends
             self.done = True
             return SSE_DONE
-        fast = self._token_event(payload)
-        if fast is not None:
-            return fast
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -162,26 +152,6 @@ class Trail:
         elif not self.keep_ids:
             self._strip(obj)
         return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-    def _token_event(self, payload: bytes) -> bytes | None:
-        """A plain token event of the original stream, learnt and stripped on its bytes; None: it needs the parse
-        (the first events, which carry the prompt's ids and the response's id; a finish, usage, an error, a chat
-        delta that is not plain content, a continuation's event)."""
-        if self._splice or self.prompt_ids is None or not self.response_id:
-            return None
-        ids = _TOKEN_IDS.findall(payload)
-        if len(ids) != 1 or b'"finish_reason":null' not in payload or b'"usage":{' in payload:
-            return None
-        if self.kind == "chat" and _CONTENT_ONLY_DELTA.search(payload) is None:
-            return None
-        if not self.keep_ids:
-            payload = _IDS_FIELDS.sub(b"", payload)
-            if b'token_ids":' in payload:  # a field this pattern did not take out (never in vLLM's layout): parse
-                return None
-        new = [int(i) for i in ids[0].split(b",")] if ids[0].strip() else []
-        self.generated += new
-        self.events += bool(new)
-        return b"data: " + payload + b"\n\n"
 
     def _learn(self, obj: dict[str, Any]) -> None:
         self.usage_sent = self.usage_sent or (obj.get("usage") is not None and not obj.get("choices"))
