@@ -6,10 +6,12 @@ replica sees the same numbers (a router's own in-flight count sees only its own 
   ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens), and the KV cache's size
   from ``vllm:cache_config_info`` (labels ``block_size``, ``num_gpu_blocks``). Only those lines are parsed
   (with prometheus_client's parser, :func:`vllm_metrics.read_samples`): a vLLM ``/metrics`` page is mostly histograms, tens of kB.
-- **A backend's load** is what its engine said at the last read (running + waiting) plus the legs this router
-  sent it since that read and still has in flight: between two reads the router's own traffic is the only news. A read older than
-  :data:`STALE_READS` intervals counts as none, and the load is then this router's in-flight count alone, as
-  with ``least-outstanding``. A decode backend (a pod) sums its engine cores; a prefill backend is one core.
+- **A backend's load** is what its engine said at the last read (running + waiting) less this router's legs in
+  flight there when the read began (what other routers and clients brought), plus this router's legs in flight now,
+  which it knows exactly: between two reads the router's own traffic is the only news, and a read taken during a
+  burst that has since finished does not make the engine look busy (on the H200, 16 streams that had just ended on
+  one decode sent the next 16 all to the other). A read older than :data:`STALE_READS` intervals counts as none, and
+  the load is then this router's in-flight count alone, as with ``least-outstanding``. A decode backend (a pod) sums its engine cores; a prefill backend is one core.
 - **A restart** shows as a counter that went backwards: :meth:`LoadBoard.restarted` tells the prefix index to
   forget what it believed that engine cached.
 
@@ -74,23 +76,19 @@ def parse_engine_metrics(text: str | bytes) -> dict[str, EngineCounters]:
 class Reading:
     counters: EngineCounters
     at: float  # monotonic
-    sent_before: int  # legs this router had sent the backend when the read began
+    inflight_before: int  # this router's legs in flight on the backend when the read began
 
 
 class LoadBoard:
-    """The last reading of every backend, and the legs this router sent each since. Pure state."""
+    """The last reading of every backend, and this router's legs in flight there when it was taken. Pure state."""
 
     def __init__(self, interval: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.interval, self.clock = interval, clock
         self.readings: dict[str, Reading] = {}
-        self.sent: dict[str, int] = defaultdict(int)  # legs sent per backend key, ever
         self.restarts: dict[str, int] = defaultdict(int)  # per backend key: engine restarts seen
         self.on_restart: Callable[[str], None] = lambda key: None
 
-    def dispatched(self, key: str) -> None:
-        self.sent[key] += 1
-
-    def record(self, b: Backend, engines: dict[str, EngineCounters], sent_before: int) -> None:
+    def record(self, b: Backend, engines: dict[str, EngineCounters], inflight_before: int) -> None:
         """A read of ``b``'s pod: its own core's counters (a prefill rank) or its cores summed (a decode pod)."""
         if b.role == "prefill" and b.dp_size > 1:
             mine = [engines[str(b.identity.dp_rank)]] if str(b.identity.dp_rank) in engines else []
@@ -107,7 +105,7 @@ class LoadBoard:
         if before is not None and now.prefix_queries < before.counters.prefix_queries:
             self.restarts[b.key] += 1
             self.on_restart(b.key)
-        self.readings[b.key] = Reading(now, self.clock(), sent_before)
+        self.readings[b.key] = Reading(now, self.clock(), inflight_before)
 
     def fresh(self, key: str, now: float | None = None) -> Reading | None:
         r = self.readings.get(key)
@@ -116,9 +114,8 @@ class LoadBoard:
         return r
 
     def load(self, key: str, inflight: int) -> float:
-        """Requests ahead of a new one on this backend: the engine's running + waiting at the last fresh read
-        plus this router's legs sent since and still in flight (``inflight`` bounds them); without a fresh read,
-        this router's in-flight legs."""
+        """Requests ahead of a new one on this backend: the engine's running + waiting at the last fresh read less
+        this router's legs in flight then, plus this router's ``inflight`` now; without a fresh read, ``inflight``."""
         return self._ahead(key, self.fresh(key), inflight)
 
     def loads(self, keys: Iterable[str], inflight: Mapping[str, int]) -> tuple[dict[str, float], bool]:
@@ -136,8 +133,9 @@ class LoadBoard:
     def _ahead(self, key: str, r: Reading | None, inflight: int) -> float:
         if r is None:
             return float(inflight)
-        # Legs sent since the read and still in flight: those that already finished are no load any more.
-        return r.counters.running + r.counters.waiting + min(max(0, self.sent[key] - r.sent_before), inflight)
+        # The others' requests as the engine counted them, and this router's own as it knows them now: its legs that
+        # finished since the read are no load any more, those sent since are.
+        return max(0.0, r.counters.running + r.counters.waiting - r.inflight_before) + inflight
 
     def cache_tokens(self, key: str) -> int | None:
         r = self.readings.get(key)
@@ -146,8 +144,6 @@ class LoadBoard:
     def forget(self, keep: set[str]) -> None:
         for key in [k for k in self.readings if k not in keep]:
             del self.readings[key]
-        for key in [k for k in self.sent if k not in keep]:
-            del self.sent[key]
 
 
 class LoadScraper:
@@ -157,9 +153,11 @@ class LoadScraper:
     PRUNE_SECONDS = 5.0  # how often the backends are pruned when reads are off
 
     def __init__(
-        self, session: Callable[[], aiohttp.ClientSession], backends: Callable[[], Iterable[Backend]], board: LoadBoard
+        self, session: Callable[[], aiohttp.ClientSession], backends: Callable[[], Iterable[Backend]], board: LoadBoard,
+        inflight: Mapping[str, int],
     ) -> None:
         self.session, self.backends, self.board = session, backends, board
+        self.inflight = inflight  # this router's legs in flight per backend key (the balancer's, live)
         self.on_read: Callable[[bool], None] = lambda ok: None  # each pod's read, whether it answered
         self.on_backends: Callable[[set[str]], None] = lambda keep: None
         self._task: asyncio.Task[None] | None = None
@@ -175,7 +173,7 @@ class LoadScraper:
             await asyncio.gather(*(self._read(url, bs) for url, bs in by_pod.items()))
 
     async def _read(self, url: str, backends: list[Backend]) -> None:
-        sent_before = {b.key: self.board.sent[b.key] for b in backends}
+        inflight_before = {b.key: self.inflight.get(b.key, 0) for b in backends}
         try:
             timeout = aiohttp.ClientTimeout(total=max(self.board.interval, 0.5))
             async with self.session().get(url + "/metrics", timeout=timeout) as resp:
@@ -189,7 +187,7 @@ class LoadScraper:
             return
         self.on_read(True)
         for b in backends:
-            self.board.record(b, engines, sent_before[b.key])
+            self.board.record(b, engines, inflight_before[b.key])
 
     async def _run(self) -> None:
         period = self.board.interval if self.board.interval > 0 else self.PRUNE_SECONDS

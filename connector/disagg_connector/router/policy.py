@@ -132,12 +132,10 @@ class Policies:
                 self.index.insert(b.key, key.chunks)
             uncached = max(0, key.tokens - pick.expected_hit_tokens)
             self.mean_uncached_tokens += _EWMA * (uncached - self.mean_uncached_tokens)
-        self.board.dispatched(b.key)
         return pick
 
     def decode(self, cands: Sequence[Backend]) -> Pick:
         if len(cands) == 1:
-            self.board.dispatched(cands[0].key)
             return Pick(cands[0], self.decode_policy, "only")
         load, fresh = self._loads(cands) if self.decode_policy != "least-outstanding" else ({}, False)
         if not fresh:
@@ -146,5 +144,4 @@ class Policies:
         else:
             b = self._fewest(cands, load, "decode")
             reason = "load"
-        self.board.dispatched(b.key)
         return Pick(b, self.decode_policy, reason)

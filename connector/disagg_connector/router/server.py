@@ -57,7 +57,7 @@ class Router:
         self.policies = Policies(cfg.prefill_policy, cfg.decode_policy, self.balancer, self.board, self.index, self.kv_index)
         self.dispatcher = dispatcher(cfg, self.table, self.balancer, self.metrics, self.stats, self.policies)
         self.prober = Prober(self.dispatcher.client, self.table, self.balancer.ejections, cfg.probe_interval)
-        self.scraper = LoadScraper(self.dispatcher.client, lambda: self.table.snapshot().backends(), self.board)
+        self.scraper = LoadScraper(self.dispatcher.client, lambda: self.table.snapshot().backends(), self.board, self.balancer.inflight)
         self.scraper.on_read = lambda ok: self.metrics.child(self.metrics.load_reads, "ok" if ok else "failed").inc()
         self.scraper.on_backends = self.current_backends
         self.board.on_restart = self.engine_restarted

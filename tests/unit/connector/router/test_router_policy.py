@@ -65,27 +65,38 @@ def test_a_prefill_rank_reads_its_own_core_and_a_decode_pod_sums_its_cores() -> 
     board = LoadBoard(1.0, Clock())
     engines = parse_engine_metrics(with_values(RELEASES["0.33.0"], {(RUNNING, "0"): 1.0, (RUNNING, "1"): 4.0, (WAITING, "1"): 2.0}))
     rank1, decode = backend("p", dp_rank=1, dp_size=2), backend("d", role="decode")
-    board.record(rank1, engines, sent_before=0)
-    board.record(decode, engines, sent_before=0)
+    board.record(rank1, engines, inflight_before=0)
+    board.record(decode, engines, inflight_before=0)
     assert board.load(rank1.key, inflight=0) == 6.0
     assert board.load(decode.key, inflight=0) == 7.0
 
 
-def test_load_is_the_last_read_plus_the_legs_sent_since_and_in_flight_counts_once_the_read_is_stale() -> None:
+def test_load_is_the_others_requests_at_the_last_read_plus_this_routers_in_flight_now_and_in_flight_alone_once_stale() -> None:
     clock = Clock()
     board = LoadBoard(1.0, clock)
     b = backend("p")
     assert board.load(b.key, inflight=2) == 2.0  # never read: this router's own count
-    board.dispatched(b.key)
     engines = parse_engine_metrics(with_values(RELEASES["0.33.0"], {(RUNNING, "0"): 3.0, (WAITING, "0"): 1.0}))
-    board.record(b, engines, sent_before=board.sent[b.key])
-    assert board.load(b.key, inflight=9) == 4.0  # the engine's numbers: it saw every router's requests
-    board.dispatched(b.key)
-    board.dispatched(b.key)
-    assert board.load(b.key, inflight=9) == 6.0  # plus what this router sent since the read
-    assert board.load(b.key, inflight=1) == 5.0  # of which one is still in flight: the other finished
+    board.record(b, engines, inflight_before=1)  # one of the engine's four requests was this router's
+    assert board.load(b.key, inflight=1) == 4.0  # the others' three, and this router's one
+    assert board.load(b.key, inflight=3) == 6.0  # plus two this router sent since the read
+    assert board.load(b.key, inflight=0) == 3.0  # this router's finished: the others' remain
     clock.now += 3.5  # more than three intervals: the read no longer says what the engine does
     assert board.load(b.key, inflight=9) == 9.0
+
+
+def test_a_read_taken_during_a_burst_that_ended_does_not_make_the_engine_look_busy() -> None:
+    # On the H200 (bench/results/h200-issue30-migration.md) 16 streams had just ended on one decode when 16 new ones
+    # came: counted from the read taken while the first 16 ran, every new one went to the other decode.
+    policies, board, balancer, _ = make()
+    busy, idle = backend("d0", role="decode"), backend("d1", role="decode")
+    read(board, busy, running=16, inflight_before=16)  # all of them this router's
+    read(board, idle)
+    picks = []
+    for _ in range(16):
+        picks.append(policies.decode([busy, idle]).backend.key)
+        balancer.acquire(next(b for b in (busy, idle) if b.key == picks[-1]))
+    assert picks.count(busy.key) == picks.count(idle.key) == 8, picks
 
 
 def test_a_counter_that_went_back_is_a_restart_and_forgets_the_backends_prefix() -> None:
@@ -149,9 +160,10 @@ def make(prefill: str = "prefix-and-load", decode: str = "least-loaded") -> tupl
     return Policies(prefill, decode, balancer, board, PrefixIndex()), board, balancer, clock
 
 
-def read(board: LoadBoard, b: Backend, running: float = 0.0, waiting: float = 0.0) -> None:
+def read(board: LoadBoard, b: Backend, running: float = 0.0, waiting: float = 0.0, inflight_before: int = 0) -> None:
+    """A read of ``b``'s engine; ``inflight_before``: how many of its requests were this router's then."""
     text = with_values(RELEASES["0.33.0"], {(RUNNING, "0"): running, (WAITING, "0"): waiting})
-    board.record(b, parse_engine_metrics(text), board.sent[b.key])
+    board.record(b, parse_engine_metrics(text), inflight_before)
 
 
 def test_without_data_the_prefill_pick_is_least_outstanding_round_robin() -> None:
