@@ -152,7 +152,7 @@ SUMMARIES: tuple[Summary, ...] = (
             other_raws=("h200-issue20-peers-8b.json",),
             note=f"its 8B section's two tables are rows of `{_LR} h200-issue20-peers-8b.json.xz`, reordered by hand (every row "
             "verbatim, checked once; not by --check)"),
-    Summary("h200-issue30-migration.md", ("h200-issue30-migration-push.json", "h200-issue30-migration-pull.json"), TABLES,
+    Summary("h200-issue30-migration.md", tuple(f"h200-issue30-migration-{run}.json" for run in ("push", "pull", "push-4096-x32", "pull-4096-x32")), TABLES,
             "the migration.md that `disagg-localrun migrate` wrote with each .json.xz (hack/gpu/run.sh issue30-migration)", _migration),
     Summary("kvbench-h200.md", ("kvbench-h200.json", "kvbench-h200-per-block.json", "kvbench-h200-llama70b.json"), TABLES,
             "kvbench's per-run lines (disagg_bench.kvbench._print_run) of each of the three .json.xz", _kvbench,

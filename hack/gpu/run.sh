@@ -217,15 +217,16 @@ case "$stage" in
     # 1024-token prompts, 160 tokens each; once every stream has 40 tokens the decode running the most is killed
     # (SIGKILL). Every stream is judged against an uninterrupted pass of the same requests on the same engines:
     # whole, exact (token ids and text), and for the migrated ones the gap against the inter-token time.
+    # PROMPT_TOKENS=4096 STREAMS=32: longer prompts, more streams moving at once (the names say so).
     prepare
     for mode in ${MODES:-Push Pull}; do
-      name30="issue30-migration-${mode,,}"
+      name30="issue30-migration-${mode,,}${PROMPT_TOKENS:+-$PROMPT_TOKENS}${STREAMS:+-x$STREAMS}"
       log "migrate $name30"
       timeout -s INT -k 40 "${BUDGET30:-240}" $PY -m disagg_bench.localrun migrate -f hack/gpu/qwen3-0.6b-h200.yaml \
         --vllm "$VLLM" --model-path "$WORK/model" --load-format dummy --enforce-eager --transfer-mode "$mode" \
         --env VLLM_USE_FLASHINFER_SAMPLER=0 --env HF_HUB_OFFLINE=1 --env TRANSFORMERS_OFFLINE=1 \
         --gpus 0 --colocate --kv-cache-memory-bytes 25769803776 --gpu-memory-utilization 0.22 \
-        --streams "${STREAMS:-16}" --chat --out "$WORK/$name30" --startup-timeout 300
+        --streams "${STREAMS:-16}" --prompt-tokens "${PROMPT_TOKENS:-1024}" --chat --out "$WORK/$name30" --startup-timeout 300
       log "migrate $name30 exited with $?"
       for f in migration.json migration.md; do [ -f "$WORK/$name30/$f" ] && cp "$WORK/$name30/$f" "$OUT/$name30-$f"; done
       tar cf - -C "$WORK/$name30" logs 2>/dev/null | xz -T0 > "$OUT/$name30-logs.tar.xz"
