@@ -31,13 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from disagg_bench.localrun import loadgen
+from disagg_bench.localrun.bench import gauge_values
+from disagg_connector import vllm_metrics
 from disagg_bench.localrun.plan import LocalOptions, local_plan
 from disagg_bench.localrun.procs import Running, started
 
-_CONTINUED = re.compile(r"stream (\S+) continued as (\S+)")
-_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", re.M)
+_CONTINUED = re.compile(r"stream (\S+) continued as (\S+)")  # the router's log line of each migration
 
 
 @dataclass
@@ -88,7 +90,7 @@ async def _run_stream(session: aiohttp.ClientSession, url: str, model: str, prom
 
 async def _running(session: aiohttp.ClientSession, url: str) -> float:
     async with session.get(url + "/metrics") as resp:
-        return sum(float(v) for v in _RUNNING.findall(await resp.text()))
+        return gauge_values(await resp.text()).get(vllm_metrics.RUNNING, 0.0)
 
 
 async def _pass(running: Running, prompts: list[str], kinds: list[str], tokens: int, kill_after: int | None) -> tuple[list[Stream], dict[str, Any]]:
@@ -118,11 +120,13 @@ def _migrated_ids(router_log: Path) -> set[str]:
 
 
 def _migrations_total(metrics: str) -> dict[str, float]:
+    """The router's disagg_router_migrations_total summed per outcome (series at 0 left out)."""
     out: dict[str, float] = {}
-    for m in re.finditer(r'^disagg_router_migrations_total\{([^}]*)\} ([0-9.e+]+)$', metrics, re.M):
-        outcome = re.search(r'outcome="([^"]*)"', m.group(1))
-        if outcome:
-            out[outcome.group(1)] = out.get(outcome.group(1), 0.0) + float(m.group(2))
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "disagg_router_migrations_total" and sample.value:
+                outcome = sample.labels["outcome"]
+                out[outcome] = out.get(outcome, 0.0) + sample.value
     return out
 
 
