@@ -35,7 +35,7 @@ from disagg_operator.config import RenderDefaults
 from tests.fixtures.models import REPO
 from tests.fixtures.gitops import argocd_health, kstatus
 from tests.fixtures.e2e.models import model_manifest
-from tests.fixtures.e2e.models import get_model, pods_of, wait_ready
+from tests.fixtures.e2e.models import create_rolled_out, get_model, pods_of
 from tests.fixtures.e2e.waiting import condition, wait_for
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
@@ -123,8 +123,11 @@ def record_a_life(api, namespace: str) -> tuple[ModelRecorder, str]:
     custom = client.CustomObjectsApi(api)
     recorder = ModelRecorder(api, namespace, NAME)
     try:
-        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(NAME, REPLICAS))
-        old = wait_ready(custom, namespace, NAME)["status"]["revision"]
+        # The first revision all the way out (Progressing Complete), not only Ready (which one pair makes): the create
+        # phase ends Healthy before the rollout's spec comes, and the watch has seen it.
+        first = create_rolled_out(custom, namespace, model_manifest(NAME, REPLICAS), 180)
+        old = first["status"]["revision"]
+        wait_for("the watch to catch up", lambda: recorder.caught_up(first))
         custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, NAME, {"spec": NEW_IMAGE})
 
         def rolled_out() -> dict[str, Any] | None:
