@@ -54,6 +54,7 @@ class RouterConfig:
     request_timeout: float = 600.0
     max_retries: int = 1
     max_migrations: int = 2  # continuations of one stream whose decode failed mid-stream; 0: off
+    migration_wait: float = 120.0  # how long such a stream waits for a pair when none takes it at once
     shutdown_grace: float = 30.0
     disaggregation_threshold_tokens: int = 0
     probe_interval: float = 5.0
@@ -122,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-migrations", type=int, default=_default("max_migrations"),
         help="times one stream is continued on another pair when its decode fails after the first token "
         "(docs/router.md, Failures and stream migration); 0 turns migration off",
+    )  # fmt: skip
+    p.add_argument(
+        "--migration-wait-seconds", type=float, default=_default("migration_wait"),
+        help="how long a stream whose decode failed waits in the router for a pair to continue on when none takes "
+        "it at once (every decode gone: a restarting engine, a recreated group); 0: it ends at once",
     )  # fmt: skip
     p.add_argument("--shutdown-grace-seconds", type=float, default=_default("shutdown_grace"))
     p.add_argument(
@@ -203,6 +209,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         parser.error("--max-retries must be >= 0")
     if a.max_migrations < 0:
         parser.error("--max-migrations must be >= 0 (0 turns stream migration off)")
+    if a.migration_wait_seconds < 0:
+        parser.error("--migration-wait-seconds must be >= 0")
     if a.disaggregation_threshold_tokens < 0:
         parser.error("--disaggregation-threshold-tokens must be >= 0")
     if a.probe_interval_seconds < 0:
@@ -225,6 +233,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         request_timeout=max(a.request_timeout_seconds, leg_timeout),
         max_retries=a.max_retries,
         max_migrations=a.max_migrations,
+        migration_wait=a.migration_wait_seconds,
         shutdown_grace=a.shutdown_grace_seconds,
         disaggregation_threshold_tokens=a.disaggregation_threshold_tokens,
         probe_interval=a.probe_interval_seconds,

@@ -213,6 +213,7 @@ class EndpointTable:
         self._generation = 0
         self._snapshot = Snapshot(0)
         self.synced = False
+        self.listeners: list[Callable[[], None]] = []  # called after every change of the table
 
     @staticmethod
     def _entry(pod: Mapping[str, Any]) -> _PodEntry:
@@ -281,6 +282,8 @@ class EndpointTable:
         ]
         views.sort(key=lambda v: (v.created, v.revision), reverse=True)
         self._snapshot = Snapshot(self._generation, tuple(views))
+        for listener in self.listeners:
+            listener()
 
     def snapshot(self) -> Snapshot:
         return self._snapshot

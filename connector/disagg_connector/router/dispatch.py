@@ -59,7 +59,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -71,16 +71,62 @@ from disagg_connector.router.legs import DecodeAnswer, LegFailure, LegRequest, L
 from disagg_connector.router.metrics import RouterMetrics
 from disagg_connector.router.migration import refusal
 from disagg_connector.router.outcomes import OutcomeRecorder
-from disagg_connector.router.pairing import Balancer, Candidates
+from disagg_connector.router.pairing import Balancer, Candidates, Comeback, Ejections
 from disagg_connector.router.policy import Pick, Policies
 from disagg_connector.router.prefix import PromptKey, prompt_key
-from disagg_connector.router.relay import Migration, Opened, Relay
+from disagg_connector.router.relay import Keepalive, Migration, Opened, Relay
 from disagg_connector.router.stats import RouterStats
 
 log = logging.getLogger("disagg_router.dispatch")
 
 # P's kv_transfer_params (its answer) -> the decode leg's.
 DecodeParams = Callable[[dict[str, Any]], dict[str, Any]]
+# A stream waiting for a pair to continue on tells its client it is still there this often.
+KEEPALIVE_SECONDS = 5.0
+
+
+class PairingChanges:
+    """What waits for the pairing to change (a pod ready or gone, a group whole again, an ejection or re-admission)
+    is woken by it; the failed engines of a waiting continuation are watched at each change (:class:`Comeback`)
+    so that a restarted one is seen go and come back even between two of its waits."""
+
+    def __init__(self, table: EndpointTable, ejections: Ejections) -> None:
+        self.table, self.ejections = table, ejections
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._watched: dict[int, tuple[Comeback, set[str]]] = {}
+        table.listeners.append(self._changed)
+        ejections.listeners.append(self._changed)
+
+    def _changed(self) -> None:
+        if self._watched:
+            present = {b.key for b in self.table.snapshot().backends()}
+            for comeback, excluded in self._watched.values():
+                excluded -= comeback.observe(present, self.ejections)
+        for f in self._waiters:
+            if not f.done():
+                f.set_result(None)
+        self._waiters.clear()
+
+    @contextlib.contextmanager
+    def watching(self, comeback: Comeback, excluded: set[str]) -> Iterator[None]:
+        """While in it, each failed engine of ``comeback`` that comes back leaves ``excluded``."""
+        self._watched[id(comeback)] = (comeback, excluded)
+        try:
+            yield
+        finally:
+            del self._watched[id(comeback)]
+
+    async def wait(self, timeout: float) -> bool:
+        """True when the pairing changed within ``timeout`` seconds."""
+        f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(f)
+        try:
+            await asyncio.wait_for(f, max(timeout, 0.0))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiters.discard(f)
 
 
 def openai_error(status: int, message: str, param: str | None = None, err_type: str | None = None) -> web.Response:
@@ -141,6 +187,7 @@ class Dispatcher:
         self.cfg, self.table, self.balancer, self.policies = cfg, table, balancer, policies
         self.outcomes = OutcomeRecorder(metrics, stats)
         self.relay = Relay(self.outcomes, balancer.ejections, cfg.leg_timeout)
+        self.changes = PairingChanges(table, balancer.ejections)
         self.session: aiohttp.ClientSession | None = None
         self._legs: Legs | None = None
 
@@ -223,14 +270,19 @@ class Dispatcher:
         refused = refusal(ctx.kind, ctx.body)
         ctx.token_ids = refused is None
         return Migration(ctx.kind, ctx.body, self.cfg.max_migrations, refused,
-                         lambda failed, body, held: self._continue(ctx, failed, body, held))  # fmt: skip
+                         lambda failed, body, held, keepalive: self._continue(ctx, failed, body, held, keepalive))  # fmt: skip
 
-    async def _continue(self, ctx: RequestContext, failed: Opened, body: dict[str, Any], held: contextlib.ExitStack) -> Opened:
+    async def _continue(
+        self, ctx: RequestContext, failed: Opened, body: dict[str, Any], held: contextlib.ExitStack, keepalive: Keepalive,
+    ) -> Opened:
         """Open the continuation of ``ctx``'s stream (``body``: migration.continuation_body) on a pair of a serving
         revision that avoids every engine that failed this request, through a prefill or, below the
         disaggregation threshold, locally; with the retries a request has. ``held`` keeps its decode count and
-        response. Raises the last LegFailure when no pair takes it."""
-        ctx.excluded.update(self.table.engine_keys(failed.decode.key))
+        response. When no pair takes it, it waits for one (a restarting engine, a recreated group) up to
+        ``migration_wait``, ``keepalive`` telling the client it is still there. Raises the last LegFailure when no
+        pair took it in time."""
+        comeback = Comeback(self.table.engine_keys(failed.decode.key))
+        ctx.excluded.update(comeback.failed)
         # a completions request on token ids (the body asks for token ids itself), sharing what the request avoids
         cont = RequestContext(
             ctx.request, "completions", "/v1/completions", body, True, ctx.t0, ctx.auth, ctx.excluded, ctx.avoided,
@@ -238,24 +290,46 @@ class Dispatcher:
         cont.tokens = estimate_prompt_tokens("completions", body)  # token ids: exact
         threshold = self.cfg.disaggregation_threshold_tokens
         local = bool(threshold) and cont.tokens < threshold
-        failure: LegFailure | None = None
-        for _ in range(1 + self.cfg.max_retries):
-            with contextlib.ExitStack() as attempt:
-                try:
-                    opened = await self._attempt(cont, local, False, attempt)  # counted as a migration, not a retry
-                except LegFailure as f:
-                    if f.cause != "no_backend":
-                        self.outcomes.failed(cont.revision, cont.flow, f.cause)
-                    failure = failure if f.cause == "no_backend" and failure is not None else f
-                    self._avoid(ctx, f)
-                    if f.cause == "no_backend" or f.passthrough or not f.retryable:
-                        break
-                    continue
-                held.enter_context(attempt.pop_all())
-                ctx.revision, ctx.flow = cont.revision, cont.flow
-                return opened
-        assert failure is not None
-        raise failure
+        deadline = time.monotonic() + self.cfg.migration_wait
+        with self.changes.watching(comeback, ctx.excluded):
+            while True:
+                failure: LegFailure | None = None
+                for _ in range(1 + self.cfg.max_retries):
+                    with contextlib.ExitStack() as attempt:
+                        try:
+                            opened = await self._attempt(cont, local, False, attempt)  # counted as a migration, not a retry
+                        except LegFailure as f:
+                            if f.cause != "no_backend":
+                                self.outcomes.failed(cont.revision, cont.flow, f.cause)
+                            no_pair = f.cause == "no_backend"
+                            failure = failure if no_pair and failure is not None else f
+                            self._avoid(ctx, f)
+                            if no_pair or f.passthrough or not f.retryable:
+                                break
+                            continue
+                        held.enter_context(attempt.pop_all())
+                        ctx.revision, ctx.flow = cont.revision, cont.flow
+                        return opened
+                assert failure is not None
+                if not no_pair or not await self._wait_for_a_pair(deadline, keepalive):
+                    raise failure
+
+    async def _wait_for_a_pair(self, deadline: float, keepalive: Keepalive) -> bool:
+        """No pair takes a continuation now: wait until the pairing changes (True: try again) or ``deadline``
+        passes (False), with an SSE comment to the client every KEEPALIVE_SECONDS (proxies cut idle streams)."""
+        self.outcomes.migration_waiting(1)
+        try:
+            await keepalive()
+            last = time.monotonic()
+            while (left := deadline - time.monotonic()) > 0:
+                if await self.changes.wait(min(left, last + KEEPALIVE_SECONDS - time.monotonic())):
+                    return True
+                if time.monotonic() - last >= KEEPALIVE_SECONDS:
+                    await keepalive()
+                    last = time.monotonic()
+            return False
+        finally:
+            self.outcomes.migration_waiting(-1)
 
     # --- attempts -----------------------------------------------------------------------------------
     def _no_pair(self) -> LegFailure:

@@ -102,6 +102,10 @@ class RouterMetrics:
             "disagg_router_migration_gap_seconds",
             "What a migration added to the client's stream: its last chunk before the failure to the continuation's first",
         )
+        self.migrations_waiting = Gauge(
+            "disagg_router_migrations_waiting",
+            "Streams whose decode failed waiting in the router for a pair to continue on (none took them at once)", registry=r,
+        )  # fmt: skip
         self.despite_ejections = Counter(
             "disagg_router_routed_despite_ejections",
             "Attempts sent to a pair with an ejected backend because ejections left no other (panic routing)", ["revision"], registry=r,

@@ -85,6 +85,10 @@ class OutcomeRecorder:
         """A stream's decode failed after its first token (``cause``): what became of the stream (metrics.migrations)."""
         self.metrics.child(self.metrics.migrations, revision, cause, outcome).inc()
 
+    def migration_waiting(self, change: int) -> None:
+        """A stream whose decode failed began (+1) or ended (-1) waiting for a pair to continue on."""
+        self.metrics.migrations_waiting.inc(change)
+
     def migration_gap(self, revision: str, flow: str, seconds: float) -> None:
         """A continuation's first chunk reached the client ``seconds`` after its last chunk before the failure."""
         self.metrics.child(self.metrics.migration_gap, revision, flow).observe(seconds)

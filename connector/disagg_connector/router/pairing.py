@@ -13,7 +13,8 @@
   role whose every backend is ejected is routed as if none were (Envoy's panic routing: ejection is a guess
   from failures and timeouts, and a CPU stall that times out every probe at once ejects healthy engines; trying
   them beats a sure 503). A dead engine then fails the attempt at once, and the retry avoids it.
-- Nothing usable means no pair: the caller answers 503 (or, on a retry, the failure it already has).
+- Nothing usable means no pair: the caller answers 503 (or, on a retry, the failure it already has); a stream
+  whose decode failed mid-stream waits for one instead (``dispatch``, :class:`Comeback`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from disagg_connector.router.discovery import Backend, RevisionView, Snapshot
@@ -43,10 +44,14 @@ class Ejections:
         self._delay: dict[str, float] = {}
         self._suspects: set[str] = set()
         self.version = 0  # moves whenever the set of ejected backends does
-        self.on_change: Callable[[], None] = lambda: None
+        self.listeners: list[Callable[[], None]] = []  # called on every ejection, suspicion and re-admission
 
     def __contains__(self, key: str) -> bool:
         return key in self._next
+
+    def _notify(self) -> None:
+        for listener in self.listeners:
+            listener()
 
     def __len__(self) -> int:
         return len(self._next)
@@ -56,12 +61,12 @@ class Ejections:
             self._delay[key] = self.first
             self._next[key] = self.clock() + self.first
             self.version += 1
-            self.on_change()
+            self._notify()
 
     def suspect(self, key: str) -> None:
         if key not in self._next and key not in self._suspects:
             self._suspects.add(key)
-            self.on_change()
+            self._notify()
 
     def probed(self, key: str, ok: bool) -> None:
         """The result of a probe: re-admit, or eject (first failure) and back off."""
@@ -69,6 +74,7 @@ class Ejections:
         if ok:
             if self._next.pop(key, None) is not None:
                 self.version += 1
+                self._notify()
             self._delay.pop(key, None)
         elif key not in self._next:
             self.eject(key)
@@ -87,10 +93,32 @@ class Ejections:
 
     def forget(self, keep: set[str]) -> None:
         """Drop backends that left the table."""
-        for key in [k for k in self._next if k not in keep]:
+        gone = [k for k in self._next if k not in keep]
+        for key in gone:
             del self._next[key], self._delay[key]
             self.version += 1
         self._suspects &= keep
+        if gone:
+            self._notify()
+
+
+@dataclass
+class Comeback:
+    """The engines a stream's continuation avoids because they failed it, until each is seen gone and back: out of
+    the table (not ready, deleted) or ejected, then in it and admitted again. That is a new engine (a restarted
+    container, a recreated LWS group: fresh KV, nothing of the failed one's blocks or request ids), which the
+    continuation may use; an engine that failed but never went (a hang, its own error event) stays avoided."""
+
+    failed: set[str]
+    away: set[str] = field(default_factory=set)
+
+    def observe(self, present: set[str], ejected: Ejections) -> set[str]:
+        """One look at the table's backend keys and the ejections: the failed engines' keys now back."""
+        self.away |= {k for k in self.failed if k not in present or k in ejected}
+        back = {k for k in self.away if k in present and k not in ejected}
+        self.failed -= back
+        self.away -= back
+        return back
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class Prober:
         self.session, self.table, self.ejections, self.interval = session, table, ejections, interval
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        ejections.on_change = self._wake.set
+        ejections.listeners.append(self._wake.set)
 
     async def _probe(self, url: str) -> bool:
         try:

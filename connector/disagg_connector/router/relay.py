@@ -48,9 +48,14 @@ class Opened:
     prefill_task: asyncio.Task[Any] | None = None
 
 
-# Opens a continuation: the failed attempt, the continuation's /v1/completions body, and the stack that holds the
-# continuation's decode count and response until the relay ends. Raises LegFailure when no pair takes it.
-Reopen = Callable[[Opened, dict[str, Any], contextlib.ExitStack], Awaitable[Opened]]
+# Tells a client whose stream waits for a pair to continue on that it is still there (an SSE comment).
+Keepalive = Callable[[], Awaitable[None]]
+# Opens a continuation: the failed attempt, the continuation's /v1/completions body, the stack that holds the
+# continuation's decode count and response until the relay ends, and the client's keepalive while it waits for a
+# pair. Raises LegFailure when no pair takes it.
+Reopen = Callable[[Opened, dict[str, Any], contextlib.ExitStack, Keepalive], Awaitable[Opened]]
+# SSE comment lines are ignored by clients (the SSE spec; OpenAI's SDK): they only keep the connection busy.
+KEEPALIVE_EVENT = b": waiting for an engine to continue this stream\n\n"
 
 
 @dataclass
@@ -265,7 +270,7 @@ class Relay:
             return ended(COMPLETE, reader.closing())
         with contextlib.ExitStack() as attempt:
             try:
-                opened = await migration.reopen(o, body, attempt)
+                opened = await migration.reopen(o, body, attempt, lambda: out.write(KEEPALIVE_EVENT))
             except LegFailure as f:
                 log.warning("stream %s not continued after %s: %s (%s)", o.xid, cause, f, f.cause)
                 return ended(FAILED, end_event(cause, f"no other pair took its continuation ({f})"))

@@ -713,6 +713,12 @@ class MigrationSpec(ApiModel):
     max_migrations: Annotated[int, Field(ge=1, le=10)] = Field(
         default=2, description="Continuations of one stream at most; the next failure ends it with an error event."
     )
+    wait_seconds: Annotated[int, Field(ge=0, le=1800)] = Field(
+        default=120,
+        description="How long a stream whose decode failed waits in the router for a pair to continue on when none "
+        "takes it at once (every decode gone: a restarting engine, a recreated multi-node group), with an SSE "
+        "comment to the client every 5 s; then it ends with an error event. 0: it ends at once.",
+    )
 
 
 class RouterSpec(ApiModel):

@@ -38,6 +38,7 @@ def router_args(dm: DisaggregatedModel) -> list[str]:
         "--kv-lease-seconds", str(dm.spec.kv_transfer.lease_seconds),
         "--max-retries", str(router.max_retries),
         "--max-migrations", str(router.migration.max_migrations if router.migration.enabled else 0),
+        "--migration-wait-seconds", str(router.migration.wait_seconds),
         "--disaggregation-threshold-tokens", str(router.disaggregation_threshold_tokens),
         "--prefill-policy", PREFILL_POLICY_FLAGS[router.prefill_policy],
         "--decode-policy", DECODE_POLICY_FLAGS[router.decode_policy],

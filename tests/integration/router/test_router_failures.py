@@ -106,7 +106,9 @@ def test_decode_killed_mid_stream_with_no_other_decode_ends_with_an_error_and_no
     D = h.launch_sim(log_dir, "decode", "push", tpot_ms=50.0)  # 200 tokens: a 10 s stream
     static = log_dir / f"torn-{migrations}.json"
     h.write_static(static, [P.static_entry(), D.static_entry()])
-    R = h.launch_router(log_dir, static, "push", name=f"router-torn-{migrations}", extra=["--max-migrations", migrations])
+    R = h.launch_router(
+        log_dir, static, "push", name=f"router-torn-{migrations}", extra=["--max-migrations", migrations, "--migration-wait-seconds", "1"]
+    )  # the continuation waits 1 s for a pair, then ends
     try:
         h.wait_ready(P, D, R)
 
@@ -122,6 +124,7 @@ def test_decode_killed_mid_stream_with_no_other_decode_ends_with_an_error_and_no
         events = [e for e in body.split(b"\n\n") if e]
         assert events[0].startswith(b'data: {"id"')
         assert events[-1].startswith(b'data: {"error"') and b"decode_stream_broken" in events[-1]
+        assert (b": waiting for an engine to continue this stream" in events) == (migrations != "0")
         assert b"the answer is incomplete" in events[-1] and why in events[-1]
         assert b"data: [DONE]" not in events
         assert P.stats()["held"] == 0  # the prefill's blocks were pushed and released, nothing left open

@@ -49,14 +49,16 @@ def _answer(kind: str, reply: h.Reply) -> dict:
         doc = reply.json()
         c = doc["choices"][0]
         return {"text": c["text"] if kind == "completions" else c["message"]["content"], "usage": doc["usage"], "ids": {doc["id"]}, "done": 0}
-    events = [e for e in reply.body.split(b"\n\n") if e]
+    # SSE comments (the router's keepalive while a stream waits for a pair) are not events: clients skip them
+    events = [e for e in reply.body.split(b"\n\n") if e and not e.startswith(b":")]
     done = sum(e == b"data: [DONE]" for e in events)
     assert events[-1] == b"data: [DONE]", events[-3:]
     objs = [json.loads(e[6:]) for e in events if e != b"data: [DONE]"]
     assert not [o for o in objs if "error" in o]
     text = "".join((c.get("text") or "") if kind == "completions" else (c["delta"].get("content") or "") for o in objs for c in o["choices"])
     usage = [o["usage"] for o in objs if o.get("usage")]
-    return {"text": text, "usage": usage, "ids": {o["id"] for o in objs}, "done": done}
+    waited = reply.body.count(b"\n\n: waiting for an engine to continue this stream\n\n")
+    return {"text": text, "usage": usage, "ids": {o["id"] for o in objs}, "done": done, "waited": waited}
 
 
 def _migrations(R: h.Router) -> dict[tuple[str, str], float]:
@@ -153,6 +155,47 @@ def test_a_decode_group_that_loses_a_pod_fails_whole_and_its_streams_move_to_the
         assert all(continued.values()), {k: len(v) for k, v in continued.items()}  # spread over both survivors
     finally:
         h.stop_all(R, P, leader, worker, *survivors)
+
+
+def test_streams_whose_only_decode_died_wait_for_it_to_restart_and_go_on(log_dir):
+    """The herd with nowhere to go: the model's only decode engine dies with every stream on it. The streams wait in
+    the router (a keepalive comment to each client) instead of failing; when the engine's container restarts (same
+    pod, a new engine: ejected, then admitted again) each goes on there, token for token."""
+    P = h.launch_sim(log_dir, "prefill", "push")
+    D = h.launch_sim(log_dir, "decode", "push", tpot_ms=TPOT_MS)
+    static = log_dir / "only-decode.json"
+    h.write_static(static, [P.static_entry(), D.static_entry()])
+    R = h.launch_router(log_dir, static, "push", name="router-only-decode")
+    streams = 8
+    requests = [(kind, {**body, "stream": True}) for kind, body in _requests()[:streams]]
+    try:
+        h.wait_ready(P, D, R)
+
+        async def run() -> list[h.Reply]:
+            async def one(kind: str, body: dict) -> h.Reply:
+                return await h.post(R.url + ("/v1/chat/completions" if kind == "chat" else "/v1/completions"), body)
+
+            tasks = [asyncio.create_task(one(kind, body)) for kind, body in requests]
+            await asyncio.to_thread(h.wait_until, lambda: len(D.events("first_token")) >= streams, 30, 0.02, "every stream's first token")
+            D.proc.signal(signal.SIGKILL)
+            waiting = lambda: R.metric("disagg_router_migrations_waiting")  # noqa: E731
+            await asyncio.to_thread(h.wait_until, lambda: waiting() == streams, 30, 0.05, f"{streams} streams waiting in the router")
+            assert not any(t.done() for t in tasks)  # none ended while its engine was gone
+            await asyncio.to_thread(D.proc.popen.wait, 10)
+            D.restart()
+            return await asyncio.gather(*tasks)
+
+        replies = asyncio.run(run())
+        for (kind, _), reply in zip(requests, replies):
+            got = _answer(kind, reply)
+            assert got["text"] == "".join(f" tok{i}" for i in range(MAX_TOKENS)) and got["done"] == 1
+            assert got["waited"] >= 1 and len(got["ids"]) == 1
+        assert _migrations(R) == {("decode_stream_broken", "migrated"): streams}
+        assert R.metric("disagg_router_migrations_waiting") == 0
+        continued = [e for e in D.events("leg_received") if e["max_tokens"] < MAX_TOKENS]  # the restarted engine's
+        assert len(continued) == streams
+    finally:
+        h.stop_all(R, P, D)
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

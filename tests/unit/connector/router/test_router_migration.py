@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from disagg_connector.router.migration import REFUSALS, Trail, continuation_body, decode_leg_body, end_event, refusal
+from disagg_connector.router.pairing import Comeback, Ejections
 
 from tests.fixtures.router import sse, vllm_stream
 
@@ -189,3 +190,17 @@ def test_an_end_that_cannot_be_continued_is_an_error_without_done():
     assert data.endswith(b"\n\n") and b"[DONE]" not in data
     [event] = _events(data)
     assert event["error"]["code"] == 502 and "incomplete" in event["error"]["message"]
+
+
+def test_a_failed_engine_is_used_again_only_once_it_went_and_came_back():
+    """A restarted container or a recreated group is a new engine; one that failed and never went (a hang) is not."""
+    ejections = Ejections(clock=lambda: 0.0)
+    comeback = Comeback({"d1", "d2"})
+    assert comeback.observe({"d1", "d2", "d3"}, ejections) == set()  # both still there: both avoided
+    ejections.eject("d1")
+    assert comeback.observe({"d1", "d2", "d3"}, ejections) == set()  # d1 ejected: away
+    ejections.probed("d1", ok=True)
+    assert comeback.observe({"d1", "d2", "d3"}, ejections) == {"d1"}  # admitted again: back
+    assert comeback.observe({"d3"}, ejections) == set()  # d2 out of the table (its pod not ready)
+    assert comeback.observe({"d2", "d3"}, ejections) == {"d2"}
+    assert comeback.failed == set() and comeback.away == set()
