@@ -238,7 +238,7 @@ def model_dashboard() -> gd.Dashboard:
         "Streams whose decode engine failed after the first token, per second, by what became of them and the cause: "
         "migrated (continued on another pair, the client saw nothing but a gap), complete (every token was out); "
         "cut, with an error event and no [DONE]: refused (the request cannot be continued faithfully), exhausted "
-        "(maxMigrations reached), failed (no pair took the continuation), off (migration is off). docs/alerts.md, "
+        "(maxMigrations reached), failed (no pair took the continuation in time), off (migration is off). docs/alerts.md, "
         "DisaggStreamsCut.",
         "ops",
         query(f"sum by (outcome, cause) ({rate('disagg_router_migrations_total', ROUTER_REV)})", "{{outcome}} {{cause}}"),
@@ -247,6 +247,10 @@ def model_dashboard() -> gd.Dashboard:
     d = d.with_panel(series("Migration gap", "What a migration added to the client's stream: its last chunk before the "
                             "failure to the continuation's first.", "s",
                             *quantiles("disagg_router_migration_gap_seconds", ROUTER_REV)))
+    d = d.with_panel(series("Streams waiting for a pair", "Streams whose decode failed that wait in the router for a pair "
+                            "to continue on (none took them at once: every decode gone, a group being recreated), per "
+                            "router replica; they end cut after spec.router.migration.waitSeconds.", "none",
+                            query(f"sum by (pod) (disagg_router_migrations_waiting{{{ROUTER}}})", "{{pod}}")))
 
     d = d.with_row(gd.Row("Pairs and backends"))
     d = d.with_panel(series("Ready pairs", "Usable prefill/decode pairs per revision: a rollout moves them from the old "

@@ -37,6 +37,15 @@ def _migrated(metrics: str) -> float:
                if line.startswith("disagg_router_migrations_total{") and 'outcome="migrated"' in line)  # fmt: skip
 
 
+def _stream_events(core: client.CoreV1Api, namespace: str, name: str) -> dict[str, list[str]]:
+    """The routers' Events on the model (StreamsMigrated, StreamsCut): their notes by reason."""
+    out: dict[str, list[str]] = {}
+    for e in core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name},involvedObject.kind={contract.KIND}").items:
+        if e.reason in ("StreamsMigrated", "StreamsCut"):
+            out.setdefault(e.reason, []).append(e.message)
+    return out
+
+
 def test_a_decode_engine_killed_mid_stream_cuts_no_stream(operator, cluster, api_client, namespace, tmp_path: Path) -> None:
     custom = client.CustomObjectsApi(api_client)
     name = "crash"
@@ -61,6 +70,10 @@ def test_a_decode_engine_killed_mid_stream_cuts_no_stream(operator, cluster, api
         check_whole(streams.wait(), f"{victim.pod} killed with streams {on_victim} on it (spread {spread})")
         status, body = http_get(router.url + "/metrics", timeout=5)
         assert status == 200 and _migrated(body.decode()) >= len(on_victim) >= 1, body.decode()[-2000:]
+        # the router said it on the model, once for the engine, with its own ServiceAccount (the rendered Role)
+        told = wait_for("the router's StreamsMigrated Event", lambda: _stream_events(client.CoreV1Api(api_client), namespace, name) or None, 30)
+        assert list(told) == ["StreamsMigrated"] and len(told["StreamsMigrated"]) == 1, told
+        assert f"decode pod {victim.pod} (revision {revision})" in told["StreamsMigrated"][0], told
     finally:
         router.proc.stop()
         engines.stop()
@@ -96,4 +109,6 @@ def test_a_decode_group_losing_its_worker_moves_every_stream_of_both_pods(operat
         assert leader.proc.popen.wait(30) == 1  # the leader's engine died with its worker (a stopped one exits 0)
         status, body = http_get(router.url + "/metrics", timeout=5)
         assert status == 200 and _migrated(body.decode()) >= len(on_group) >= 2, body.decode()[-2000:]
+        told = wait_for("the router's StreamsMigrated Events", lambda: _stream_events(core, namespace, name) or None, 30)
+        assert "StreamsCut" not in told and any(worker.pod in note for note in told["StreamsMigrated"]), told
         wait_for("the router offers the recreated group", lambda: router.table().get(revision) == (8, 4), 180)

@@ -72,6 +72,14 @@ class KVReason(StrEnum):
     NO_TRAFFIC_YET = "NoTrafficYet"
 
 
+class RouterEventReason(StrEnum):
+    """Reasons of the Events a router records on its model (``router/incidents.py``). Declared here, where they are
+    made; the operator's vocabulary takes them into its Event reasons, with their meaning."""
+
+    STREAMS_MIGRATED = "StreamsMigrated"
+    STREAMS_CUT = "StreamsCut"
+
+
 # --- the document -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Outcomes:

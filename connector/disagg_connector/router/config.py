@@ -45,6 +45,7 @@ class RouterConfig:
     mode: str = "push"  # one of MODES: the protocol of pods without a transfer-mode annotation
     namespace: str | None = None
     selector: str | None = None
+    model_name: str | None = None  # the DisaggregatedModel the router serves: its Events go there
     static_endpoints: str | None = None
     kubeconfig: str | None = None
     host: str = "0.0.0.0"
@@ -91,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--namespace", help="namespace of the P/D pods (default: the pod's own namespace)")
     p.add_argument("--selector", help="label selector of this model's P and D pods, e.g. disagg.dev/model=NAME")
+    p.add_argument(
+        "--model-name", help="the DisaggregatedModel in --namespace this router serves: it records Events on it when "
+        "a decode engine fails mid-stream (what became of the streams); none without it or with --static-endpoints",
+    )  # fmt: skip
     p.add_argument(
         "--static-endpoints",
         metavar="FILE",
@@ -224,6 +229,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterConfig:
         mode=a.mode,
         namespace=namespace,
         selector=a.selector,
+        model_name=a.model_name,
         static_endpoints=a.static_endpoints,
         kubeconfig=a.kubeconfig,
         host=a.host,

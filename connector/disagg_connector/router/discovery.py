@@ -453,6 +453,11 @@ class KubernetesDiscovery:
         self._on_error, self._on_event = on_error, on_event
         self._watch: Any = None
 
+    def api_client(self) -> Any:
+        """The ``kubernetes`` ApiClient the watch uses (built on first use), for the router's other API calls."""
+        self._client()
+        return self._api_client
+
     def _client(self) -> Any:
         from kubernetes import client, config
 

@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 from disagg_connector.router.discovery import Backend
+from disagg_connector.router.incidents import Incidents
 from disagg_connector.router.legs import Timeline
 from disagg_connector.router.metrics import RouterMetrics
 from disagg_connector.router.migration import MIGRATED
@@ -25,6 +26,7 @@ PANIC_LOG_EVERY_S = 10.0
 class OutcomeRecorder:
     def __init__(self, metrics: RouterMetrics, stats: RouterStats, clock: Callable[[], float] = time.monotonic) -> None:
         self.metrics, self.stats, self.clock = metrics, stats, clock
+        self.incidents = Incidents()  # the Events on the model (incidents.EventPoster posts them)
         self._panic_logged_at: float | None = None
         self._zeroed: set[tuple[str, str]] = set()  # (revision, flow) whose series exist at 0
 
@@ -81,9 +83,11 @@ class OutcomeRecorder:
         if revision and flow != "local":
             self.stats.failed(revision, cause)
 
-    def migration(self, revision: str, cause: str, outcome: str) -> None:
-        """A stream's decode failed after its first token (``cause``): what became of the stream (metrics.migrations)."""
+    def migration(self, revision: str, engine: str, cause: str, outcome: str) -> None:
+        """A stream's decode (pod ``engine``) failed after its first token (``cause``): what became of the stream
+        (metrics.migrations, and the failed engine's incident)."""
         self.metrics.child(self.metrics.migrations, revision, cause, outcome).inc()
+        self.incidents.record(engine, revision, cause, outcome, self.clock())
 
     def migration_waiting(self, change: int) -> None:
         """A stream whose decode failed began (+1) or ended (-1) waiting for a pair to continue on."""

@@ -248,7 +248,7 @@ class Relay:
         self.outcomes.failed(o.revision, o.flow, cause)
 
         def ended(outcome: str, last: bytes) -> bytes:
-            self.outcomes.migration(o.revision, cause, outcome)
+            self.outcomes.migration(o.revision, o.decode.pod, cause, outcome)
             return last
 
         if migration is None:
@@ -275,7 +275,7 @@ class Relay:
                 log.warning("stream %s not continued after %s: %s (%s)", o.xid, cause, f, f.cause)
                 return ended(FAILED, end_event(cause, f"no other pair took its continuation ({f})"))
             continuation = attempt.pop_all()
-        self.outcomes.migration(o.revision, cause, MIGRATED)
+        self.outcomes.migration(o.revision, o.decode.pod, cause, MIGRATED)
         log.warning(
             "stream %s continued as %s on %s after %s of %s (%d tokens sent)", o.xid, opened.xid, opened.decode.key, cause,
             o.decode.key, len(reader.generated),

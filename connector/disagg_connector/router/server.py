@@ -28,6 +28,7 @@ from disagg_connector.contract.health import TRANSFER_MODES, BackendHealth, Back
 from disagg_connector import contract
 from disagg_connector.router.discovery import Backend
 from disagg_connector.router.kv_events import KvEventSubscriber, KvIndex
+from disagg_connector.router.incidents import EventPoster
 from disagg_connector.router.load import LoadBoard, LoadScraper
 from disagg_connector.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from disagg_connector.router.pairing import Balancer
@@ -214,8 +215,14 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, dispatche
             cfg.namespace, cfg.selector, router.table, cfg.kubeconfig,
             on_error=metrics.discovery_errors.inc, on_event=metrics.discovery_events.inc,
         )  # fmt: skip
+    poster = None
+    if isinstance(discovery, KubernetesDiscovery) and cfg.model_name:
+        assert cfg.namespace
+        poster = EventPoster(router.dispatcher.outcomes.incidents, cfg.namespace, cfg.model_name, discovery.api_client, time.monotonic)
     await router.dispatcher.start()
     await discovery.start()
+    if poster is not None:
+        poster.start()
     router.prober.start()
     router.scraper.start()
     router.kv_events.start()
@@ -247,6 +254,8 @@ async def serve(cfg: RouterConfig, ready: asyncio.Event | None = None, dispatche
     await router.prober.stop()
     await router.scraper.stop()
     await router.kv_events.stop()
+    if poster is not None:
+        await poster.stop()
     await discovery.stop()
     await router.dispatcher.close()
     log.info("stopped")

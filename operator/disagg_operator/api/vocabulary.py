@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
-from disagg_connector.contract.health import KVReason
+from disagg_connector.contract.health import KVReason, RouterEventReason
 from disagg_connector.contract.preflight import PreflightReason
 
 ReasonClass = Literal["ok", "transient", "capacity", "failing", "needs-change"]
@@ -199,7 +199,8 @@ REASONS: tuple[ReasonDoc, ...] = (
 
 
 class EventReason(StrEnum):
-    """Reasons of the Events the operator records on a model (events.py) besides the condition reasons above."""
+    """Reasons of the Events recorded on a model besides the condition reasons above: the operator's (events.py) and
+    the routers' (RouterEventReason, declared in disagg_connector.contract and taken from there)."""
 
     ROLLOUT_STARTED = "RolloutStarted"
     ROLLOUT_STEP = "RolloutStep"
@@ -209,6 +210,8 @@ class EventReason(StrEnum):
     POD_RETIRED = "PodRetired"
     DRAIN_TIMED_OUT = "DrainTimedOut"
     REVISION_RETIRED = "RevisionRetired"
+    STREAMS_MIGRATED = RouterEventReason.STREAMS_MIGRATED.value
+    STREAMS_CUT = RouterEventReason.STREAMS_CUT.value
 
 
 # What each Event reason means (a refused child, a failed write, Ready lost and KV transfers failing use the
@@ -222,11 +225,15 @@ EVENT_REASONS: dict[EventReason, str] = {
     EventReason.POD_RETIRED: "A draining pod is idle (no router has anything in flight on it) and goes.",
     EventReason.DRAIN_TIMED_OUT: "A draining pod went at spec.rollout.drainTimeoutSeconds without a router saying it was idle.",
     EventReason.REVISION_RETIRED: "An old revision's Deployment was deleted once its pods were gone.",
+    EventReason.STREAMS_MIGRATED: "A router: a decode engine failed mid-stream and every stream on it went on, "
+    "continued on another pair (or already whole); clients saw a pause (docs/router.md, stream migration).",
+    EventReason.STREAMS_CUT: "A router: a decode engine failed mid-stream and some of its streams were cut (an error "
+    "event, no [DONE]): the note says why; see docs/alerts.md, DisaggStreamsCut.",
 }
 
 BY_NAME: dict[str, ReasonDoc] = {r.name: r for r in REASONS}
 # Event reasons of the table above that need someone's attention.
-WARNING_EVENT_REASONS = frozenset({EventReason.DRAIN_TIMED_OUT})
+WARNING_EVENT_REASONS = frozenset({EventReason.DRAIN_TIMED_OUT, EventReason.STREAMS_CUT})
 
 
 def _check() -> None:

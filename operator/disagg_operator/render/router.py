@@ -32,6 +32,7 @@ def router_args(dm: DisaggregatedModel) -> list[str]:
     return [
         "--served-model-name", served_model_name(dm.spec),
         "--namespace", dm.metadata.namespace,
+        "--model-name", dm.metadata.name,
         "--selector", f"{contract.LABEL_MODEL}={contract.model_label_value(dm.metadata.name)}",
         "--port", str(contract.ROUTER_PORT),
         "--leg-timeout-seconds", str(router.request_deadline_seconds),
@@ -64,7 +65,12 @@ def role(dm: DisaggregatedModel) -> dict[str, Any]:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": metadata(dm, contract.router_name(dm.metadata.name), _labels(dm)),
-        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        "rules": [
+            {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            # the Events on its model when a decode fails mid-stream (router/incidents.py)
+            {"apiGroups": [contract.API_GROUP], "resources": [contract.PLURAL], "resourceNames": [dm.metadata.name], "verbs": ["get"]},
+            {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+        ],
     }
 
 

@@ -139,7 +139,8 @@ def test_decode_stream_that_goes_silent_ends_at_the_deadline(log_dir):
     D = h.launch_sim(log_dir, "decode", "push", tpot_ms=20.0)
     static = log_dir / "stall.json"
     h.write_static(static, [P.static_entry(), D.static_entry()])
-    R = h.launch_router(log_dir, static, "push", leg_timeout=1.0, name="router-stall")
+    # the hung engine never goes, so it is never used again: its stream waits 1 s for another pair, then ends
+    R = h.launch_router(log_dir, static, "push", leg_timeout=1.0, name="router-stall", extra=["--migration-wait-seconds", "1"])
     try:
         h.wait_ready(P, D, R)
 
