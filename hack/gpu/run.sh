@@ -123,16 +123,23 @@ prepare() {  # everything but the compiled kernels, the byte code, the model fol
 }
 
 # One sweep with disagg-localrun; $1 = results folder name, the rest = its options.
-bench() {
-  local name=$1; shift
-  log "bench $name: $*"
-  timeout -s INT -k 40 "$BUDGET" $PY -m disagg_bench.localrun bench -f "${MODEL_YAML:-hack/gpu/qwen3-0.6b-h200.yaml}" \
+# One disagg_bench.localrun command (bench, migrate) on the model within a budget (seconds); its <results>.json/.md
+# and its logs into $OUT, named after the run.
+localrun() {
+  local cmd=$1 name=$2 budget=$3 results=$4; shift 4
+  log "$cmd $name: $*"
+  timeout -s INT -k 40 "$budget" $PY -m disagg_bench.localrun "$cmd" -f "${MODEL_YAML:-hack/gpu/qwen3-0.6b-h200.yaml}" \
     --vllm "$VLLM" --model-path "$WORK/model" --load-format dummy --enforce-eager \
     --env VLLM_USE_FLASHINFER_SAMPLER=0 --env HF_HUB_OFFLINE=1 --env TRANSFORMERS_OFFLINE=1 \
-    --out "$WORK/$name" --startup-timeout 300 "$@" $QUICK
-  log "bench $name exited with $?"
-  for f in results.json results.md; do [ -f "$WORK/$name/$f" ] && cp "$WORK/$name/$f" "$OUT/$name-$f"; done
+    --out "$WORK/$name" --startup-timeout 300 "$@"
+  log "$cmd $name exited with $?"
+  for f in "$results.json" "$results.md"; do [ -f "$WORK/$name/$f" ] && cp "$WORK/$name/$f" "$OUT/$name-$f"; done
   tar cf - -C "$WORK/$name" logs 2>/dev/null | xz -T0 > "$OUT/$name-logs.tar.xz"
+}
+
+bench() {
+  local name=$1; shift
+  localrun bench "$name" "$BUDGET" results "$@" $QUICK
 }
 
 ONE_GPU="--gpus 0 --colocate --kv-cache-memory-bytes 30064771072 --gpu-memory-utilization 0.35"
@@ -221,15 +228,9 @@ case "$stage" in
     prepare
     for mode in ${MODES:-Push Pull}; do
       name30="issue30-migration-${mode,,}${PROMPT_TOKENS:+-$PROMPT_TOKENS}${STREAMS:+-x$STREAMS}"
-      log "migrate $name30"
-      timeout -s INT -k 40 "${BUDGET30:-240}" $PY -m disagg_bench.localrun migrate -f hack/gpu/qwen3-0.6b-h200.yaml \
-        --vllm "$VLLM" --model-path "$WORK/model" --load-format dummy --enforce-eager --transfer-mode "$mode" \
-        --env VLLM_USE_FLASHINFER_SAMPLER=0 --env HF_HUB_OFFLINE=1 --env TRANSFORMERS_OFFLINE=1 \
+      localrun migrate "$name30" "${BUDGET30:-240}" migration --transfer-mode "$mode" \
         --gpus 0 --colocate --kv-cache-memory-bytes 25769803776 --gpu-memory-utilization 0.22 \
-        --streams "${STREAMS:-16}" --prompt-tokens "${PROMPT_TOKENS:-1024}" --chat --out "$WORK/$name30" --startup-timeout 300
-      log "migrate $name30 exited with $?"
-      for f in migration.json migration.md; do [ -f "$WORK/$name30/$f" ] && cp "$WORK/$name30/$f" "$OUT/$name30-$f"; done
-      tar cf - -C "$WORK/$name30" logs 2>/dev/null | xz -T0 > "$OUT/$name30-logs.tar.xz"
+        --streams "${STREAMS:-16}" --prompt-tokens "${PROMPT_TOKENS:-1024}" --chat
     done
     ;;
   issue12-push)

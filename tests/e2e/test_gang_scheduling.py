@@ -198,13 +198,22 @@ def take_node(core: client.CoreV1Api, namespace: str, node: str) -> str:
 # --- observations --------------------------------------------------------------------------------------
 
 
+def _gpu_pods(core: client.CoreV1Api, nodes: list[str]) -> list[tuple[client.V1Pod, int]]:
+    """The pods bound to these nodes that still hold GPUs (terminating ones too), with how many they ask for."""
+    out = []
+    for pod in core.list_pod_for_all_namespaces().items:
+        if pod.spec.node_name in nodes and pod.status.phase not in ("Succeeded", "Failed"):
+            gpus = sum(int(((c.resources and c.resources.requests) or {}).get(GPU, 0)) for c in pod.spec.containers)
+            if gpus:
+                out.append((pod, gpus))
+    return out
+
+
 def gpus_in_use(core: client.CoreV1Api, nodes: list[str] = P5EN_NODES) -> dict[str, int]:
     """GPUs requested by the pods bound to each p5en node that still hold them (terminating ones too)."""
     used = {node: 0 for node in nodes}
-    for pod in core.list_pod_for_all_namespaces().items:
-        if pod.spec.node_name in used and pod.status.phase not in ("Succeeded", "Failed"):
-            for c in pod.spec.containers:
-                used[pod.spec.node_name] += int(((c.resources and c.resources.requests) or {}).get(GPU, 0))
+    for pod, gpus in _gpu_pods(core, nodes):
+        used[pod.spec.node_name] += gpus
     return used
 
 
@@ -224,9 +233,7 @@ def gpu_holders(core: client.CoreV1Api, nodes: list[str] = P5EN_NODES) -> list[s
         f"{p.metadata.namespace}/{p.metadata.name} on {p.spec.node_name} ({p.status.phase}, deleting since "
         f"{p.metadata.deletion_timestamp}, finalizers {p.metadata.finalizers}, owners "
         f"{[o.kind + '/' + o.name for o in p.metadata.owner_references or []]}, annotations {sorted(p.metadata.annotations or {})})"
-        for p in core.list_pod_for_all_namespaces().items
-        if p.spec.node_name in nodes and p.status.phase not in ("Succeeded", "Failed")
-        and any(int(((c.resources and c.resources.requests) or {}).get(GPU, 0)) for c in p.spec.containers)
+        for p, _ in _gpu_pods(core, nodes)
     ]  # fmt: skip
 
 

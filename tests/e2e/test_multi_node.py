@@ -51,10 +51,8 @@ NOT_YET = (client.ApiException, OSError)  # a simulator or the router not listen
 
 @pytest.fixture
 def pool(cluster, namespace) -> Any:
-    nodes = Pool(cluster.api_client(), f"{namespace}-mn")
-    nodes.add(NODES)
-    yield nodes
-    nodes.remove()
+    with Pool.of(cluster.api_client(), f"{namespace}-mn", NODES) as nodes:
+        yield nodes
 
 
 def _engine_facts(pod: Any) -> tuple[str, str, str, bool]:

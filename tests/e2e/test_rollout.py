@@ -43,10 +43,8 @@ SURGE = 1
 
 @pytest.fixture
 def pool(cluster, namespace) -> Any:
-    nodes = Pool(cluster.api_client(), namespace)
-    nodes.add(NODES)
-    yield nodes
-    nodes.remove()
+    with Pool.of(cluster.api_client(), namespace, NODES) as nodes:
+        yield nodes
 
 
 def big_model(name: str, pool_label: str, mode: str) -> dict[str, Any]:

@@ -82,10 +82,8 @@ def test_a_decode_engine_killed_mid_stream_cuts_no_stream(operator, cluster, api
 
 @pytest.fixture
 def pool(cluster, namespace):
-    nodes = Pool(cluster.api_client(), f"{namespace}-mig")
-    nodes.add(8)  # prefill 1 + 1 surge, decode 2 x 2 + one surge engine of 2
-    yield nodes
-    nodes.remove()
+    with Pool.of(cluster.api_client(), f"{namespace}-mig", 8) as nodes:  # prefill 1 + 1 surge, decode 2 x 2 + a surge engine of 2
+        yield nodes
 
 
 def test_a_decode_group_losing_its_worker_moves_every_stream_of_both_pods(operator, cluster, api_client, namespace, pool,

@@ -42,7 +42,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 import aiohttp
 
@@ -253,6 +253,14 @@ def parse_sse_event(line: bytes) -> dict[str, Any] | str | None:
     return obj if isinstance(obj, dict) else None
 
 
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any] | str]:
+    """The events of a streamed answer as they come: JSON objects, then "[DONE]" (comments and blank lines skipped)."""
+    async for line in resp.content:
+        event = parse_sse_event(line)
+        if event is not None:
+            yield event
+
+
 # --- targets ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RouterTarget:
@@ -317,10 +325,7 @@ def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dic
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord) -> None:
-    async for line in resp.content:
-        event = parse_sse_event(line)
-        if event is None:
-            continue
+    async for event in sse_events(resp):
         if event == "[DONE]":
             rec.end = time.perf_counter()
             return

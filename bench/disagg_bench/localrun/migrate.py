@@ -70,8 +70,7 @@ async def _run_stream(session: aiohttp.ClientSession, url: str, model: str, prom
             if resp.status != 200:
                 s.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return
-            async for line in resp.content:
-                event = loadgen.parse_sse_event(line)
+            async for event in loadgen.sse_events(resp):
                 if event == "[DONE]":
                     s.done = True
                 elif isinstance(event, dict):

@@ -11,7 +11,8 @@ replica sees the same numbers (a router's own in-flight count sees only its own 
   which it knows exactly: between two reads the router's own traffic is the only news, and a read taken during a
   burst that has since finished does not make the engine look busy (on the H200, 16 streams that had just ended on
   one decode sent the next 16 all to the other). A read older than :data:`STALE_READS` intervals counts as none, and
-  the load is then this router's in-flight count alone, as with ``least-outstanding``. A decode backend (a pod) sums its engine cores; a prefill backend is one core.
+  the load is then this router's in-flight count alone, as with ``least-outstanding``. A decode backend (a pod)
+  sums its engine cores; a prefill backend is one core.
 - **A restart** shows as a counter that went backwards: :meth:`LoadBoard.restarted` tells the prefix index to
   forget what it believed that engine cached.
 
