@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from disagg_connector import contract
+
 CALIBRATION = Path(__file__).with_name("calibration.json")
 CONNECTOR_MODES = {"NixlPushConnector": "push", "NixlConnector": "pull", "NixlPullConnector": "pull"}
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
@@ -64,7 +66,7 @@ def _vllm_flags() -> argparse.ArgumentParser:
 def sim_argv(argv: Sequence[str], env: dict[str, str], timing: dict[str, float]) -> list[str]:
     """The simulator's own arguments for a `vllm serve` line (pure)."""
     a, _ignored = _vllm_flags().parse_known_args(list(argv))
-    kv = a.kv_transfer_config
+    kv = contract.transfer_connector_config(a.kv_transfer_config)  # the simulator has no CPU tier: NIXL's part
     extra = kv.get("kv_connector_extra_config") or {}
     try:
         mode, role = CONNECTOR_MODES[kv["kv_connector"]], ROLES[kv["kv_role"]]

@@ -108,7 +108,7 @@ MAX_DATA_PARALLEL_SIZE = 64
 LWEPP_GRPC_PORT, LWEPP_HEALTH_PORT, LWEPP_METRICS_PORT = 9002, 9003, 9090
 
 # --- vLLM releases the operator renders for --------------------------------------------------------
-VLLM_VERSIONS = ("0.24.0", "0.26.0", "0.33.0")
+VLLM_VERSIONS = ("0.24.0", "0.26.0", "0.33.0", "0.34.0")
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,29 @@ class VllmProtocol:
         return _version_tuple(self.version) >= (0, 33, 0)
 
     @property
+    def handshake_checks_release(self) -> bool:
+        """NIXL's compatibility hash includes the vLLM version from 0.34.0 on: engines of two releases cannot
+        handshake (a prefill and a decode of different revisions across a release change never pair)."""
+        return _version_tuple(self.version) >= (0, 34, 0)
+
+    @property
     def push_with_prefill_pipeline(self) -> bool:
         """NixlPushConnector takes a pipeline-parallel prefill (and reads `pp_size`) from 0.26.0 on."""
         return _version_tuple(self.version) >= (0, 26, 0)
+
+
+# vLLM's connector that runs several (a CPU tier beside NIXL: docs/vllm-protocol.md, "A CPU tier").
+MULTI_CONNECTOR, OFFLOADING_CONNECTOR = "MultiConnector", "OffloadingConnector"
+
+
+def transfer_connector_config(kv_transfer_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The connector that moves KV between prefill and decode in an engine's --kv-transfer-config: the config
+    itself, or a MultiConnector's first child, with the parent's engine id where it names none (as vLLM's
+    MultiConnector hands it down)."""
+    if kv_transfer_config.get("kv_connector") != MULTI_CONNECTOR:
+        return dict(kv_transfer_config)
+    first = kv_transfer_config["kv_connector_extra_config"]["connectors"][0]
+    return {"engine_id": kv_transfer_config.get("engine_id"), **first}
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:

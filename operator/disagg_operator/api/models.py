@@ -210,6 +210,19 @@ _NO_MANAGED_FLAGS = CelRule(
     ),
     field_path=".extraArgs",
 )
+# vLLM's flags that REPLACE a configured kv_connector with its offloading connector (kv_role kv_both, no warning:
+# vllm/config/vllm.py _post_init_kv_transfer_config, 0.33.0 and 0.34.0), which turns P/D off. kvCache.cpu is the way.
+OFFLOADING_FLAGS = ("--kv-offloading-size",)
+_NO_OFFLOADING_FLAGS = CelRule(
+    rule=f"self.extraArgs.all(a, !(a.startsWith('--') && size(a) > 2 && {_cel_list(OFFLOADING_FLAGS)}.exists(f, f.startsWith({_OPTION}))))",
+    message=(
+        "extraArgs must not set " + " or ".join(OFFLOADING_FLAGS) + " (in any spelling vLLM reads as it): "
+        "vLLM then replaces the NIXL connector with its offloading connector, without a warning, and prefill/decode "
+        "disaggregation is off; set spec.prefill.kvCache.cpu (or decode's) instead, which renders both in a "
+        "MultiConnector"
+    ),
+    field_path=".extraArgs",
+)
 _NO_MANAGED_ENV = CelRule(
     rule=f"self.env.all(e, !(e.name in {_cel_list(MANAGED_ENV)}))",
     message=(
@@ -332,7 +345,7 @@ class ModelSpec(ApiModel):
 class EngineSpec(ApiModel):
     """vLLM settings shared by prefill and decode (they must agree for KV to move between them)."""
 
-    cel_rules = (_NO_MANAGED_FLAGS, _NO_MANAGED_ENV)
+    cel_rules = (_NO_MANAGED_FLAGS, _NO_OFFLOADING_FLAGS, _NO_MANAGED_ENV)
 
     image: Image | None = Field(
         default=None,
@@ -583,6 +596,28 @@ class AutoscalingSpec(ApiModel):
     )
 
 
+class KVCacheSpec(ApiModel):
+    """Where a role's engines keep KV cache beyond GPU memory."""
+
+    cel_rules = (
+        CelRule(
+            rule="!has(self.cpu) || quantity(self.cpu).compareTo(quantity('0')) > 0",
+            message="kvCache.cpu must be above 0 (leave it out for GPU memory only)",
+            field_path=".cpu",
+        ),
+    )
+
+    cpu: StrQuantity | None = Field(
+        default=None,
+        description="A CPU tier per engine core (data-parallel rank): KV blocks evicted from GPU memory are kept "
+        "in the pod's host memory, up to this size, and prefix hits are restored from there instead of being "
+        "computed again (vLLM's OffloadingConnector, rendered after the NIXL connector in a MultiConnector, so "
+        "prefill/decode stays on; --kv-offloading-size would replace the NIXL connector and is refused in "
+        "extraArgs). The pod's memory request (and limit, when set) grows by this times the ranks it runs. "
+        "Typical on prefill, whose prefix hits it multiplies for multi-turn traffic. Unset: GPU memory only.",
+    )
+
+
 class RoleSpec(ApiModel):
     """One engine role (prefill or decode): its size, devices and placement."""
 
@@ -626,7 +661,14 @@ class RoleSpec(ApiModel):
             "over pods (vllm-project/vllm#32252): raise replicas instead",
             field_path=".parallelism.expert",
         ),
+        CelRule(
+            rule="self.accelerator.type == 'nvidia' || !has(self.kvCache.cpu)",
+            message="kvCache.cpu needs vLLM's OffloadingConnector and MultiConnector, which AWS's vLLM-Neuron (0.24.0) "
+            "does not have: leave it out on neuron",
+            field_path=".kvCache.cpu",
+        ),
         _NO_MANAGED_FLAGS,
+        _NO_OFFLOADING_FLAGS,
         _NO_MANAGED_ENV,
         _keys_rule("nodeSelector", "nodeSelector"),
     )
@@ -647,6 +689,7 @@ class RoleSpec(ApiModel):
     resources: ResourceRequirements = _sub(
         ResourceRequirements, "Resources of the vLLM container (devices are added from the fields above)."
     )
+    kv_cache: KVCacheSpec = _sub(KVCacheSpec, "KV cache beyond GPU memory: a CPU tier.")
     node_selector: LabelMap = Field(
         default_factory=dict, description="Node labels the pods must land on (Kubernetes nodeSelector)."
     )
@@ -1041,6 +1084,16 @@ SPEC_RULES = (
         + " and ".join(f"{v} on {a}" for a, v in DEFAULT_VLLM_VERSION.items())
         + ": set spec.engine.image to an image of the release in spec.engine.vllmVersion, or leave "
         "vllmVersion unset",
+        field_path=".engine.vllmVersion",
+    ),
+    CelRule(
+        rule=(
+            "!((has(self.prefill.kvCache.cpu) || has(self.decode.kvCache.cpu)) && "
+            f"{_CEL_VLLM_VERSION} == '0.24.0')"
+        ),
+        # read in the 0.26.0, 0.33.0 and 0.34.0 wheels (MultiConnector, OffloadingConnector's cpu_bytes_to_use)
+        message="kvCache.cpu is rendered for vLLM 0.26.0 and later: set spec.engine.vllmVersion (and image) to "
+        "0.26.0 or later, or leave kvCache.cpu out",
         field_path=".engine.vllmVersion",
     ),
     CelRule(

@@ -54,10 +54,15 @@ def _device_resources(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, str]:
 
 def resources(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, Any]:
     devices = _device_resources(dm, role)
-    return {
-        "requests": {**role.resources.requests, **devices},
-        "limits": {**role.resources.limits, **devices},
-    }
+    requests, limits = {**role.resources.requests, **devices}, {**role.resources.limits, **devices}
+    tier = vllm.cpu_tier_bytes(role)
+    if tier is not None:
+        # the CPU tier is host memory each engine core pins: the scheduler must count it, the OOM killer allow it
+        added = tier * role.shape.ranks_per_pod
+        requests["memory"] = str(int(parse_quantity(requests.get("memory", 0))) + added)
+        if "memory" in limits:
+            limits["memory"] = str(int(parse_quantity(limits["memory"])) + added)
+    return {"requests": requests, "limits": limits}
 
 
 def _tolerations(role: RoleSpec) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any
 from disagg_connector import contract
 
 from ..api.models import DisaggregatedModelSpec, EngineShape, RoleSpec
+from ..quantity import parse_quantity
 from ..resolve import TransferPlan
 
 MODEL_MOUNT_ROOT = "/models"
@@ -48,13 +49,15 @@ def served_model_name(spec: DisaggregatedModelSpec) -> str:
 
 
 def kv_transfer_config(spec: DisaggregatedModelSpec, role: contract.Role, plan: TransferPlan) -> dict[str, Any]:
+    """The NIXL connector of the transfer plan; with a CPU tier (spec.<role>.kvCache.cpu), a MultiConnector of it
+    and vLLM's OffloadingConnector (docs/vllm-protocol.md, "A CPU tier")."""
     extra: dict[str, Any] = {
         "backends": [plan.backend],
         "kv_lease_duration": spec.kv_transfer.lease_seconds,
     }
     if spec.kv_transfer.bidirectional:
         extra["bidirectional_kv_xfer"] = True
-    return {
+    nixl = {
         "kv_connector": plan.connector,
         "kv_role": KV_ROLE[role],
         "engine_id": contract.engine_id_template(),
@@ -62,6 +65,26 @@ def kv_transfer_config(spec: DisaggregatedModelSpec, role: contract.Role, plan: 
         "kv_load_failure_policy": spec.kv_transfer.load_failure_policy.lower(),
         "kv_connector_extra_config": extra,
     }
+    cpu = cpu_tier_bytes(getattr(spec, role))
+    if cpu is None:
+        return nixl
+    # NIXL first: MultiConnector loads a request's KV from the first child that offers tokens, and a decode must
+    # take the prefill's KV over NIXL, never a partial CPU hit. Each child is a whole KVTransferConfig; the engine
+    # id is the parent's (MultiConnector hands it to children that name none).
+    child = {k: v for k, v in nixl.items() if k != "engine_id"}
+    offload = {"kv_connector": contract.OFFLOADING_CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": cpu}}
+    return {
+        "kv_connector": contract.MULTI_CONNECTOR,
+        "kv_role": KV_ROLE[role],
+        "engine_id": nixl["engine_id"],
+        "kv_load_failure_policy": nixl["kv_load_failure_policy"],
+        "kv_connector_extra_config": {"connectors": [child, offload]},
+    }
+
+
+def cpu_tier_bytes(role: RoleSpec) -> int | None:
+    """The CPU tier of each engine core of the role, in bytes (vLLM's cpu_bytes_to_use), or None."""
+    return None if role.kv_cache.cpu is None else int(parse_quantity(role.kv_cache.cpu))
 
 
 def kv_events_config() -> dict[str, Any]:

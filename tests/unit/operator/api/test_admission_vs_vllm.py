@@ -21,7 +21,9 @@ pytestmark = pytest.mark.vllm
 
 MANAGED_FIELDS = ("model", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "block_size",
                   "served_model_name", "port", "kv_connector", "kv_role", "engine_id", "kv_buffer_device",
-                  "kv_connector_extra_config")
+                  "kv_connector_extra_config",
+                  # what vLLM's config post-init leaves of the connector (--kv-offloading-size replaces it there)
+                  "kv_connector_after_post_init", "kv_role_after_post_init")
 
 
 def _extra_args(patch: dict[str, Any]) -> list[str]:

@@ -36,6 +36,8 @@ def judge(items: list[dict[str, Any]], version: str) -> None:
         config = json.loads(item["argv"][item["argv"].index("--kv-transfer-config") + 1])
         assert parsed["kv_connector"] == config["kv_connector"]
         assert parsed["kv_connector_extra_config"] == config["kv_connector_extra_config"]
+        # vLLM's config post-init keeps the connector: nothing in the line turns KV offloading on in its place
+        assert (parsed["kv_connector_after_post_init"], parsed["kv_role_after_post_init"]) == (config["kv_connector"], config["kv_role"]), item["id"]
 
 
 def local_command_lines(obj: dict[str, Any]) -> list[dict[str, Any]]:
