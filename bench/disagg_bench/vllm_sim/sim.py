@@ -26,8 +26,8 @@ waiting and running requests per rank).
 
 **The P/D side channel** (vLLM: ZMQ + NIXL notifications; here: HTTP on ``--side-channel-port + rank``).
 The NIXL compatibility hash stands in as ``--compat-hash`` (one per revision) plus the transfer mode, a
-factor of the hash in 0.33.0 (``metadata.py``): a push engine and a pull engine never pair; from 0.34.0 on the
-vLLM release is one too (``handshake_checks_release``): a 0.34.0 engine and an engine of another release never pair.
+factor of the hash in 0.33.0 (``metadata.py``): a push engine and a pull engine never pair; so is the vLLM release
+(``vllm_version``, read in the 0.26.0, 0.33.0 and 0.34.0 wheels): engines of two releases never pair.
 - Push: D schedules the request (allocates blocks) at an engine step, then sends ``PUSH_REG`` (``POST
   /push_reg`` on P's port = ``remote_port``) carrying D's internal request id, the ``transfer_id``, D's
   identity, the ``remote_engine_id``, ``tp_size``, ``pp_size`` from the decode leg and the hash. P refuses a
@@ -552,10 +552,9 @@ class Engine:
 
     @property
     def compat_hash(self) -> str:
-        """vLLM 0.33.0's NIXL compatibility hash has the transfer mode as a factor: push and pull never pair; from
-        0.34.0 on the release too: engines of two releases never pair (``nixl/metadata.py``)."""
-        release = f"/vllm-{self.a.vllm_version}" if contract.VllmProtocol(self.a.vllm_version).handshake_checks_release else ""
-        return f"{self.a.compat_hash}/{self.a.mode}{release}"
+        """vLLM's NIXL compatibility hash has the release (``vllm_version``) and, from 0.33.0 on, the transfer mode as
+        factors: engines of two releases never pair, nor push with pull (``nixl/metadata.py``)."""
+        return f"{self.a.compat_hash}/{self.a.mode}/vllm-{self.a.vllm_version}"
 
     @property
     def heartbeat_interval(self) -> float:

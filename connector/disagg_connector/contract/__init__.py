@@ -123,12 +123,6 @@ class VllmProtocol:
         return _version_tuple(self.version) >= (0, 33, 0)
 
     @property
-    def handshake_checks_release(self) -> bool:
-        """NIXL's compatibility hash includes the vLLM version from 0.34.0 on: engines of two releases cannot
-        handshake (a prefill and a decode of different revisions across a release change never pair)."""
-        return _version_tuple(self.version) >= (0, 34, 0)
-
-    @property
     def push_with_prefill_pipeline(self) -> bool:
         """NixlPushConnector takes a pipeline-parallel prefill (and reads `pp_size`) from 0.26.0 on."""
         return _version_tuple(self.version) >= (0, 26, 0)

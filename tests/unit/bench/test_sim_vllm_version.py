@@ -62,11 +62,13 @@ def test_version_endpoint_reports_the_release() -> None:
 
 @pytest.mark.parametrize(
     ("prefill", "decode", "pair"),
-    [("0.34.0", "0.34.0", True), ("0.33.0", "0.34.0", False), ("0.34.0", "0.33.0", False), ("0.33.0", "0.33.0", True)],
+    [("0.34.0", "0.34.0", True), ("0.33.0", "0.34.0", False), ("0.34.0", "0.33.0", False), ("0.33.0", "0.33.0", True),
+     ("0.26.0", "0.33.0", False)],
 )
-def test_from_0_34_on_engines_of_two_releases_never_handshake(prefill: str, decode: str, pair: bool) -> None:
-    """vLLM 0.34.0 puts its own version in NIXL's compatibility hash: a 0.33.0 and a 0.34.0 engine of otherwise equal
-    settings refuse each other's handshake, so a rollout between them that paired across revisions would fail."""
+def test_engines_of_two_releases_never_handshake(prefill: str, decode: str, pair: bool) -> None:
+    """vLLM puts its own version in NIXL's compatibility hash (0.26.0, 0.33.0, 0.34.0): a 0.33.0 and a 0.34.0 engine
+    of otherwise equal settings refuse each other's handshake, so a rollout between them that paired across revisions
+    would fail."""
 
     def engine(role: str, version: str) -> sim.Engine:
         return sim.Engine(sim.build_parser().parse_args(["--role", role, "--mode", "push", "--engine-id", role, "--vllm-version", version]))

@@ -21,8 +21,10 @@ def _flags(argv: list[str]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("mode", ["Push", "Pull"])
-def test_the_simulator_reads_a_rendered_command_line_like_vllm(mode: str) -> None:
-    plan = local_plan(dm({"kvTransfer": {"leaseSeconds": 90}, "engine": {"blockSize": 64}}),
+@pytest.mark.parametrize("tier", [{}, {"prefill": {"kvCache": {"cpu": "8Gi"}}, "decode": {"kvCache": {"cpu": "8Gi"}}}],
+                         ids=["nixl", "nixl-in-a-multi-connector"])
+def test_the_simulator_reads_a_rendered_command_line_like_vllm(mode: str, tier: dict[str, Any]) -> None:
+    plan = local_plan(dm({"kvTransfer": {"leaseSeconds": 90}, "engine": {"blockSize": 64}, **tier}),
                       LocalOptions(gpus=("0", "1"), transfer_mode=mode))  # type: ignore[arg-type]
     for e in plan.engines:
         args = sim.build_parser().parse_args(sim_argv(e.argv[1:], e.env, {"tpot_ms": 3.0}))

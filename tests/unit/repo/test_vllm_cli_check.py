@@ -1,4 +1,4 @@
-"""The vLLM command-line checker is a real judge: each checked release's own parser (0.33.0, 0.26.0)
+"""The vLLM command-line checker is a real judge: each checked release's own parser (one per pin file: 0.34.0, 0.33.0, 0.26.0)
 accepts good lines with the fields we expect and refuses bad ones.
 
 All cases of one release go through one checker process (importing vLLM is the slow part).

@@ -1,4 +1,4 @@
-"""vLLM's own argument parser and KVTransferConfig, of every checked release (0.33.0, 0.26.0), judge
+"""vLLM's own argument parser and KVTransferConfig, of every checked release (one per pin file: 0.34.0, 0.33.0, 0.26.0), judge
 every command line we render.
 
 The lines are checked after Kubernetes' $(VAR) expansion with sample Downward API values, i.e. as the
