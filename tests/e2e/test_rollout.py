@@ -5,9 +5,11 @@ A 4P4D model whose pods each take a whole fake p5en node (8 GPUs), on a pool of 
 pod's IP (bench/disagg_bench/vllm_sim/pods.py), the router runs on its router pod's IP at the router port (so the operator
 reads its /health as it would in a cluster), and a client keeps sending requests through it.
 
-1. An image change rolls out to the end. A watch over every pod transition proves, at every moment: pods per
-   role <= target + maxSurge (1), some revision has a ready prefill and a ready decode, the ready P:D ratio
-   within one pod of 4:4. Zero failed requests.
+1. A release change, vLLM 0.33.0 -> 0.34.0 (an image of it and spec.engine.vllmVersion), rolls out to the end.
+   A watch over every pod transition proves, at every moment: pods per role <= target + maxSurge (1), some
+   revision has a ready prefill and a ready decode, the ready P:D ratio within one pod of 4:4. Zero failed
+   requests, and no request had legs on engines of two releases: each pod's engine answers as its pod's release,
+   and vLLM's NIXL handshake (so the simulator's) refuses a peer of another release.
 2. A Push -> Pull change under the same traffic, with decode scaled 4 -> 6 through its DisaggregatedRole's
    scale subresource in the middle: the rollout finishes at 6 on the same revision (not restarted), zero
    failed requests (a request in the wrong protocol fails in the simulator as it fails in vLLM).
@@ -109,14 +111,22 @@ def test_rollouts_fit_the_budget_under_traffic(operator, cluster, api_client, na
         background = harness.start_client(workers=3)
         wait_for("traffic", lambda: len(background.results) >= 6)
 
-        # --- 1. an image change ------------------------------------------------------------------------
+        # --- 1. a release change: 0.33.0 -> 0.34.0 -----------------------------------------------------
         started = time.monotonic()
-        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
-                                              {"spec": {"engine": {"image": "registry.example/vllm-runtime:0.33.0-next"}}})  # fmt: skip
-        second = wait_for("image rollout complete", lambda: rolled_out(custom, namespace, name, first), 600)["status"]["revision"]
+        custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"engine": {
+            "image": "registry.example/vllm-runtime:0.34.0-efa", "vllmVersion": "0.34.0"}}})  # fmt: skip
+        second = wait_for("release rollout complete", lambda: rolled_out(custom, namespace, name, first), 600)["status"]["revision"]
         peak_image = timeline.check({"prefill": 4, "decode": 4}, since=started)
         assert peak_image == {"prefill": 5, "decode": 5}, peak_image
         assert not background.failures(), background.failures()[:3]
+        releases = {(e.revision, e.vllm_version) for e in engines.all()}
+        assert releases == {(first, "0.33.0"), (second, "0.34.0")}, releases
+        legs_by_request: dict[str, set[str | None]] = {}
+        for engine in engines.all():
+            for xid in engine.legs():
+                legs_by_request.setdefault(xid, set()).add(engine.vllm_version)
+        assert {frozenset(v) for v in legs_by_request.values()} == {frozenset({"0.33.0"}), frozenset({"0.34.0"})}, \
+            "every request's legs ran on one release, and both releases served"
 
         # --- 2. Push -> Pull, decode scaled 4 -> 6 through the scale subresource mid-rollout ------------
         started = time.monotonic()

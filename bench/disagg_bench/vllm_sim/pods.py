@@ -125,6 +125,7 @@ class PodEngine:
     http_port: int
     engine_id: str
     publishes_kv_events: bool = False  # its pod's vllm serve has --kv-events-config (so the simulator publishes)
+    vllm_version: str | None = None  # the release its pod runs (its annotation), which the simulator answers as
     final: tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]] | None = None  # (legs, stats, events) at stop
     pre_stop: PreStop | None = None  # the pod's preStop, once its pod was deleted
     stopped_at: float | None = None  # monotonic time the engine was stopped
@@ -307,7 +308,7 @@ class PodEngines:
         http_port = int(ann.get(contract.ANNOTATION_HTTP_PORT, contract.HTTP_PORT))
         side_port = int(ann.get(contract.ANNOTATION_SIDE_CHANNEL_PORT, contract.NIXL_SIDE_CHANNEL_PORT))
         engine_id = contract.engine_id(name, uid)
-        revision = labels[contract.LABEL_REVISION]
+        revision, release = labels[contract.LABEL_REVISION], ann[contract.ANNOTATION_VLLM_VERSION]
         ranks = [i.dp_rank for i in contract.identities_from_pod(name, uid, ip, ann, labels)]
         argv = [
             sys.executable, "-m", "disagg_bench.vllm_sim", "--role", role, "--mode", ann[contract.ANNOTATION_TRANSFER_MODE].lower(),
@@ -316,6 +317,7 @@ class PodEngines:
             "--tp-size", ann.get(contract.ANNOTATION_TP_SIZE, "1"), "--pp-size", ann.get(contract.ANNOTATION_PP_SIZE, "1"),
             "--dp-size", ann.get(contract.ANNOTATION_DP_SIZE, "1"),
             "--compat-hash", f"hash-{revision}",  # one NIXL compatibility hash per revision, as in vLLM
+            "--vllm-version", release,
         ]  # fmt: skip
         if len(ranks) < int(ann.get(contract.ANNOTATION_DP_SIZE, "1")):  # a pod of an engine that spans pods
             argv += ["--dp-start-rank", str(ranks[0]), "--dp-size-local", str(len(ranks))]
@@ -328,7 +330,7 @@ class PodEngines:
         if env:  # the container's PYTHONHASHSEED: `env` execs the simulator with it (same pid)
             argv = [shutil.which("env") or "/usr/bin/env", *(f"{k}={v}" for k, v in env.items()), *argv]
         proc = Proc(f"engine-{name}", argv, self.log_dir)
-        return PodEngine(proc, name, uid, role, revision, ip, http_port, engine_id, "--kv-events-config" in argv)
+        return PodEngine(proc, name, uid, role, revision, ip, http_port, engine_id, "--kv-events-config" in argv, vllm_version=release)
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -69,6 +69,8 @@ CASES: dict[str, list[str]] = {
         "--kv-transfer-config.kv_connector_extra_config.backends+", "LIBFABRIC",
     ),
     "not-vllm-serve": ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", MODEL],
+    # the trap: vLLM's config post-init swaps the configured connector for its offloading one
+    "offloading-size": [*PUSH_PREFILL, "--kv-offloading-size", "8"],
 }
 
 
@@ -101,7 +103,16 @@ def test_good_push_prefill_line_passes(results: dict[str, dict[str, Any]]) -> No
         "engine_id": "p-0.uid",
         "kv_buffer_device": "cuda",
         "kv_connector_extra_config": {"backends": ["LIBFABRIC"], "kv_lease_duration": 60},
+        "kv_connector_after_post_init": "NixlPushConnector",
+        "kv_role_after_post_init": "kv_producer",
     }
+
+
+def test_kv_offloading_size_shows_vllm_replacing_the_connector(results: dict[str, dict[str, Any]]) -> None:
+    r = results["offloading-size"]
+    assert r["ok"], r["error"]
+    assert (r["parsed"]["kv_connector"], r["parsed"]["kv_role"]) == ("NixlPushConnector", "kv_producer")
+    assert (r["parsed"]["kv_connector_after_post_init"], r["parsed"]["kv_role_after_post_init"]) == ("OffloadingConnector", "kv_both")
 
 
 def test_good_pull_decode_line_passes(results: dict[str, dict[str, Any]]) -> None:
