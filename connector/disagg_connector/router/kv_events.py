@@ -36,9 +36,11 @@ vLLM engines started with ``--kv-events-config`` publish, per DP rank, batches o
   0): the backend starts over. One that has already published past the old seq cannot be told from its
   seqs, so the router calls ``KvIndex.reset`` when discovery sees a new engine identity.
 
-Only events of the GPU tier (``medium`` GPU or unset) are indexed: an offloaded (CPU, storage) copy is not
-what a prefix-cache hit on that engine reuses without a load. Hash groups (``group_idx``) are not told
-apart: plain models have one KV-cache group.
+The GPU tier (``medium`` GPU or unset) is indexed under the backend's key, and the CPU tier (``medium``
+CPU: vLLM's OffloadingConnector, whose events the scheduler publishes in the same batches) under
+:class:`CpuTier` of that key, so a query tells a hit the engine reuses as it is from one it must first copy
+back; other media (storage) are not indexed. Hash groups (``group_idx``) are not told apart: plain models
+have one KV-cache group.
 """
 
 from __future__ import annotations
@@ -61,7 +63,14 @@ from disagg_connector.contract.kv_blocks import hash_key
 log = logging.getLogger(__name__)
 
 BackendKey = Hashable  # e.g. (pod name, DP rank): whatever the router names a backend by
-MEDIUM_GPU = "GPU"
+MEDIUM_GPU, MEDIUM_CPU = "GPU", "CPU"
+
+
+@dataclass(frozen=True)
+class CpuTier:
+    """The CPU tier of a backend, a key of its own in the index (a backend's GPU tier is its key)."""
+
+    backend: BackendKey
 _HASH_MASK = (1 << 64) - 1
 # ZmqEventPublisher.END_SEQ: the replay's last message carries seq -1 (signed), empty topic and payload.
 REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -292,6 +301,7 @@ class KvIndex:
 
     def _start_over(self, key: BackendKey) -> None:
         self._drop_blocks(key)
+        self._drop_blocks(CpuTier(key))
         self._resets += 1
 
     # -- membership ------------------------------------------------------------------------------------------
@@ -302,12 +312,13 @@ class KvIndex:
 
     def forget(self, key: BackendKey) -> None:
         """``key`` left the backend table."""
-        self._drop_blocks(key)
         self._streams.pop(key, None)
-        bid = self._ids.pop(key, None)
-        if bid is not None:
-            self._keys[bid] = None
-            self._free_ids.append(bid)
+        for tier in (key, CpuTier(key)):
+            self._drop_blocks(tier)
+            bid = self._ids.pop(tier, None)
+            if bid is not None:
+                self._keys[bid] = None
+                self._free_ids.append(bid)
 
     def _id(self, key: BackendKey) -> int:
         bid = self._ids.get(key)
@@ -339,18 +350,19 @@ class KvIndex:
 
     # -- events ----------------------------------------------------------------------------------------------
     def _apply_batch(self, key: BackendKey, batch: DecodedBatch) -> None:
-        bid = self._id(key)
+        ids = {None: self._id(key), MEDIUM_GPU: self._id(key)}
         for event in batch.events:
-            if isinstance(event, BlockStored):
-                if event.medium in (None, MEDIUM_GPU):
-                    for raw in event.block_hashes:
-                        self._store(bid, hash_key(raw))
-            elif isinstance(event, BlockRemoved):
-                if event.medium in (None, MEDIUM_GPU):
-                    for raw in event.block_hashes:
-                        self._remove(bid, hash_key(raw))
-            elif isinstance(event, AllBlocksCleared):
-                self._start_over(key)
+            if isinstance(event, AllBlocksCleared):  # vLLM's prefix-cache reset: the CPU tier is forgotten too,
+                self._start_over(key)  # as a stale entry misroutes while a missing one only costs a hit
+                continue
+            if event.medium not in ids:
+                if event.medium != MEDIUM_CPU:
+                    continue  # storage tiers: not indexed
+                ids[MEDIUM_CPU] = self._id(CpuTier(key))
+            bid = ids[event.medium]
+            apply = self._store if isinstance(event, BlockStored) else self._remove
+            for raw in event.block_hashes:
+                apply(bid, hash_key(raw))
 
     def _store(self, bid: int, h: int) -> None:
         pair = bid << 64 | h
@@ -442,7 +454,7 @@ class KvIndex:
 
     def stats(self) -> KvIndexStats:
         return KvIndexStats(
-            backends=len(self._by_id),
+            backends=sum(1 for bid in self._by_id if not isinstance(self._keys[bid], CpuTier)),
             stored=len(self._lru),
             distinct_hashes=len(self._by_hash),
             evicted=self._evicted,

@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from disagg_connector.contract import kv_blocks
 from disagg_connector.router.kv_events import (
+    CpuTier,
     REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -186,12 +187,31 @@ def test_all_blocks_cleared_and_forget_touch_one_backend() -> None:
     assert index.stats().distinct_hashes == 1
 
 
-def test_removal_and_the_gpu_tier_only() -> None:
+def test_removal_and_each_tier_under_its_own_key() -> None:
     index = KvIndex()
-    index.apply("a", 0, batch(stored(1, 2, 3), stored(4, medium="CPU"), removed(2), removed(77)))
+    index.apply("a", 0, batch(stored(1, 2, 3), stored(1, 2, 3, 4, medium="CPU"), removed(2), removed(77),
+                              stored(5, medium="DISK")))  # fmt: skip
     assert index.match("a", [1, 3]) == 2
     assert index.match("a", [2]) == 0
-    assert index.match("a", [4]) == 0  # an offloaded copy is not a GPU prefix hit
+    assert index.match("a", [4]) == 0  # an offloaded copy is not a GPU prefix hit: the CPU tier's
+    assert index.match(CpuTier("a"), [1, 2, 3, 4]) == 4
+    assert index.hits_by_backend([1, 2, 3, 4]) == {"a": 1, CpuTier("a"): 4}
+    assert index.hits_by_backend([5]) == {}  # storage tiers are not indexed
+    index.apply("a", 1, batch(BlockRemoved(block_hashes=[1], medium="CPU")))
+    assert index.hits_by_backend([1, 3]) == {"a": 2}
+    assert index.stats().backends == 1
+
+
+def test_a_backend_that_starts_over_or_leaves_takes_its_cpu_tier_along() -> None:
+    index = KvIndex()
+    index.apply("a", 0, batch(stored(1, medium="CPU")))
+    index.apply("a", 1, batch(AllBlocksCleared(), stored(2)))
+    assert index.hits_by_backend([1]) == {} and index.match("a", [2]) == 1
+    index.apply("a", 2, batch(stored(3, medium="CPU")))
+    index.forget("a")
+    assert index.hits_by_backend([3]) == {} and index.size == 0
+    index.apply("b", 0, batch(stored(3, medium="CPU")))  # the freed ids are used again
+    assert index.hits_by_backend([3]) == {CpuTier("b"): 1}
 
 
 def test_int_and_bytes_event_hashes_match_the_same_request() -> None:

@@ -11,7 +11,9 @@ from disagg_connector.contract import EngineIdentity
 from disagg_connector.router.discovery import Backend
 from disagg_connector.router.load import LoadBoard, parse_engine_metrics
 from disagg_connector.router.pairing import Balancer
-from disagg_connector.router.policy import Policies
+from disagg_connector.contract import kv_blocks
+from disagg_connector.router.kv_events import BlockStored, DecodedBatch, KvIndex
+from disagg_connector.router.policy import CPU_HIT_WORTH, Policies
 from disagg_connector.router.prefix import CHUNK_BYTES, CHUNK_TOKENS, PrefixIndex, PromptKey, chunk_keys, prompt_key
 from tests.fixtures.releases import RELEASES, with_values
 
@@ -220,6 +222,49 @@ def test_a_hit_is_worth_nothing_behind_a_long_queue() -> None:
     read(board, other)
     pick = policies.prefill(ps, key({"prompt": shared["prompt"] + " next"}))
     assert pick.backend is other and pick.reason == "load"
+
+
+BLOCK, SEED = 16, "0"
+
+
+def kv_backend(pod: str) -> Backend:
+    """A prefill engine whose KV events the router follows (so its hits are exact)."""
+    ident = EngineIdentity(f"{pod}.uid", "10.0.0.1", 5600, 1, 1, kv_events_endpoint="tcp://10.0.0.1:5557",
+                           kv_hash_seed=SEED, kv_block_size=BLOCK)  # fmt: skip
+    return Backend("prefill", "r1", pod, "uid", "10.0.0.1", ident)
+
+
+def holds(kv: KvIndex, b: Backend, token_ids: list[int], gpu: int = 0, cpu: int = 0) -> None:
+    """``b``'s engine published that it holds the first ``gpu`` blocks of ``token_ids`` in GPU memory and the
+    first ``cpu`` in its CPU tier (vLLM's events: medium GPU, medium CPU)."""
+    hashes = kv_blocks.block_hashes(token_ids, BLOCK, SEED)
+    events = [BlockStored(block_hashes=hashes[:n], parent_block_hash=None, token_ids=[], block_size=BLOCK, lora_id=None,
+                          medium=medium, lora_name=None) for n, medium in ((gpu, "GPU"), (cpu, "CPU")) if n]  # fmt: skip
+    kv.apply(b.key, kv.next_seq(b.key) or 0, DecodedBatch(ts=0.0, events=events, data_parallel_rank=0))
+
+
+@pytest.mark.parametrize(
+    ("held", "winner"),
+    [
+        ({"p0": (8, 0), "p1": (0, 8)}, "p0"),  # equal prefixes: the GPU hit
+        ({"p0": (0, 0), "p1": (0, 8)}, "p1"),  # a CPU hit over none
+        ({"p0": (3, 0), "p1": (0, 8)}, "p1"),  # a CPU hit that saves more than a short GPU hit
+        ({"p0": (4, 8), "p1": (6, 0)}, "p0"),  # GPU then CPU beyond it: 4 + 0.8 x 4 blocks > 6
+    ],
+)
+def test_a_gpu_hit_then_a_cpu_hit_then_load(held: dict[str, tuple[int, int]], winner: str) -> None:
+    clock = Clock()
+    board, balancer, kv = LoadBoard(1.0, clock), Balancer(), KvIndex()
+    policies = Policies("prefix-and-load", "least-loaded", balancer, board, PrefixIndex(), kv)
+    ps = [kv_backend("p0"), kv_backend("p1")]
+    token_ids = list(range(10 * BLOCK))
+    for b in ps:
+        holds(kv, b, token_ids, *held[b.pod])
+        read(board, b)  # both idle
+    pick = policies.prefill(ps, key({"prompt": token_ids}))
+    assert (pick.backend.pod, pick.reason) == (winner, "cache_hit")
+    gpu, cpu = held[winner]
+    assert pick.expected_hit_tokens == int((gpu + CPU_HIT_WORTH * max(cpu - gpu, 0)) * BLOCK)
 
 
 def test_least_outstanding_ignores_the_cache_but_still_says_what_it_expected() -> None:
