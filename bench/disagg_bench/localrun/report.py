@@ -223,6 +223,7 @@ def repeats_kv_table(runs: list[dict[str, Any]]) -> list[str]:
 
 # --- routing: prefix-cache hits and how the prefill engines shared the work --------------------------------
 HITS, QUERIES, SERVED = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # tokens a connector (a CPU tier) gave back
 SIM_PREFILLS = "sim:prefills"
 
 
@@ -233,6 +234,7 @@ class Routing:
     hit_ratio: float  # pooled over the prefill engines: sum of hits / sum of queries (tokens)
     engine_hit_ratios: dict[str, float]  # per prefill engine
     shares: dict[str, float]  # each prefill engine's share of the cell's prefill requests
+    external_hit_ratio: float = 0.0  # pooled: prompt tokens a CPU tier gave back / sum of queries (tokens)
 
     @property
     def imbalance(self) -> float:
@@ -252,7 +254,9 @@ def routing(cell: dict[str, Any]) -> Routing | None:
     served = {label: series[label].get(SERVED) if SERVED in series[label] else series[label].get(SIM_PREFILLS, 0.0)
               for label in prefill}  # fmt: skip
     total_served, total_queries = sum(served.values()), sum(queries.values())
+    external = sum(series[label].get(EXTERNAL_HITS, 0.0) for label in prefill)
     return Routing(
+        external_hit_ratio=external / total_queries if total_queries else math.nan,
         hit_ratio=sum(hits.values()) / total_queries if total_queries else math.nan,
         engine_hit_ratios={label: hits[label] / queries[label] if queries[label] else math.nan for label in prefill},
         shares={label: served[label] / total_served for label in prefill} if total_served else {},

@@ -54,6 +54,7 @@ def _vllm_flags() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size-local", "-dpl", type=int)
     p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=0)
     p.add_argument("--block-size", type=int)
+    p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     p.add_argument("--prefix-caching-hash-algo")
     p.add_argument("--kv-events-config")
@@ -66,7 +67,7 @@ def _vllm_flags() -> argparse.ArgumentParser:
 def sim_argv(argv: Sequence[str], env: dict[str, str], timing: dict[str, float]) -> list[str]:
     """The simulator's own arguments for a `vllm serve` line (pure)."""
     a, _ignored = _vllm_flags().parse_known_args(list(argv))
-    kv = contract.transfer_connector_config(a.kv_transfer_config)  # the simulator has no CPU tier: NIXL's part
+    kv = contract.transfer_connector_config(a.kv_transfer_config)  # NIXL's part; a CPU tier's size below
     extra = kv.get("kv_connector_extra_config") or {}
     try:
         mode, role = CONNECTOR_MODES[kv["kv_connector"]], ROLES[kv["kv_role"]]
@@ -94,6 +95,10 @@ def sim_argv(argv: Sequence[str], env: dict[str, str], timing: dict[str, float])
         out += ["--push-registration-timeout", str(extra["push_registration_timeout"])]
     if a.block_size:
         out += ["--block-size", str(a.block_size)]
+    if a.num_gpu_blocks_override:
+        out += ["--num-gpu-blocks", str(a.num_gpu_blocks_override)]
+    if cpu := contract.cpu_tier_bytes(a.kv_transfer_config):
+        out += ["--cpu-offload-bytes", str(cpu)]
     if a.enable_prefix_caching is False:
         out.append("--no-enable-prefix-caching")
     if a.prefix_caching_hash_algo:

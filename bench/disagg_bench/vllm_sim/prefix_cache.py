@@ -29,6 +29,13 @@ Generated token i is the word the simulator writes for it (``tok<i>``).
 - the cache does not refuse: a request that needs more blocks than are free gets them anyway (the simulator
   does not model vLLM's preemption), and usage is capped at 1 by the metric.
 
+**A CPU tier** (``cpu_blocks``: vLLM's OffloadingConnector in a MultiConnector, ``kvCache.cpu``): every full block
+a request computed is also stored in host memory (``kv_offload``: stores follow the compute), up to ``cpu_blocks``,
+least recently used evicted first. A prompt's blocks past its GPU hit that the CPU tier holds are copied back
+instead of computed (``Allocation.restored_tokens``; the connector's lookup starts where the GPU hit ends), then
+cached on the GPU as computed ones are. Its events have medium ``CPU`` and the shape of the offloading
+connector's placeholders (one run of hashes, no tokens, ``block_size`` 0). A reset clears the GPU tier only.
+
 Simplifications: a never-used block is always taken before a cached one is evicted (vLLM's free queue can
 interleave them); blocks filled by generated tokens are cached when the request finishes (vLLM caches each as
 it fills); LoRA, multimodal extra keys and cache salts do not exist here.
@@ -48,7 +55,7 @@ import msgspec
 from disagg_connector.contract import kv_blocks
 
 CHAT_PREAMBLE = ("<|sim_bos|>", "<|sim_chat|>")  # two tokens: one message's chat = its words + 4
-MEDIUM_GPU = "GPU"
+MEDIUM_GPU, MEDIUM_CPU = "GPU", "CPU"
 FULL_ATTENTION = "full_attention"  # KVCacheSpecKind.FULL_ATTENTION: what kv_cache_manager stamps on stores
 
 
@@ -140,11 +147,13 @@ class Stored:
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(frozen=True)
 class Removed:
     block_hashes: list[bytes]
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(frozen=True)
@@ -172,15 +181,19 @@ class Allocation:
     blocks: list[Block]
     cached: int
     hit_tokens: int
+    restored_tokens: int = 0  # copied back from the CPU tier: neither computed nor a GPU hit
     freed: bool = False
 
 
 @dataclass
 class CacheStats:
-    """vLLM's PrefixCacheStats totals, in tokens."""
+    """vLLM's PrefixCacheStats totals, in tokens; ``external_*``: the connector's (the CPU tier's), which vLLM
+    counts as ``vllm:external_prefix_cache_*``."""
 
     queries: int = 0
     hits: int = 0
+    external_queries: int = 0
+    external_hits: int = 0
 
 
 @dataclass
@@ -189,11 +202,13 @@ class PrefixCache:
     block_size: int
     enabled: bool = True
     hash_algo: kv_blocks.HashAlgo = "sha256"  # vLLM's --prefix-caching-hash-algo (its default)
+    cpu_blocks: int = 0  # the CPU tier's capacity (module docstring); 0: none
     stats: CacheStats = field(default_factory=CacheStats)
     in_use: int = 0  # blocks some request holds
     _cached: dict[bytes, Block] = field(default_factory=dict)
     _evictable: OrderedDict[bytes, Block] = field(default_factory=OrderedDict)  # cached, held by nobody; LRU first
     _events: list[CacheEvent] = field(default_factory=list)
+    _cpu: OrderedDict[bytes, None] = field(default_factory=OrderedDict)  # the CPU tier's hashes, LRU first
 
     # -- queries
     def blocks_for(self, num_tokens: int) -> int:
@@ -218,16 +233,22 @@ class PrefixCache:
         blocks for the rest. ``hit_tokens`` need no compute."""
         tokens = list(tokens)
         hashes = prompt_block_hashes(tokens, self.block_size, self.hash_algo) if self.enabled else []
-        hit = 0
+        hit = restored = 0
         if self.enabled:
             limit = max(0, len(tokens) - 1) // self.block_size
             while hit < limit and hashes[hit] in self._cached:
                 hit += 1
             self.stats.queries += len(tokens)
             self.stats.hits += hit * self.block_size
+            if self.cpu_blocks:
+                while hit + restored < limit and hashes[hit + restored] in self._cpu:
+                    self._cpu.move_to_end(hashes[hit + restored])
+                    restored += 1
+                self.stats.external_queries += len(tokens) - hit * self.block_size
+                self.stats.external_hits += restored * self.block_size
         blocks = [self._hold(self._cached[h]) for h in hashes[:hit]]
         blocks += self._new_blocks(self.blocks_for(len(tokens)) - hit)
-        return Allocation(request_id, tokens, hashes, blocks, hit, hit * self.block_size)
+        return Allocation(request_id, tokens, hashes, blocks, hit, hit * self.block_size, restored * self.block_size)
 
     def grow(self, alloc: Allocation, num_tokens: int) -> None:
         """More blocks as generated tokens fill the last one."""
@@ -243,6 +264,7 @@ class PrefixCache:
         full = min(len(alloc.tokens) // self.block_size, len(alloc.blocks))
         if len(alloc.hashes) < full:
             alloc.hashes = prompt_block_hashes(alloc.tokens[: full * self.block_size], self.block_size, self.hash_algo)
+        self._offload(alloc.hashes[alloc.cached:full])
         run: list[int] = []
         for i in range(alloc.cached, full):
             h = alloc.hashes[i]
@@ -280,6 +302,22 @@ class PrefixCache:
         return True
 
     # -- internals
+    def _offload(self, hashes: Sequence[bytes]) -> None:
+        """The CPU tier stores the blocks just computed (or touches those it has), evicting its oldest."""
+        if not self.cpu_blocks:
+            return
+        new = [h for h in hashes if h not in self._cpu]
+        for h in hashes:
+            self._cpu[h] = None
+            self._cpu.move_to_end(h)
+        if new:
+            self._events.append(Stored(new, None, [], 0, MEDIUM_CPU))
+        evicted = []
+        while len(self._cpu) > self.cpu_blocks:
+            evicted.append(self._cpu.popitem(last=False)[0])
+        if evicted:
+            self._events.append(Removed(evicted, MEDIUM_CPU))
+
     def _hold(self, block: Block) -> Block:
         if block.ref == 0:
             self.in_use += 1
@@ -334,11 +372,11 @@ def wire_event(event: CacheEvent, int_hashes: bool) -> BlockStored | BlockRemove
         parent = None if event.parent_block_hash is None else event_hash(event.parent_block_hash, int_hashes)
         return BlockStored(
             block_hashes=[event_hash(h, int_hashes) for h in event.block_hashes], parent_block_hash=parent, token_ids=list(event.token_ids),
-            block_size=event.block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None,
+            block_size=event.block_size, lora_id=None, medium=event.medium, lora_name=None,
             extra_keys=[None] * len(event.block_hashes), group_idx=0, kv_cache_spec_kind=FULL_ATTENTION,
         )
     if isinstance(event, Removed):
-        return BlockRemoved(block_hashes=[event_hash(h, int_hashes) for h in event.block_hashes], medium=MEDIUM_GPU, group_idx=0)
+        return BlockRemoved(block_hashes=[event_hash(h, int_hashes) for h in event.block_hashes], medium=event.medium, group_idx=0)
     return AllBlocksCleared()
 
 

@@ -89,11 +89,15 @@ there (P: the prefill is done; D: its first token, computed or received), its ge
 when it finishes. P holds a prefill's blocks until its lease ends, D has read them or P has written them.
 The KV transfer still moves the whole prompt (vLLM would move only what D lacks).
 ``POST /reset_prefix_cache`` empties every rank's cache (``{"success": false}`` while blocks are held).
+A CPU tier (``--cpu-offload-bytes``: the OffloadingConnector's ``cpu_bytes_to_use`` of a rendered MultiConnector,
+over ``--kv-bytes-per-token`` x ``--block-size`` per block) keeps every computed block in host memory, LRU; the
+blocks past a prompt's GPU hit that it holds are copied back at ``--cpu-restore-gbps`` instead of computed, and
+counted as vLLM counts a connector's hits (``vllm:external_prefix_cache_*``, exported only with a tier).
 
 **KV events** (``--kv-events-config '<json>'``, vLLM's KVEventsConfig): per DP rank a copy of vLLM 0.33.0's
 ``ZmqEventPublisher`` (PUB at the endpoint, its port plus the global rank; ROUTER replay likewise), one
 ``KVEventBatch`` per engine step that has events: BlockStored when blocks are cached, BlockRemoved when one is
-evicted, AllBlocksCleared on a reset.
+evicted, AllBlocksCleared on a reset; the CPU tier's stores and evictions likewise, with medium ``CPU``.
 
 **Timing model** (every duration multiplied by ``--time-scale``):
 - P has one accelerator: prefills run one at a time, FIFO, ``prefill_base_ms + prefill_us_per_token *
@@ -216,9 +220,18 @@ class Timing:
     read_gbps: float = 0.0  # D's READ in pull; 0: link_gbps
     pull_pickup_ms: float | None = None  # D's pick-up of a READ's KV; None: kv_pickup_ms
     intake_us_per_token: float = 0.0  # D's API server taking in a prompt before its engine sees it
+    cpu_restore_gbps: float = 400.0  # copying KV back from the CPU tier (PCIe Gen5 x16, ~50 GB/s)
 
     def prefill(self, n: int) -> float:
         return (self.prefill_base_ms * 1e3 + n * self.prefill_us_per_token) * 1e-6 * self.scale
+
+    def restore(self, n: int) -> float:
+        """Copying ``n`` tokens' KV back from the CPU tier, before the prefill goes on."""
+        return n * self.kv_bytes_per_token * 8 / (self.cpu_restore_gbps * 1e9) * self.scale
+
+    def cpu_tier_blocks(self, cpu_bytes: int, block_size: int) -> int:
+        """The blocks a CPU tier of ``cpu_bytes`` (vLLM's cpu_bytes_to_use) holds."""
+        return cpu_bytes // (self.kv_bytes_per_token * block_size)
 
     def kv_pickup(self, pull: bool = False) -> float:
         ms = self.pull_pickup_ms if pull and self.pull_pickup_ms is not None else self.kv_pickup_ms
@@ -458,6 +471,11 @@ class _PrefixCacheMetrics:
     COUNTERS = {
         "vllm:prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.", "queries"),
         "vllm:prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.", "hits"),
+        # the connector's (here: the CPU tier's), exported by vLLM only where a connector counts them
+        "vllm:external_prefix_cache_queries": ("External prefix cache queries from KV connector cross-instance cache "
+                                               "sharing, in terms of number of queried tokens.", "external_queries"),
+        "vllm:external_prefix_cache_hits": ("External prefix cache hits from KV connector cross-instance cache sharing, "
+                                            "in terms of number of cached tokens.", "external_hits"),
     }
 
     def __init__(self, engine: Engine) -> None:
@@ -471,6 +489,8 @@ class _PrefixCacheMetrics:
     def collect(self) -> Any:
         model = self.engine.a.served_model_name
         for name, (doc, attr) in self.COUNTERS.items():
+            if attr.startswith("external") and not self.engine.a.cpu_offload_bytes:
+                continue
             family = CounterMetricFamily(name, doc, labels=["engine", "model_name"])
             for rank, cache in sorted(self.engine.caches.items()):
                 family.add_metric([str(rank), model], float(getattr(cache.stats, attr)))
@@ -507,7 +527,7 @@ class Engine:
             a.prefill_us_per_token, a.tpot_ms, a.kv_bytes_per_token, a.link_gbps, a.registration_rtt_ms,
             a.step_ms, a.descriptor_prep_us_per_block, a.block_size, a.time_scale,
             prefill_base_ms=a.prefill_base_ms, kv_pickup_ms=a.kv_pickup_ms, read_gbps=a.read_gbps,
-            pull_pickup_ms=a.pull_pickup_ms, intake_us_per_token=a.intake_us_per_token,
+            pull_pickup_ms=a.pull_pickup_ms, intake_us_per_token=a.intake_us_per_token, cpu_restore_gbps=a.cpu_restore_gbps,
         )
         self.compute = asyncio.Lock()
         self.compute_until = 0.0
@@ -538,7 +558,8 @@ class Engine:
         self.group_task: asyncio.Task[None] | None = None
         self.inflight: dict[int, Seq] = {}  # id(seq) -> every request handed to the engine, until its answer is sent
         self.writing: dict[int, Seq] = {}  # id(seq) -> prefills whose KV P is writing (push)
-        self.caches = {r: pc.PrefixCache(a.num_gpu_blocks, a.block_size, a.enable_prefix_caching, a.prefix_caching_hash_algo)
+        cpu_blocks = self.t.cpu_tier_blocks(a.cpu_offload_bytes, a.block_size)
+        self.caches = {r: pc.PrefixCache(a.num_gpu_blocks, a.block_size, a.enable_prefix_caching, a.prefix_caching_hash_algo, cpu_blocks=cpu_blocks)
                        for r in self.ranks}
         self.publishers: dict[int, KVEventPublisher] = {}  # by rank, with --kv-events-config (serve() starts them)
         self.int_event_hashes = pc.int_event_hashes()
@@ -621,10 +642,11 @@ class Engine:
         if seq.blocks is not None:
             cache.free(seq.blocks)
         seq.blocks = cache.allocate(seq.rid, seq.token_ids)
-        computed = seq.prompt_tokens - seq.blocks.hit_tokens
-        seconds = self.t.prefill(computed)
+        restored = seq.blocks.restored_tokens
+        computed = seq.prompt_tokens - seq.blocks.hit_tokens - restored
+        seconds = self.t.prefill(computed) + self.t.restore(restored)
         self.event("prompt_scheduled", xid=seq.xid, rid=seq.rid, rank=seq.rank, hit_tokens=seq.blocks.hit_tokens,
-                   computed_tokens=computed, prefill_seconds=seconds)  # fmt: skip
+                   restored_tokens=restored, computed_tokens=computed, prefill_seconds=seconds)  # fmt: skip
         return seconds
 
     def free_blocks(self, seq: Seq, finished: bool = False) -> None:
@@ -1408,6 +1430,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-size-local", type=int, default=None, help="ranks this pod serves (unset: all of --dp-size)")
     p.add_argument("--lease-seconds", type=float, default=30.0, help="kv_lease_duration")
     p.add_argument("--num-gpu-blocks", type=int, default=65536, help="KV cache blocks per DP rank (vllm:kv_cache_usage_perc)")
+    p.add_argument("--cpu-offload-bytes", type=int, default=0,
+                   help="a CPU tier per rank (vLLM's OffloadingConnector cpu_bytes_to_use; its blocks: this / (--kv-bytes-per-token "
+                   "x --block-size)); 0: none")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="vLLM's automatic prefix caching (on by default, as in vLLM)")
     p.add_argument("--prefix-caching-hash-algo", choices=kv_blocks.HASH_ALGOS, default="sha256",
@@ -1444,6 +1469,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-pickup-ms", type=float, default=t.kv_pickup_ms, help="D notices received KV this much after the last notice")
     p.add_argument("--read-gbps", type=float, default=t.read_gbps, help="D's READ rate in pull (0: --link-gbps)")
     p.add_argument("--pull-pickup-ms", type=float, default=t.pull_pickup_ms, help="D notices a READ's KV this much later (unset: --kv-pickup-ms)")
+    p.add_argument("--cpu-restore-gbps", type=float, default=t.cpu_restore_gbps, help="copying KV back from the CPU tier")
     p.add_argument("--intake-us-per-token", type=float, default=t.intake_us_per_token,
                    help="the decode engine's API server takes a prompt in this long per token before its engine sees it")
     p.add_argument("--time-scale", type=float, default=1.0)

@@ -142,6 +142,16 @@ def transfer_connector_config(kv_transfer_config: Mapping[str, Any]) -> dict[str
     return {"engine_id": kv_transfer_config.get("engine_id"), **first}
 
 
+def cpu_tier_bytes(kv_transfer_config: Mapping[str, Any]) -> int:
+    """The CPU tier of an engine's --kv-transfer-config (its OffloadingConnector's cpu_bytes_to_use), or 0."""
+    children = kv_transfer_config.get("kv_connector_extra_config", {}).get("connectors", []) \
+        if kv_transfer_config.get("kv_connector") == MULTI_CONNECTOR else [kv_transfer_config]
+    for child in children:
+        if child.get("kv_connector") == OFFLOADING_CONNECTOR:
+            return int(child.get("kv_connector_extra_config", {}).get("cpu_bytes_to_use", 0))
+    return 0
+
+
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 

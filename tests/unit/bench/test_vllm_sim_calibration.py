@@ -33,6 +33,7 @@ def test_the_simulator_reads_a_rendered_command_line_like_vllm(mode: str, tier: 
         assert (args.host, args.side_channel_port) == ("127.0.0.1", e.side_channel_port)
         assert (args.lease_seconds, args.kv_load_failure_policy, args.block_size, args.tpot_ms) == (90.0, "fail", 64, 3.0)
         assert args.served_model_name == plan.served_model_name
+        assert args.cpu_offload_bytes == (8 << 30 if tier else 0)  # the OffloadingConnector's cpu_bytes_to_use
 
 
 def test_peers_of_different_configs_fail_the_handshake() -> None:

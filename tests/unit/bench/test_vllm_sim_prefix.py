@@ -187,6 +187,41 @@ def test_reset_is_refused_while_blocks_are_held_then_clears_everything() -> None
 
 
 # --- tokens ---------------------------------------------------------------------------------------------------
+def test_a_cpu_tier_keeps_what_the_gpu_evicted_and_gives_it_back_instead_of_compute() -> None:
+    c = pc.PrefixCache(2, BS, cpu_blocks=3)
+    a = c.allocate("a", [1] * 8 + [0])  # 2 full blocks + 1 token
+    c.commit(a)
+    c.free(a)
+    stored = [e for e in c.take_events() if isinstance(e, pc.Stored)]
+    assert [(e.medium, e.block_hashes) for e in stored] == [("CPU", hashes([1] * 8)), ("GPU", hashes([1] * 8))]
+    assert (stored[0].token_ids, stored[0].block_size, stored[0].parent_block_hash) == ([], 0, None)  # a placeholder
+    b = c.allocate("b", [2] * 8 + [0])  # the GPU pool of 2 evicts a's blocks; the CPU tier keeps them
+    c.commit(b)
+    c.free(b)
+    events = c.take_events()
+    assert [(e.medium, e.block_hashes) for e in events if isinstance(e, pc.Removed)] == [
+        ("GPU", [hashes([1] * 8)[1]]), ("GPU", [hashes([1] * 8)[0]]), ("CPU", [hashes([1] * 8)[0]])]  # 4 > 3: a's head
+    again = c.allocate("a2", [1] * 8 + [0])
+    assert (again.hit_tokens, again.restored_tokens) == (0, 0)  # the head went from both tiers: nothing leads
+    c.free(again)
+    d = pc.PrefixCache(4, BS, cpu_blocks=8)
+    first = d.allocate("x", list(range(12)) + [0])
+    d.commit(first)
+    d.free(first)
+    d.allocate("y", [9] * 16)  # four new blocks: every cached block of x leaves the GPU
+    turn = d.allocate("x2", list(range(12)) + [0, 5])
+    assert (turn.hit_tokens, turn.restored_tokens) == (0, 12)  # three blocks copied back, not computed
+    assert (d.stats.external_queries, d.stats.external_hits) == (13 + 16 + 14, 12)
+
+
+def test_without_a_cpu_tier_nothing_is_restored_or_reported() -> None:
+    c = cache(num_blocks=2)
+    a = c.allocate("a", [1] * 8 + [0])
+    c.commit(a)
+    assert {e.medium for e in c.take_events()} == {"GPU"} and a.restored_tokens == 0
+    assert (c.stats.external_queries, c.stats.external_hits) == (0, 0)
+
+
 def test_text_is_one_token_per_word_and_token_ids_are_used_as_given() -> None:
     assert len(pc.completion_token_ids("a b  c\nd")) == 4
     assert pc.completion_token_ids([7, 8, 9]) == [7, 8, 9]
