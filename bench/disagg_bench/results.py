@@ -238,6 +238,8 @@ NOT_REGENERABLE_SUMMARIES: tuple[Summary, ...] = (
             "a calibration profile names; its figures vary run to run, so they regenerate only approximately"),
     Summary("routing-sim.md", (), NOT_REGENERABLE,
             "`python -m disagg_bench.routing_sim --runs 3 --cell-seconds 30 --peer` (simulator, ~7 min); no raw data committed"),
+    Summary("cpu-tier-sim.md", (), NOT_REGENERABLE,
+            "`python -m disagg_bench.cpu_tier_sim --runs 3 --cell-seconds 40` (simulator, ~13 min); no raw data committed"),
     Summary("operator-scale.md", (), NOT_REGENERABLE,
             "`python -m disagg_bench.operator_scale --sizes 50,200 --runs 3` (local control plane); no raw data committed"),
     Summary("router-bench.txt", (), NOT_REGENERABLE, "`python -m disagg_bench.router_bench` (timed run); no raw data committed"),

@@ -261,3 +261,33 @@ def test_simulated_pods_on_one_machine_publish_on_the_same_port(tmp_path: pathli
                 s.close()
     finally:
         h.stop_all(*(sim for _, sim in pods))
+
+
+def test_a_cpu_tier_gives_back_what_the_gpu_evicted_and_says_so(tmp_path: pathlib.Path) -> None:
+    """A GPU pool of 40 blocks and a CPU tier of 100 (--cpu-offload-bytes over 1 KiB of KV per token): a prompt
+    evicted by the next one is copied back from the CPU tier, not computed, and counted as vLLM counts a
+    connector's hits; the tier's stores are published as events of medium CPU."""
+    base = h.free_port_block(2)
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{base}",
+              "replay_endpoint": f"tcp://*:{base + 1}", "buffer_steps": 100}
+    sim = h.launch_sim(tmp_path, "decode", "push", extra=[
+        "--block-size", str(BLOCK), "--num-gpu-blocks", "40", "--kv-bytes-per-token", "1024",
+        "--cpu-offload-bytes", str(100 * BLOCK * 1024), "--kv-events-config", json.dumps(config)])  # fmt: skip
+    try:
+        h.wait_ready(sim)
+        sub = subscribed(sim.url, base, base + 1)
+        try:
+            first, other = words("tier-a", 500), words("tier-b", 500)  # 31 full blocks and a partial each
+            cold = scheduled(sim, complete(sim, first, 0))
+            stored = sub.until(pc.BlockStored)
+            assert {e.medium for e in stored.events if isinstance(e, pc.BlockStored)} == {"CPU", "GPU"}
+            scheduled(sim, complete(sim, other, 0))  # evicts the tail of the first from the GPU pool (tail first)
+            again = scheduled(sim, complete(sim, first, 0))
+        finally:
+            sub.close()
+        assert (cold["hit_tokens"], cold["restored_tokens"]) == (0, 0)
+        assert again["hit_tokens"] + again["restored_tokens"] == 31 * BLOCK and again["restored_tokens"] >= 16 * BLOCK
+        assert again["prefill_seconds"] < cold["prefill_seconds"] / 2
+        assert metric(sim, "vllm:external_prefix_cache_hits_total", engine="0") == again["restored_tokens"]
+    finally:
+        h.stop_all(sim)
