@@ -196,10 +196,16 @@ _SHORT_FLAGS = tuple(f for f in MANAGED_FLAGS if not f.startswith("--"))
 # `--a`, and argparse takes any unambiguous prefix (`--tensor-parallel` is `--tensor-parallel-size`). So an
 # argument is refused when its option name, up to '=' or '.', with '_' read as '-', begins a managed flag.
 _OPTION = "a.split('=')[0].split('.')[0].replace('_', '-')"
+
+
+def _spells_a_long_flag(flags: tuple[str, ...]) -> str:
+    """CEL: extraArgs' item `a` is one of the long `flags` in a spelling vLLM reads as it."""
+    return f"(a.startsWith('--') && size(a) > 2 && {_cel_list(flags)}.exists(f, f.startsWith({_OPTION})))"
+
+
 _NO_MANAGED_FLAGS = CelRule(
     rule=(
-        f"self.extraArgs.all(a, !(a.startsWith('--') && size(a) > 2 && "
-        f"{_cel_list(_LONG_FLAGS)}.exists(f, f.startsWith({_OPTION}))) && "
+        f"self.extraArgs.all(a, !{_spells_a_long_flag(_LONG_FLAGS)} && "
         f"!{_cel_list(_SHORT_FLAGS)}.exists(f, a == f || a.startsWith(f + '=')))"
     ),
     message=(
@@ -214,7 +220,7 @@ _NO_MANAGED_FLAGS = CelRule(
 # vllm/config/vllm.py _post_init_kv_transfer_config, 0.33.0 and 0.34.0), which turns P/D off. kvCache.cpu is the way.
 OFFLOADING_FLAGS = ("--kv-offloading-size",)
 _NO_OFFLOADING_FLAGS = CelRule(
-    rule=f"self.extraArgs.all(a, !(a.startsWith('--') && size(a) > 2 && {_cel_list(OFFLOADING_FLAGS)}.exists(f, f.startsWith({_OPTION}))))",
+    rule=f"self.extraArgs.all(a, !{_spells_a_long_flag(OFFLOADING_FLAGS)})",
     message=(
         "extraArgs must not set " + " or ".join(OFFLOADING_FLAGS) + " (in any spelling vLLM reads as it): "
         "vLLM then replaces the NIXL connector with its offloading connector, without a warning, and prefill/decode "
