@@ -231,6 +231,10 @@ NOT_REGENERABLE_SUMMARIES: tuple[Summary, ...] = (
     Summary("h200-issue20-inversion.md", _r("h200-issue20-1gpu-r", (1, 2, 3)) + _r("h200-issue20-peers-r", (1, 2, 3)),
             NOT_REGENERABLE, "hand-written: figures printed by the inline python3 snippets in the page (they read the raw files "
             "with `load_results`; rerun them to check), composed by hand"),
+    Summary("h200-issue31-cpu-tier.md", tuple(f"h200-issue31-cpu-tier-{run}.json" for run in ("8gi", "base-r1", "32gi", "base-r2", "pages")),
+            NOT_REGENERABLE, "hand-written: the cells table printed by `python3 hack/gpu/cpu_tier_report.py report` over the four "
+            "runs' folders (their results.json and /metrics pages; the report's json is the -pages file), the pages table made "
+            "from that json, the by-turn table printed by the inline python3 snippet in the page"),
     Summary("sim-vs-real.md", ("h200-1gpu-pull-tcp.json", "h200-1gpu-push-sequential.json", "h200-1gpu-push.json",
                                *_r("h200-issue20-1gpu-r", (1, 2, 3)), *_r("h200-issue19-routing-r", range(1, 6)),
                                *_r("h200-issue19-noreuse-r", range(1, 6))), NOT_REGENERABLE,

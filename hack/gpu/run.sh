@@ -34,12 +34,16 @@
 #                                    #   --enable-expert-parallel on this dense model at startup (with or without
 #                                    #   hack/gpu/vllm_dense_xlb.py, VLLM_PATCH=0 for plain vLLM): it serves only in
 #                                    #   REHEARSAL=1 (bench/results/h200-issue18-dp.md)
+#   hack/gpu/run.sh issue31-cpu-tier # one GPU (after unpack-a1), carry .gpu/a2: a prefill with a CPU tier (MultiConnector
+#                                    #   of NIXL push + OffloadingConnector, hack/gpu/qwen3-0.6b-cpu-tier.yaml) and a small
+#                                    #   GPU KV, one decode; the multi-turn workload through the router; then the same on
+#                                    #   the same file without the tier; vLLM's own counters per cell and whole /metrics pages
 #
 # Results go to $OUT (results.json, results.md, logs.tar.xz; kvbench.json for issue12), also when the sweep
 # runs out of time (each cell is saved as it completes). REHEARSAL=1 runs the same command lines on a CPU
 # machine with the simulator in place of vLLM (bench/disagg_bench/vllm_sim/as_vllm.py) and a short sweep.
 set -u
-stage=${1:?usage: hack/gpu/run.sh unpack-a1|unpack-a3|push|pull-1gpu|issue20-1gpu|issue20-peers|issue19-routing|issue30-migration|issue12-push|issue12-pull|issue18-dp2}
+stage=${1:?usage: hack/gpu/run.sh unpack-a1|unpack-a3|push|pull-1gpu|issue20-1gpu|issue20-peers|issue19-routing|issue30-migration|issue31-cpu-tier|issue12-push|issue12-pull|issue18-dp2}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$REPO"
 SITE=${SITE:-/tmp/site}
@@ -232,6 +236,56 @@ case "$stage" in
         --gpus 0 --colocate --kv-cache-memory-bytes 25769803776 --gpu-memory-utilization 0.22 \
         --streams "${STREAMS:-16}" --prompt-tokens "${PROMPT_TOKENS:-1024}" --chat
     done
+    ;;
+  issue31-cpu-tier)
+    # Issue 31: a CPU tier on real engines. spec.prefill.kvCache.cpu renders --kv-transfer-config as a MultiConnector
+    # of the NIXL push connector and vLLM's OffloadingConnector (8 GiB of host memory). The prefill's GPU KV is cut to
+    # 128 blocks (16k tokens, --num-gpu-blocks-override in the model's prefill extraArgs) so that the multi-turn
+    # workload (2048-token shared system prompt, 4 turns of 512 user tokens, 64-token answers resent as history, 2 s
+    # mean think time) evicts a session's history between its turns: at 4 sessions/s ~16 turns/s insert ~80 blocks/s,
+    # ~280 blocks in the ~3.5 s between a session's turns (think time, first token, 64 tokens at ~21 ms). Then the
+    # same workload (same words: same mode name and seeds) on fresh engines from the same file without kvCache (the
+    # baseline). Each cell records every engine's
+    # vllm:prefix_cache_{hits,queries}_total, vllm:external_prefix_cache_hits_total (the connector's hits) and the
+    # vllm:nixl_* series (bench.py); cpu_tier_report.py keeps every engine's whole /metrics page, first and last,
+    # and compares the runs (issue31-cpu-tier-summary.{json,md}). If the tier's engines do not come up, the engine
+    # logs' tails are printed and the baseline is not run.
+    # CPU31=32Gi: another size of the tier (the names say so); REP=2: a repetition's names.
+    prepare
+    tier31=hack/gpu/qwen3-0.6b-cpu-tier.yaml base31=$WORK/qwen3-0.6b-cpu-tier-base.yaml sfx31="${CPU31:+-$CPU31}${REP:+-r$REP}"
+    if [ -n "${CPU31:-}" ]; then
+      tier31=$WORK/qwen3-0.6b-cpu-tier-$CPU31.yaml
+      sed -e "s/^      cpu: 8Gi$/      cpu: $CPU31/" hack/gpu/qwen3-0.6b-cpu-tier.yaml > "$tier31"
+      grep -q "^      cpu: $CPU31$" "$tier31" || { log "no cpu: $CPU31 in $tier31"; exit 3; }
+    fi
+    sed -e '/^    kvCache:$/,+1d' -e 's/^  name: qwen3-06b-cpu-tier$/  name: qwen3-06b-cpu-tier-base/' hack/gpu/qwen3-0.6b-cpu-tier.yaml > "$base31"
+    grep -q "^ *kvCache:" "$base31" && { log "kvCache still in $base31"; exit 3; }
+    ENGINES31="--gpus 0 --colocate --kv-cache-memory-bytes 25769803776 --gpu-memory-utilization 0.22"
+    runs31=""
+    for variant in tier base; do
+      if [ $variant = tier ]; then yaml31=$tier31; name31=issue31-cpu-tier$sfx31; else yaml31=$base31; name31=issue31-cpu-tier-base$sfx31; fi
+      rm -rf "${WORK:?}/$name31"; mkdir -p "$WORK/$name31"
+      urls31=$($PY -m disagg_bench.localrun plan -f "$yaml31" $ENGINES31 --router-mode push | sed -n -E 's/^# (prefill|decode)-[0-9]+: .* http ([0-9]+),.*/http:\/\/127.0.0.1:\2/p')
+      log "$variant: engines $urls31"
+      $PY hack/gpu/cpu_tier_report.py watch "$WORK/$name31/metrics" $urls31 & watcher=$!
+      QUICK=${QUICK:+--cell-seconds 4 --min-requests 4 --drain-timeout 10} MODEL_YAML=$yaml31 BUDGET=${BUDGET31:-230} \
+        bench "$name31" $ENGINES31 --workload multi-turn --modes router-push --system-tokens 2048 --turns 4 \
+        --user-tokens 512 --max-tokens 64 --think-time 2 --rates "${RATES:-4,8}" --cell-seconds "${CELL31:-24}" \
+        --min-requests 12 --drain-timeout 20
+      kill $watcher 2>/dev/null; wait $watcher 2>/dev/null
+      tar cf - -C "$WORK/$name31" logs metrics 2>/dev/null | xz -T0 > "$OUT/$name31-logs.tar.xz"  # the pages with the logs
+      runs31="$runs31 $variant=$WORK/$name31"
+      if ! grep -q '"ttft"' "$WORK/$name31/results.json" 2>/dev/null; then
+        log "$variant: no cell measured; the engine logs' ends:"
+        for f in "$WORK/$name31"/logs/*; do
+          [ -f "$f" ] || continue
+          echo "== $f"; grep -n -E "Error|error|Traceback|raise|refus|Invalid|invalid" "$f" | tail -n 25; tail -n 15 "$f"
+        done
+        break
+      fi
+    done
+    $PY hack/gpu/cpu_tier_report.py report "$OUT/issue31-cpu-tier$sfx31-summary.json" "$OUT/issue31-cpu-tier$sfx31-summary.md" $runs31
+    log "cpu_tier_report exited with $?"
     ;;
   issue12-push)
     prepare

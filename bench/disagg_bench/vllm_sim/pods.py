@@ -308,7 +308,7 @@ class PodEngines:
         http_port = int(ann.get(contract.ANNOTATION_HTTP_PORT, contract.HTTP_PORT))
         side_port = int(ann.get(contract.ANNOTATION_SIDE_CHANNEL_PORT, contract.NIXL_SIDE_CHANNEL_PORT))
         engine_id = contract.engine_id(name, uid)
-        revision, release = labels[contract.LABEL_REVISION], ann[contract.ANNOTATION_VLLM_VERSION]
+        revision, release = labels[contract.LABEL_REVISION], ann.get(contract.ANNOTATION_VLLM_VERSION)
         ranks = [i.dp_rank for i in contract.identities_from_pod(name, uid, ip, ann, labels)]
         argv = [
             sys.executable, "-m", "disagg_bench.vllm_sim", "--role", role, "--mode", ann[contract.ANNOTATION_TRANSFER_MODE].lower(),
@@ -317,8 +317,9 @@ class PodEngines:
             "--tp-size", ann.get(contract.ANNOTATION_TP_SIZE, "1"), "--pp-size", ann.get(contract.ANNOTATION_PP_SIZE, "1"),
             "--dp-size", ann.get(contract.ANNOTATION_DP_SIZE, "1"),
             "--compat-hash", f"hash-{revision}",  # one NIXL compatibility hash per revision, as in vLLM
-            "--vllm-version", release,
         ]  # fmt: skip
+        if release:  # every pod the operator renders says it; a hand-made one gets the simulator's default
+            argv += ["--vllm-version", release]
         if len(ranks) < int(ann.get(contract.ANNOTATION_DP_SIZE, "1")):  # a pod of an engine that spans pods
             argv += ["--dp-start-rank", str(ranks[0]), "--dp-size-local", str(len(ranks))]
         argv += kv_cache_argv(pod, ip)

@@ -228,9 +228,10 @@ class PrefixCache:
         return events
 
     # -- a request's life
-    def allocate(self, request_id: str, tokens: Sequence[int]) -> Allocation:
+    def allocate(self, request_id: str, tokens: Sequence[int], remote_kv: bool = False) -> Allocation:
         """Blocks for a prompt being scheduled: its longest cached prefix (never its last token) plus new
-        blocks for the rest. ``hit_tokens`` need no compute."""
+        blocks for the rest. ``hit_tokens`` need no compute. ``remote_kv``: a decode whose KV past that prefix
+        comes over NIXL, which vLLM counts as the connector's hits (else the CPU tier's blocks are)."""
         tokens = list(tokens)
         hashes = prompt_block_hashes(tokens, self.block_size, self.hash_algo) if self.enabled else []
         hit = restored = 0
@@ -240,12 +241,13 @@ class PrefixCache:
                 hit += 1
             self.stats.queries += len(tokens)
             self.stats.hits += hit * self.block_size
-            if self.cpu_blocks:
+            if self.cpu_blocks and not remote_kv:
                 while hit + restored < limit and hashes[hit + restored] in self._cpu:
                     self._cpu.move_to_end(hashes[hit + restored])
                     restored += 1
-                self.stats.external_queries += len(tokens) - hit * self.block_size
-                self.stats.external_hits += restored * self.block_size
+        # the connector is asked for what the GPU prefix cache did not have (vLLM: connector_prefix_cache_stats)
+        self.stats.external_queries += len(tokens) - hit * self.block_size
+        self.stats.external_hits += len(tokens) - hit * self.block_size if remote_kv else restored * self.block_size
         blocks = [self._hold(self._cached[h]) for h in hashes[:hit]]
         blocks += self._new_blocks(self.blocks_for(len(tokens)) - hit)
         return Allocation(request_id, tokens, hashes, blocks, hit, hit * self.block_size, restored * self.block_size)

@@ -92,7 +92,8 @@ The KV transfer still moves the whole prompt (vLLM would move only what D lacks)
 A CPU tier (``--cpu-offload-bytes``: the OffloadingConnector's ``cpu_bytes_to_use`` of a rendered MultiConnector,
 over ``--kv-bytes-per-token`` x ``--block-size`` per block) keeps every computed block in host memory, LRU; the
 blocks past a prompt's GPU hit that it holds are copied back at ``--cpu-restore-gbps`` instead of computed, and
-counted as vLLM counts a connector's hits (``vllm:external_prefix_cache_*``, exported only with a tier).
+counted as vLLM counts a connector's hits (``vllm:external_prefix_cache_*``: the connector is asked for the tokens
+past the GPU hit; a decode's KV received over NIXL counts as its hits, as on the H200, h200-issue31-cpu-tier.md).
 
 **KV events** (``--kv-events-config '<json>'``, vLLM's KVEventsConfig): per DP rank a copy of vLLM 0.33.0's
 ``ZmqEventPublisher`` (PUB at the endpoint, its port plus the global rank; ROUTER replay likewise), one
@@ -471,7 +472,7 @@ class _PrefixCacheMetrics:
     COUNTERS = {
         "vllm:prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.", "queries"),
         "vllm:prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.", "hits"),
-        # the connector's (here: the CPU tier's), exported by vLLM only where a connector counts them
+        # the connector's: the NIXL KV a decode receives, the CPU tier's blocks (vLLM exports them with a connector)
         "vllm:external_prefix_cache_queries": ("External prefix cache queries from KV connector cross-instance cache "
                                                "sharing, in terms of number of queried tokens.", "external_queries"),
         "vllm:external_prefix_cache_hits": ("External prefix cache hits from KV connector cross-instance cache sharing, "
@@ -489,8 +490,6 @@ class _PrefixCacheMetrics:
     def collect(self) -> Any:
         model = self.engine.a.served_model_name
         for name, (doc, attr) in self.COUNTERS.items():
-            if attr.startswith("external") and not self.engine.a.cpu_offload_bytes:
-                continue
             family = CounterMetricFamily(name, doc, labels=["engine", "model_name"])
             for rank, cache in sorted(self.engine.caches.items()):
                 family.add_metric([str(rank), model], float(getattr(cache.stats, attr)))
@@ -641,7 +640,7 @@ class Engine:
         cache = self.caches[seq.rank]
         if seq.blocks is not None:
             cache.free(seq.blocks)
-        seq.blocks = cache.allocate(seq.rid, seq.token_ids)
+        seq.blocks = cache.allocate(seq.rid, seq.token_ids, remote_kv=seq.path in ("push", "pull"))
         restored = seq.blocks.restored_tokens
         computed = seq.prompt_tokens - seq.blocks.hit_tokens - restored
         seconds = self.t.prefill(computed) + self.t.restore(restored)

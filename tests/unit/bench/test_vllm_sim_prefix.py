@@ -214,12 +214,15 @@ def test_a_cpu_tier_keeps_what_the_gpu_evicted_and_gives_it_back_instead_of_comp
     assert (d.stats.external_queries, d.stats.external_hits) == (13 + 16 + 14, 12)
 
 
-def test_without_a_cpu_tier_nothing_is_restored_or_reported() -> None:
-    c = cache(num_blocks=2)
+def test_without_a_cpu_tier_nothing_is_restored_and_a_decodes_remote_kv_is_the_connectors_hit() -> None:
+    c = cache(num_blocks=8)
     a = c.allocate("a", [1] * 8 + [0])
     c.commit(a)
+    c.free(a)
     assert {e.medium for e in c.take_events()} == {"GPU"} and a.restored_tokens == 0
-    assert (c.stats.external_queries, c.stats.external_hits) == (0, 0)
+    assert (c.stats.external_queries, c.stats.external_hits) == (9, 0)  # the connector is asked, finds nothing
+    d = c.allocate("d", [1] * 8 + [0, 2], remote_kv=True)  # a decode: its 2 cached blocks, the rest over NIXL
+    assert (d.hit_tokens, c.stats.external_queries - 9, c.stats.external_hits) == (8, 2, 2)  # as on the H200: hits + external = queries
 
 
 def test_text_is_one_token_per_word_and_token_ids_are_used_as_given() -> None:
