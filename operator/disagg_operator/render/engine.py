@@ -9,7 +9,7 @@ from disagg_connector import contract
 
 from ..api.models import DisaggregatedModel, RoleSpec
 from ..config import RenderDefaults
-from ..quantity import parse_quantity
+from ..quantity import format_bytes, parse_quantity
 from ..resolve import TransferPlan
 from . import gang, placement, vllm
 from .meta import metadata
@@ -59,9 +59,9 @@ def resources(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, Any]:
     if tier is not None:
         # the CPU tier is host memory each engine core pins: the scheduler must count it, the OOM killer allow it
         added = tier * role.shape.ranks_per_pod
-        requests["memory"] = str(int(parse_quantity(requests.get("memory", 0))) + added)
+        requests["memory"] = format_bytes(int(parse_quantity(requests.get("memory", 0))) + added)
         if "memory" in limits:
-            limits["memory"] = str(int(parse_quantity(limits["memory"])) + added)
+            limits["memory"] = format_bytes(int(parse_quantity(limits["memory"])) + added)
     return {"requests": requests, "limits": limits}
 
 

@@ -36,6 +36,7 @@ def test_the_pod_asks_for_the_tier_of_every_engine_core_it_runs(ranks: int, memo
     spec = {**TIER, "prefill": {**TIER["prefill"], "parallelism": {"data": ranks}, "accelerator": {"count": ranks}}}
     resources = engine_container(render(parse(dm(spec))).objects, "prefill")["resources"]
     assert parse_quantity(resources["requests"]["memory"]) == memory << 30
+    assert resources["requests"]["memory"] == f"{memory}Gi"  # as a person writes it, in the largest whole unit
     assert parse_quantity(resources["limits"]["memory"]) == (memory - 64 + 80) << 30
     untouched = engine_container(render(parse(dm(spec))).objects, "decode")["resources"]
     assert "memory" not in untouched["limits"]
