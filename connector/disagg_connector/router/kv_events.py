@@ -71,6 +71,8 @@ class CpuTier:
     """The CPU tier of a backend, a key of its own in the index (a backend's GPU tier is its key)."""
 
     backend: BackendKey
+
+
 _HASH_MASK = (1 << 64) - 1
 # ZmqEventPublisher.END_SEQ: the replay's last message carries seq -1 (signed), empty topic and payload.
 REPLAY_END_SEQ = (-1).to_bytes(8, "big", signed=True)

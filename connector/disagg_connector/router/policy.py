@@ -47,7 +47,9 @@ BALANCE_SLACK = 1.0
 BALANCE_SLACK_SHARE = 0.5
 # What a prompt block found only in an engine's CPU tier saves, against one in its GPU memory (1). Estimated,
 # not measured: the copy back over PCIe (~50 GB/s; ~0.25 MB of KV per token of a 32B model with 8 KV heads) is
-# about an order of magnitude faster than computing the block, but it runs before the prefill goes on.
+# about an order of magnitude faster than computing the block, but it runs before the prefill goes on. For a small
+# model it is worth less: on an H200 a 0.6B model recomputed its history faster than vLLM 0.26.0 loaded it
+# (bench/results/h200-issue31-cpu-tier.md).
 CPU_HIT_WORTH = 0.8
 
 
