@@ -231,7 +231,12 @@ class Timing:
         return n * self.kv_bytes_per_token * 8 / (self.cpu_restore_gbps * 1e9) * self.scale
 
     def cpu_tier_blocks(self, cpu_bytes: int, block_size: int) -> int:
-        """The blocks a CPU tier of ``cpu_bytes`` (vLLM's cpu_bytes_to_use) holds."""
+        """The blocks a CPU tier of ``cpu_bytes`` (vLLM's cpu_bytes_to_use) holds; none without a tier (also for
+        zero-cost engines, whose KV has no size)."""
+        if not cpu_bytes:
+            return 0
+        if self.kv_bytes_per_token * block_size <= 0:
+            raise SystemExit("a CPU tier (--cpu-offload-bytes) needs --kv-bytes-per-token > 0 to size its blocks")
         return cpu_bytes // (self.kv_bytes_per_token * block_size)
 
     def kv_pickup(self, pull: bool = False) -> float:

@@ -74,3 +74,12 @@ def test_engines_of_two_releases_never_handshake(prefill: str, decode: str, pair
         return sim.Engine(sim.build_parser().parse_args(["--role", role, "--mode", "push", "--engine-id", role, "--vllm-version", version]))
 
     assert (engine("prefill", prefill).compat_hash == engine("decode", decode).compat_hash) == pair
+
+
+def test_engines_without_a_cpu_tier_start_whatever_their_kv_size() -> None:
+    """Zero-cost engines (router_bench's peers: no KV size) have no tier; a tier needs a KV size to count blocks."""
+    zero = sim.Engine(sim.build_parser().parse_args(["--role", "prefill", "--engine-id", "p", "--kv-bytes-per-token", "0"]))
+    assert zero.caches[0].cpu_blocks == 0
+    with pytest.raises(SystemExit, match="kv-bytes-per-token"):
+        sim.Engine(sim.build_parser().parse_args(["--role", "prefill", "--engine-id", "p", "--kv-bytes-per-token", "0",
+                                                  "--cpu-offload-bytes", "1024"]))
