@@ -27,8 +27,8 @@ import jinja2
 
 from disagg_connector import contract
 
-from . import rollout
-from .api.models import DisaggregatedModel, EngineShape, RoleSpec
+from . import resolve, rollout
+from .api.models import DEFAULT_VLLM_VERSION, DisaggregatedModel, EngineShape, RoleSpec
 from .api.validation import SpecError, parse
 from .config import RenderDefaults
 from . import gangs
@@ -85,6 +85,9 @@ class ChangePlan:
     peak_accelerators: Mapping[str, Mapping[str, int]]
     engines: Mapping[str, EngineShape]  # role -> how one engine of the new model lays out over pods
     gangs: str  # what its gangs need, or whether they will hold on the cluster looked at (gangs.outlook)
+    vllm_version: str  # the release the new model's engines run
+    vllm_version_kept: bool  # the spec names none: the release the live model runs (its status) is kept
+    default_vllm_version: str  # what a new model that names no release runs with this operator
     schedule: str = SCHEDULE
 
     @property
@@ -139,25 +142,32 @@ def _with_value(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> dict
     return out
 
 
-def _revision(dm: DisaggregatedModel, defaults: RenderDefaults) -> str:
-    return render(dm, defaults).revision
+def _status_of(current: DisaggregatedModel | None) -> dict[str, Any] | None:
+    """The live model's status (--from-cluster): a running model keeps its release (resolve.held_release)."""
+    return current.status.model_dump(by_alias=True, exclude_none=True) if current is not None and current.status else None
 
 
-def _revision_with(current: DisaggregatedModel, spec: dict[str, Any], defaults: RenderDefaults) -> str | None:
+def _revision(dm: DisaggregatedModel, defaults: RenderDefaults, status: Mapping[str, Any] | None) -> str:
+    return render(dm, defaults, status).revision
+
+
+def _revision_with(current: DisaggregatedModel, spec: dict[str, Any], defaults: RenderDefaults,
+                   status: Mapping[str, Any] | None) -> str | None:  # fmt: skip
     doc = {"apiVersion": current.api_version, "kind": current.kind,
            "metadata": {"name": current.metadata.name, "namespace": current.metadata.namespace}, "spec": spec}  # fmt: skip
     try:
-        return _revision(parse(doc), defaults)
+        return _revision(parse(doc), defaults, status)
     except (SpecError, ValueError):
         return None
 
 
-def _changes(current: DisaggregatedModel, new: DisaggregatedModel, defaults: RenderDefaults) -> tuple[FieldChange, ...]:
+def _changes(current: DisaggregatedModel, new: DisaggregatedModel, defaults: RenderDefaults,
+             status: Mapping[str, Any] | None) -> tuple[FieldChange, ...]:  # fmt: skip
     before, after = _spec_tree(current), _spec_tree(new)
-    revision = _revision(current, defaults)
+    revision = _revision(current, defaults, status)
     changes = []
     for keys, old, value in _leaf_changes(before, after):
-        alone = _revision_with(current, _with_value(before, keys, value), defaults)
+        alone = _revision_with(current, _with_value(before, keys, value), defaults, status)
         changes.append(FieldChange(
             path=_path_text(keys), before=None if old is _ABSENT else old, after=None if value is _ABSENT else value,
             new_revision_alone=None if alone is None else alone != revision))  # fmt: skip
@@ -223,8 +233,10 @@ def change_plan(current: DisaggregatedModel | None, new: DisaggregatedModel, def
     if current is not None and (current.metadata.namespace, current.metadata.name) != (new.metadata.namespace, new.metadata.name):
         raise PlanError(f"the current model is {current.metadata.namespace}/{current.metadata.name} and the new one "
                         f"{new.metadata.namespace}/{new.metadata.name}: a plan compares one model before and after")  # fmt: skip
-    new_revision = _revision(new, defaults)
-    current_revision = _revision(current, defaults) if current is not None else None
+    status = _status_of(current)
+    rendered = render(new, defaults, status)
+    new_revision = rendered.revision
+    current_revision = _revision(current, defaults, status) if current is not None else None
     rolls = current is not None and current_revision != new_revision
     sizes_now = {r: _role(current, r).replicas if current is not None else 0 for r in ROLES}
     budgets = _budgets(new)
@@ -247,7 +259,7 @@ def change_plan(current: DisaggregatedModel | None, new: DisaggregatedModel, def
         current_revision=current_revision,
         new_revision=new_revision,
         new_revision_made=rolls,
-        changes=_changes(current, new, defaults) if current is not None else (),
+        changes=_changes(current, new, defaults, status) if current is not None else (),
         budgets=budgets,
         steps=tuple(steps),
         current=now,
@@ -256,6 +268,9 @@ def change_plan(current: DisaggregatedModel | None, new: DisaggregatedModel, def
         peak_accelerators={r: peaks[r][1] for r in ROLES},
         engines={r: _role(new, r).shape for r in ROLES},
         gangs=gangs.outlook(new)[1],
+        vllm_version=rendered.plan.vllm_version,
+        vllm_version_kept=resolve.held_release(new.spec, status) is not None,
+        default_vllm_version=DEFAULT_VLLM_VERSION[new.spec.prefill.accelerator.type],
     )
 
 

@@ -25,7 +25,7 @@ from .api.crd import render_crd_yaml
 from .api.models import DisaggregatedModel
 from .api.validation import SpecError, parse
 from .changeplan import PlanError, change_plan
-from .config import RenderDefaults
+from .config import DefaultsError, RenderDefaults
 from .manifests import dump_all, load_all
 from .rbac import cluster_role
 from . import gangs
@@ -119,8 +119,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return status
 
 
+def _defaults(error: type[Exception]) -> RenderDefaults:
+    """The operator's defaults from its environment (the chart's modelDefaults); a bad one is `error`."""
+    try:
+        return RenderDefaults.from_env()
+    except DefaultsError as problem:
+        raise error(str(problem)) from None
+
+
 def cmd_render(args: argparse.Namespace) -> int:
-    defaults = RenderDefaults.from_env()
+    defaults = _defaults(InputError)
     objects: list[dict[str, Any]] = []
     for label, doc in _only_models(_read_documents(args.filename)):
         try:
@@ -138,8 +146,11 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def _model_of(label: str, doc: Any, namespace: str | None = None) -> DisaggregatedModel:
-    if isinstance(doc, dict):  # a live object (kubectl get -o yaml): its status is not part of the change
-        doc = {k: v for k, v in doc.items() if k != "status"}
+    if isinstance(doc, dict) and "status" in doc:  # a live object (kubectl get -o yaml): of its status, only the
+        # release its engines run is part of the change (a spec that names none keeps it: resolve.held_release)
+        running = (doc.get("status") or {}).get("vllmVersion")
+        kept = {"status": {"vllmVersion": running}} if running in contract.VLLM_VERSIONS else {}  # one this operator knows
+        doc = {k: v for k, v in doc.items() if k != "status"} | kept
     try:
         dm = parse(doc)
     except SpecError as error:
@@ -179,15 +190,15 @@ def _live_model(new: DisaggregatedModel, defaults: RenderDefaults) -> Disaggrega
         print(f"{where} does not exist in the cluster: planning a first create", file=sys.stderr)
         return None
     current = _model_of(f"the live DisaggregatedModel {where}", live)
-    running, rendered = (live.get("status") or {}).get("revision"), render(current, defaults).revision
+    running, rendered = (live.get("status") or {}).get("revision"), render(current, defaults, live.get("status")).revision
     if running and running != rendered:
         print(f"note: {where} runs revision {running}, but its spec renders {rendered} here: the operator's default "
-              "images differ from this shell's (DISAGG_ENGINE_IMAGE, DISAGG_NEURON_ENGINE_IMAGE)", file=sys.stderr)  # fmt: skip
+              "images differ from this shell's (DISAGG_ENGINE_IMAGE, DISAGG_ENGINE_IMAGES, DISAGG_NEURON_ENGINE_IMAGE)", file=sys.stderr)  # fmt: skip
     return current
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    defaults = RenderDefaults.from_env()
+    defaults = _defaults(InputError)
     new = _one_model(args.filename, args.namespace)
     current = _one_model(args.current, args.namespace) if args.current else _live_model(new, defaults) if args.from_cluster else None
     try:
@@ -262,6 +273,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the operator (kopf) against the cluster of the kubeconfig or the pod's service account."""
     # Ports first, before kopf and any cluster access: a taken port exits here at once, not as kopf's
     # startup activity retried every 60 s with liveness never up. /metrics stays bound from here on.
+    defaults = _defaults(StartError)
     metrics = _serve_metrics(args)
     if args.liveness:
         _check_liveness(args.liveness)
@@ -274,6 +286,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         workers=args.workers,
         resync_seconds=args.resync_seconds,
         metrics=metrics,
+        defaults=defaults,
         peering=None if args.standalone else args.peering,
         priority=args.priority,
         clusterwide=not args.namespace,

@@ -47,6 +47,7 @@ class Options:
     peering: str | None = None  # None: standalone, always active
     priority: int = 0
     clusterwide: bool = True
+    defaults: RenderDefaults = field(default_factory=RenderDefaults)  # the chart's modelDefaults, read by cli.py
 
 
 @dataclass
@@ -142,7 +143,7 @@ def startup(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> No
     # The routers' KV-transfer numbers are read on the resync period (and whenever a pod drains).
     # Events name this replica (its pod's name in a cluster) as their reporting instance.
     recorder = EventRecorder(cluster.api_client, instance=socket.gethostname())
-    reconciler = Reconciler(memo.cache, cluster, RenderDefaults.from_env(), metrics, router_poll_seconds=options.resync_seconds,
+    reconciler = Reconciler(memo.cache, cluster, options.defaults, metrics, router_poll_seconds=options.resync_seconds,
                             recorder=recorder)  # fmt: skip
     gate = PeeringGate(cluster, options.peering, options.priority, options.clusterwide) if options.peering else None
     memo.controller = Controller(reconciler, workers=options.workers, resync_seconds=options.resync_seconds,

@@ -6,11 +6,11 @@ Pure functions: the renderer uses them to wire pods, the status writer reports t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Mapping
 
-from disagg_connector.contract import VllmProtocol
+from disagg_connector.contract import VLLM_VERSIONS, VllmProtocol
 
-from .api.models import DEFAULT_VLLM_VERSION, DisaggregatedModelSpec
+from .api.models import DEFAULT_VLLM_VERSION, IMAGED_NVIDIA_RELEASES, DisaggregatedModel, DisaggregatedModelSpec
 
 TransferMode = Literal["Push", "Pull"]
 Backend = Literal["LIBFABRIC", "UCX"]
@@ -33,8 +33,36 @@ class TransferPlan:
 
 
 def vllm_version(spec: DisaggregatedModelSpec) -> str:
-    """The release the engines run: the spec's, else the default image's for the accelerator."""
+    """The release the engines run: the spec's, else the default image's for the accelerator (render first
+    gives a running model's spec the release it runs: keep_release)."""
     return spec.engine.vllm_version or DEFAULT_VLLM_VERSION[spec.prefill.accelerator.type]
+
+
+def held_release(spec: DisaggregatedModelSpec, status: Mapping[str, Any] | None) -> str | None:
+    """The release a running model keeps while its spec names none: the one its status says it runs.
+
+    So an operator upgrade that moves DEFAULT_VLLM_VERSION rolls no running model; each moves when its spec
+    names the new release (`disagg-operator plan` shows the rollout first). Not held: a release the spec names,
+    a status without one (a new model, or one last written by an operator before status.vllmVersion), and a
+    release the accelerator does not run or the operator has no image of (the spec moved to another
+    accelerator, or dropped its image)."""
+    if spec.engine.vllm_version is not None or not status:
+        return None
+    running = status.get("vllmVersion")
+    if running not in VLLM_VERSIONS:
+        return None
+    if spec.prefill.accelerator.type == "neuron":
+        return running if running == DEFAULT_VLLM_VERSION["neuron"] else None
+    return running if running in IMAGED_NVIDIA_RELEASES or spec.engine.image else None
+
+
+def keep_release(dm: DisaggregatedModel, status: Mapping[str, Any] | None) -> DisaggregatedModel:
+    """The model as the operator renders it: its spec names the release held_release keeps, if any."""
+    held = held_release(dm.spec, status)
+    if held is None:
+        return dm
+    engine = dm.spec.engine.model_copy(update={"vllm_version": held})
+    return dm.model_copy(update={"spec": dm.spec.model_copy(update={"engine": engine})})
 
 
 def _needs_pull(spec: DisaggregatedModelSpec) -> str | None:

@@ -83,7 +83,7 @@ def desire(body: Mapping[str, Any], defaults: RenderDefaults, previous_status: M
     try:
         model = parse({k: body[k] for k in ("apiVersion", "kind", "spec") if k in body}
                       | {"metadata": {k: meta[k] for k in ("name", "namespace", "uid", "generation") if k in meta}})
-        rendered = render(model, defaults)
+        rendered = render(model, defaults, previous_status)
     except (SpecError, ValueError) as error:
         return SpecProblems(tuple(str(p) for p in error.problems) if isinstance(error, SpecError) else (str(error),))
     ref = ModelRef(meta["namespace"], meta["name"], meta["uid"], meta.get("generation"))

@@ -335,7 +335,8 @@ def unservable(
     now: str, phase: str = "Invalid",
 ) -> dict[str, Any]:
     """The pass could not get as far as a plan: say why and what to do; keep the counts already reported."""
-    kept = {k: v for k, v in (previous_status or {}).items() if k in ("prefill", "decode", "router", "revision")}
+    # vllmVersion too: what the engines run, which the next valid spec keeps (resolve.held_release)
+    kept = {k: v for k, v in (previous_status or {}).items() if k in ("prefill", "decode", "router", "revision", "vllmVersion")}
     conditions = [
         condition(READY, False, reason, message, generation, previous_status or {}, now),
         condition(PROGRESSING, False, reason, next_step, generation, previous_status or {}, now),
@@ -439,6 +440,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
         "transferMode": plan.mode,
         "transferModeReason": plan.reason,
         "backend": plan.backend,
+        "vllmVersion": plan.vllm_version,
         "revision": revision,
         "prefill": {**facts.roles["prefill"], "targetReplicas": facts.wanted["prefill"]},
         "decode": {**facts.roles["decode"], "targetReplicas": facts.wanted["decode"]},

@@ -26,6 +26,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
+from disagg_operator.api.models import DEFAULT_VLLM_VERSION
 from disagg_operator.manifests import dump_all
 from disagg_operator.rbac import rules
 from hack.gen import chart_sync
@@ -334,6 +335,7 @@ def test_install_run_upgrade_uninstall(cluster, helm_env) -> None:
     assert after[success] > before.get(success, 0)
     assert after['disagg_operator_children_applied_total{kind="Deployment"}'] >= 3
     assert engine_images(api, a, "qwen") == {op.extra_env["DISAGG_ENGINE_IMAGE"]}, "the engine image default comes from the chart"
+    assert first["status"]["vllmVersion"] == DEFAULT_VLLM_VERSION["nvidia"], "the release it runs, which an upgrade keeps"
     if cluster.audit_log:
         writes = sa_writes(cluster, sa_user, since)
         denied = [e for e in writes if (e.get("responseStatus") or {}).get("code", 200) in (401, 403)]

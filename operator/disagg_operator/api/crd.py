@@ -103,6 +103,7 @@ PRINTER_COLUMNS = [
     {"name": "Decode", "type": "integer", "jsonPath": ".status.decode.readyReplicas"},
     {"name": "Router", "type": "integer", "jsonPath": ".status.router.readyReplicas"},
     {"name": "Backend", "type": "string", "jsonPath": ".status.backend", "priority": 1},
+    {"name": "vLLM", "type": "string", "jsonPath": ".status.vllmVersion", "priority": 1},
     {"name": "Revision", "type": "string", "jsonPath": ".status.revision", "priority": 1},
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.name", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

@@ -121,8 +121,12 @@ def _keys_rule(field: str, what: str) -> CelRule:
     )
 Port = Annotated[int, Field(ge=1024, le=65000)]
 VllmVersion = Literal[contract.VLLM_VERSIONS]  # type: ignore[valid-type]
-# The vLLM release each default engine image runs (config.py tags the images with it).
+# The vLLM release each default engine image runs (config.py tags the images with it): what a new model runs when
+# its spec names no release. A model that runs already keeps its release (status.vllmVersion, resolve.held_release).
 DEFAULT_VLLM_VERSION = {"nvidia": "0.33.0", "neuron": "0.24.0"}
+# NVIDIA releases the operator has a default image of (images/vllm-runtime built with VLLM_VERSION=<release>):
+# spec.engine.vllmVersion alone picks one. Others (0.24.0 on nvidia) need spec.engine.image.
+IMAGED_NVIDIA_RELEASES = ("0.26.0", "0.33.0", "0.34.0")
 
 # Flags and env vars that the operator owns: setting them by hand would silently break the P/D wiring.
 MANAGED_FLAGS = (
@@ -355,14 +359,16 @@ class EngineSpec(ApiModel):
 
     image: Image | None = Field(
         default=None,
-        description="vLLM runtime image (vLLM + EFA + NIXL + disagg_connector). Unset: the "
-        "operator's default, so one operator setting moves every model.",
+        description="vLLM runtime image (vLLM + EFA + NIXL + disagg_connector). Unset: the operator's image "
+        "of the model's release (the chart's modelDefaults), so one operator setting moves every model of a release.",
     )
     vllm_version: VllmVersion | None = Field(
         default=None,
         description="The vLLM release the engine image runs; launch flags and admission rules follow it. "
-        "Unset: the release of the operator's default image for the accelerator (0.33.0 on nvidia, "
-        "0.24.0, AWS's vLLM-Neuron, on neuron). Set it together with engine.image for another release.",
+        "Unset: the release the model runs already (status.vllmVersion: an operator upgrade that moves the default "
+        "release does not roll it), else, for a new model, the operator's default for the accelerator (0.33.0 on "
+        "nvidia, 0.24.0, AWS's vLLM-Neuron, on neuron). Setting it rolls the model to that release; on nvidia "
+        f"{', '.join(IMAGED_NVIDIA_RELEASES)} have an operator image, other releases need engine.image too.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Pull policy of the vLLM and preflight containers."
@@ -1084,12 +1090,12 @@ SPEC_RULES = (
     CelRule(
         rule=(
             "!has(self.engine.vllmVersion) || has(self.engine.image) || "
-            f"self.engine.vllmVersion == {_CEL_DEFAULT_VLLM_VERSION}"
+            f"(self.prefill.accelerator.type == 'neuron' ? self.engine.vllmVersion == '{DEFAULT_VLLM_VERSION['neuron']}' : "
+            f"self.engine.vllmVersion in {list(IMAGED_NVIDIA_RELEASES)})"
         ),
-        message="the operator's default engine image runs vLLM "
-        + " and ".join(f"{v} on {a}" for a, v in DEFAULT_VLLM_VERSION.items())
-        + ": set spec.engine.image to an image of the release in spec.engine.vllmVersion, or leave "
-        "vllmVersion unset",
+        message=f"the operator has engine images of vLLM {', '.join(IMAGED_NVIDIA_RELEASES)} on nvidia and "
+        f"{DEFAULT_VLLM_VERSION['neuron']} on neuron: set spec.engine.image to an image of the release in "
+        "spec.engine.vllmVersion, or choose one of those releases",
         field_path=".engine.vllmVersion",
     ),
     CelRule(
@@ -1254,6 +1260,11 @@ class DisaggregatedModelStatus(ApiModel):
     transfer_mode_reason: str | None = Field(default=None, description="Why that transfer mode was chosen.")
     backend: Literal["LIBFABRIC", "UCX"] | None = Field(
         default=None, description="The effective NIXL backend (spec.kvTransfer.backend resolved)."
+    )
+    vllm_version: VllmVersion | None = Field(
+        default=None,
+        description="The vLLM release the current revision's engines run (spec.engine.vllmVersion resolved). A "
+        "model whose spec names no release keeps this one when the operator's default release moves.",
     )
     revision: str | None = Field(
         default=None,

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from disagg_connector import contract
 
 from ..api.models import DisaggregatedModel
 from ..config import RenderDefaults
-from ..resolve import TransferPlan, plan
+from ..resolve import TransferPlan, keep_release, plan
 from . import engine, gang, gateway, network, router, scaling
 from .engine import LWS_API_VERSION, LWS_KIND, LWS_PLURAL
 from .gang import POD_GROUP_API_VERSION, POD_GROUP_KIND, POD_GROUP_PLURAL
@@ -60,8 +60,10 @@ def revision_of(templates: dict[str, dict[str, Any]], transfer: TransferPlan) ->
     return contract.short_hash(payload, REVISION_LENGTH)
 
 
-def render(dm: DisaggregatedModel, defaults: RenderDefaults | None = None) -> Rendered:
+def render(dm: DisaggregatedModel, defaults: RenderDefaults | None = None, status: Mapping[str, Any] | None = None) -> Rendered:
+    """`status`: the model's, whose vllmVersion a running model keeps while its spec names no release."""
     defaults = defaults or RenderDefaults()
+    dm = keep_release(dm, status)
     transfer = plan(dm.spec)
     templates = {role: engine.pod_template(dm, role, transfer, defaults) for role in contract.ENGINE_ROLES}
     revision = revision_of(templates, transfer)

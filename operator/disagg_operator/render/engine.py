@@ -36,10 +36,16 @@ INSTALL_HINTS = {
 }
 
 
-def engine_image(dm: DisaggregatedModel, role: RoleSpec, defaults: RenderDefaults) -> str:
+def engine_image(dm: DisaggregatedModel, role: RoleSpec, release: str, defaults: RenderDefaults) -> str:
+    """The spec's image, else the operator's image of the release the engines run."""
     if dm.spec.engine.image:
         return dm.spec.engine.image
-    return defaults.neuron_engine_image if role.accelerator.type == "neuron" else defaults.engine_image
+    image = defaults.engine_image_for(release, role.accelerator.type)
+    if image is None:  # admission refuses a release without an image; a release held from status can get here
+        raise ValueError(f"the operator has no {role.accelerator.type} engine image of vLLM {release}, which this model "
+                         "runs: set spec.engine.image to an image of it, or spec.engine.vllmVersion to a release the "
+                         "operator has an image of")  # fmt: skip
+    return image
 
 
 def _device_resources(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, str]:
@@ -227,7 +233,7 @@ def pod_template(
     """The pod template without the revision label (the revision is a hash of this template)."""
     spec = dm.spec
     role: RoleSpec = getattr(spec, role_name)
-    image = engine_image(dm, role, defaults)
+    image = engine_image(dm, role, plan.vllm_version, defaults)
     res = resources(dm, role)
     volumes, mounts = _volumes(dm)
     command = vllm.serve_command(spec, role_name, plan)

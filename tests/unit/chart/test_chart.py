@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 import stat
+import json
 import subprocess
 import tomllib
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from disagg_operator import config
+from disagg_operator.api.models import IMAGED_NVIDIA_RELEASES
 from disagg_operator.cli import build_parser
 from disagg_operator.rbac import rules
 from hack.gen import chart_sync
@@ -42,6 +44,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "imagePullSecrets": [{"name": "regcred"}],
         "modelDefaults": {
             "engineImage": "registry.example.com/ml/vllm-runtime:0.33.0-efa-1",
+            "engineImages": {"0.34.0": "registry.example.com/ml/vllm-runtime:0.34.0-efa-1"},
             "neuronEngineImage": "registry.example.com/ml/vllm-runtime:0.33.0-neuron-1",
             "routerImage": "registry.example.com/ml/disagg-router@sha256:" + "cd" * 32,
         },
@@ -229,6 +232,7 @@ def test_model_defaults_come_from_values(tmp_path: Path, monkeypatch: pytest.Mon
     # The chart's defaults are the operator's built-in ones (config.py), so both read the same.
     assert env(render({}, tmp_path)) == {
         "DISAGG_ENGINE_IMAGE": config.ENGINE_IMAGE,
+        "DISAGG_ENGINE_IMAGES": "{}",
         "DISAGG_NEURON_ENGINE_IMAGE": config.NEURON_ENGINE_IMAGE,
         "DISAGG_ROUTER_IMAGE": config.ROUTER_IMAGE,
     }
@@ -246,6 +250,16 @@ def test_model_defaults_come_from_values(tmp_path: Path, monkeypatch: pytest.Mon
     assert (defaults.engine_image, defaults.neuron_engine_image, defaults.router_image) == (
         custom["modelDefaults"]["engineImage"], custom["modelDefaults"]["neuronEngineImage"], custom["modelDefaults"]["routerImage"],
     )  # fmt: skip
+    # Each release's image: the default release's is engineImage, a listed one its entry, the rest the built-in name.
+    assert defaults.engine_image_for("0.33.0", "nvidia") == custom["modelDefaults"]["engineImage"]
+    assert defaults.engine_image_for("0.34.0", "nvidia") == custom["modelDefaults"]["engineImages"]["0.34.0"]
+    assert defaults.engine_image_for("0.26.0", "nvidia") == f"{config.ENGINE_REPOSITORY}:0.26.0-efa"
+
+
+def test_engine_images_name_the_releases_the_operator_has_images_of(tmp_path: Path) -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    releases = schema["properties"]["modelDefaults"]["properties"]["engineImages"]["properties"]
+    assert tuple(releases) == IMAGED_NVIDIA_RELEASES
 
 
 def test_image_reference(tmp_path: Path) -> None:
@@ -336,6 +350,7 @@ BAD_VALUES: list[tuple[str, dict[str, Any], list[str]]] = [
     ("bad-digest", {"image": {"digest": "latest"}}, ["/image/digest"]),
     ("bad-quantity", {"resources": {"requests": {"memory": "lots"}}}, ["/resources/requests/memory"]),
     ("env-overrides-default", {"extraEnv": [{"name": "DISAGG_ENGINE_IMAGE", "value": "x"}]}, ["/extraEnv/0/name"]),
+    ("image-of-unknown-release", {"modelDefaults": {"engineImages": {"0.35.0": "x/y:1"}}}, ["/modelDefaults/engineImages", "0.35.0"]),
 ]  # fmt: skip
 
 

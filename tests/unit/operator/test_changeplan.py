@@ -16,7 +16,8 @@ from disagg_connector import contract
 from disagg_operator.api.validation import parse
 from disagg_operator.changeplan import ChangePlan, PlanError, change_plan
 from disagg_operator.cli import main
-from disagg_operator.config import RenderDefaults
+from disagg_operator.api.models import DEFAULT_VLLM_VERSION
+from disagg_operator.config import ENGINE_REPOSITORY, RenderDefaults
 from disagg_operator.render import render
 
 from tests.fixtures.models import EXAMPLES, REPO, dm, load_example, merge
@@ -165,6 +166,23 @@ def test_plan_command_against_a_live_object(tmp_path: Path, capsys: pytest.Captu
     assert main(["plan", "-f", new, "--current", write(tmp_path, "live.yaml", live)]) == 0
     text = capsys.readouterr().out
     assert "a new revision:" in text and "spec.engine.image: (not set) -> " in text and "makes a new revision" in text
+
+
+def test_plan_shows_a_kept_release_and_the_rollout_to_the_new_default(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The live model runs 0.33.0 (its status says so) and this operator's default moved to 0.34.0: its unchanged
+    manifest plans no change, and naming 0.34.0 plans the rollout."""
+    live = {**dm(), "status": {"phase": "Ready", "vllmVersion": "0.33.0"}}
+    monkeypatch.setitem(DEFAULT_VLLM_VERSION, "nvidia", "0.34.0")
+    monkeypatch.setenv("DISAGG_ENGINE_IMAGE", f"{ENGINE_REPOSITORY}:0.34.0-efa")
+    current = write(tmp_path, "live.yaml", live)
+    assert main(["plan", "-f", write(tmp_path, "same.yaml", dm()), "--current", current]) == 0
+    text = capsys.readouterr().out
+    assert "no change to the engines" in text and "vLLM 0.33.0, kept" in text and "spec.engine.vllmVersion to 0.34.0" in text
+    assert main(["plan", "-f", write(tmp_path, "new.yaml", dm({"engine": {"vllmVersion": "0.34.0"}})), "--current", current]) == 0
+    text = capsys.readouterr().out
+    assert "a new revision:" in text and "spec.engine.vllmVersion: (not set) -> \"0.34.0\": makes a new revision" in text
+    assert "  vLLM 0.34.0\n" in text
 
 
 @pytest.mark.parametrize(("files", "message"), [

@@ -14,7 +14,8 @@ import pytest
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from disagg_operator.config import RenderDefaults
+from disagg_operator.api.models import DEFAULT_VLLM_VERSION
+from disagg_operator.config import ENGINE_REPOSITORY, RenderDefaults
 from disagg_operator.metrics import OperatorMetrics
 from disagg_operator.reconcile import Reconciler
 from disagg_operator.state import Desired, SpecProblems, desire
@@ -180,6 +181,22 @@ def test_a_pass_starts_from_the_status_it_wrote_until_the_cache_catches_up() -> 
     written = len(cluster.statuses)
     reconciler.reconcile(KEY)
     assert len(cluster.statuses) == written, "an unchanged world writes no status"
+
+
+def test_an_operator_whose_default_release_moved_writes_nothing_to_a_steady_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model runs 0.33.0 and says so in its status; the upgraded operator's default is 0.34.0 (its chart's
+    engineImage a 0.34.0 image): the pass keeps the model's release, so no child changes."""
+    status, running = steady_status(), steady_objects()  # what the operator before the upgrade made
+    assert status["vllmVersion"] == "0.33.0"
+    monkeypatch.setitem(DEFAULT_VLLM_VERSION, "nvidia", "0.34.0")
+    moved = RenderDefaults(engine_image=f"{ENGINE_REPOSITORY}:0.34.0-efa")
+    cluster = ScriptedCluster()
+    reconciler = Reconciler(MemoryCache([model(status=status)], running), cluster, moved,  # type: ignore[arg-type]
+                            OperatorMetrics(workers=1), now=lambda: NOW)  # fmt: skip
+    assert reconciler.reconcile(KEY).result == "success"
+    assert cluster.writes == [] and all(s["vllmVersion"] == "0.33.0" for s in cluster.statuses)
+    # Without the status's release (an operator before status.vllmVersion wrote it) the same pass would roll it.
+    assert desire(model(), moved, None).revision != desire(model(), moved, status).revision  # type: ignore[union-attr]
 
 
 def test_desire_parses_and_renders_in_one_step_or_says_every_problem() -> None:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from disagg_operator import config
+from disagg_operator.api.models import DEFAULT_VLLM_VERSION, IMAGED_NVIDIA_RELEASES
 
 REPO = Path(__file__).resolve().parents[3]
 IMAGES = REPO / "images"
@@ -236,8 +237,11 @@ def test_runtime_image_has_efa_and_nixl_libfabric(image: str) -> None:
     assert "FI_PROVIDER=efa" in text and "/opt/amazon/efa/lib" in text
     assert 'NIXL_VERSION=1.5.1' in text
     if image == "vllm-runtime":
-        _, stages, _ = parse(image)
-        assert final(stages).base == "vllm/vllm-openai:v0.33.0" or final(stages).base.startswith("vllm/vllm-openai:v0.33.0@")
+        # One Dockerfile for every NVIDIA release the operator has an image of; by default its default release.
+        _, stages, args = parse(image)
+        assert args["VLLM_VERSION"] == DEFAULT_VLLM_VERSION["nvidia"]
+        for release in IMAGED_NVIDIA_RELEASES:
+            assert expand(final(stages).base, {**args, "VLLM_VERSION": release}) == f"vllm/vllm-openai:v{release}"
         # --no-deps, like hack/setup.sh: NIXL's wheels would pull a second torch.
         assert re.search(r'pip install --no-deps "nixl==\$\{NIXL_VERSION\}" "nixl-\$\{NIXL_CUDA\}==\$\{NIXL_VERSION\}"', text)
         setup = (REPO / "hack" / "setup.sh").read_text()
