@@ -1,0 +1,361 @@
+"""The SLO autoscaler's decision: how many prefill and decode engines a model should run next, decided together
+from what its routers measured, inside the model's engine bounds and accelerator budget (issue 32).
+
+Pure, like rollout.py and retirement.py: an :class:`Observation` of one interval and the :class:`Memory` of the
+earlier ones in, a :class:`Decision` and the next memory out. The I/O (reading the routers, writing the
+DisaggregatedRoles' scale) is not here.
+
+**What it sees** (per interval, summed over the model's routers): the TTFT and TPOT percentile of the targets,
+the prefill leg's percentile (queue + compute on prefill, which is what every engine-side autoscaler misses,
+ai-dynamo/dynamo#10528), the uncached prompt tokens sent to prefill, and the engines' own gauges: requests
+waiting on prefill, KV tokens in use on decode. Engines younger than the warm-up, and engines that are not
+scheduled, are not capacity (dynamo#12430, #14251).
+
+**What it learns** (:class:`Capacity`), online, from warm engines only:
+- prefill: uncached prompt tokens per second one engine computes, from intervals where prefill queued (an
+  engine that never queues says only that it can do at least what it did);
+- decode: TPOT as a line in KV tokens per engine (least squares over the recent intervals), so the KV tokens one
+  engine may hold at the TPOT target are (target - intercept) / slope, never above the KV it has.
+
+**How it decides**, per role, the larger of:
+- *model*: the demand (prefill tokens/s; decode KV tokens) over what one engine can do at the target, with
+  headroom; the demand is the larger of now and the trend over the last minutes projected one warm-up ahead
+  (predictive, for scale-up only);
+- *reactive*: a role whose own signal misses its target (prefill: TTFT over target while the prefill leg takes
+  most of it, or requests waiting on prefill; decode: TPOT over target, or KV nearly full) grows by a step
+  proportional to the miss, whatever the model says.
+A role shrinks only by one engine per interval, only when its signal is well under target and the remaining
+engines would still run below the headroom (consolidation-aware, dynamo#9294), and only once every
+recommendation of the scale-down window agreed (hysteresis: no 2<->1 flapping on a steady load). Growth is
+bounded per interval too.
+
+**The budget**: bounds first, then, when the engines' accelerators exceed the budget, the role whose target is
+less missed gives up engines first (its pressure: measured / target), down to its minimum; below the budget's
+minimum, the role under more pressure gets the engines.
+
+**Frozen**: during a rollout the sizes stay (scale after it); a role with unschedulable engines does not grow
+(it is blocked, and says the scheduler's reason) but may shrink.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Mapping
+
+from disagg_connector import contract
+
+ROLES = tuple(contract.ENGINE_ROLES)  # ("prefill", "decode")
+
+# Run engines at most this busy at the target: the rest absorbs the noise of arrivals.
+HEADROOM = 0.8
+# A role's signal must be this far under its target before the role may shrink.
+SHRINK_BELOW = 0.7
+# The prefill leg's share of TTFT above which a TTFT miss is prefill's (below it, the KV wait or the decode's
+# first token dominate, which more prefill engines would not cure).
+PREFILL_SHARE = 0.5
+# KV in use on decode (of what the engines have) above which decode grows whatever TPOT says.
+KV_FULL = 0.9
+# Intervals of (KV tokens per engine, TPOT) kept for the decode line.
+DECODE_POINTS = 32
+# Weight of a new prefill capacity reading.
+LEARN_RATE = 0.3
+
+
+@dataclass(frozen=True)
+class RoleBounds:
+    min_engines: int
+    max_engines: int
+    accelerators: int  # per engine (all its pods)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """spec.autoscaling resolved: targets in seconds, bounds in engines, the budget in accelerators."""
+
+    ttft_s: float
+    tpot_s: float
+    prefill: RoleBounds
+    decode: RoleBounds
+    min_accelerators: int = 0
+    max_accelerators: int | None = None
+    scale_up_window_s: float = 0.0
+    scale_down_window_s: float = 300.0
+    trend_window_s: float = 300.0
+    warmup_s: float = 120.0
+    max_step: int = 4  # engines a role may grow by in one interval
+    advisory: bool = False
+
+    def bounds(self, role: str) -> RoleBounds:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
+class RoleObservation:
+    """One role's engines as the operator and the routers saw them in the interval."""
+
+    current: int  # the role's size now (its DisaggregatedRole's replicas)
+    warm: int  # engines ready for longer than the warm-up: the capacity
+    unschedulable: int = 0  # engines the scheduler cannot place
+    unschedulable_reason: str = ""
+    waiting: float = 0.0  # requests waiting on the role's engines (mean over the interval, summed over engines)
+    kv_tokens: float = 0.0  # KV tokens in use on the role's engines (decode)
+    kv_capacity: float = 0.0  # KV tokens one engine holds (decode)
+
+
+@dataclass(frozen=True)
+class Observation:
+    at: float  # seconds (monotonic or epoch: only differences count)
+    seconds: float  # the interval's length
+    prefill: RoleObservation
+    decode: RoleObservation
+    requests: int = 0  # requests that got their first token in the interval
+    ttft_s: float | None = None  # the targets' percentile; None: no request
+    tpot_s: float | None = None
+    prefill_leg_s: float | None = None  # the same percentile of the prefill leg (queue + compute)
+    prefill_tokens: float = 0.0  # uncached prompt tokens sent to prefill in the interval
+    rolling_out: bool = False
+
+    def role(self, role: str) -> RoleObservation:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What one warm engine of each role does, learned."""
+
+    prefill_tokens_per_s: float | None = None  # None: never seen prefill queue
+    prefill_floor: float = 0.0  # the most one engine was seen doing without queueing: capacity is at least this
+    decode_points: tuple[tuple[float, float], ...] = ()  # (KV tokens per engine, TPOT s), newest last
+
+    def decode_line(self) -> tuple[float, float] | None:
+        """(intercept, slope) of TPOT against KV tokens per engine, or None until the points spread."""
+        pts = self.decode_points
+        if len(pts) < 3:
+            return None
+        n = len(pts)
+        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+        sxx = sum((x - mx) ** 2 for x, _ in pts)
+        if sxx <= (0.05 * mx) ** 2 * n:  # the load never moved: no slope to read
+            return None
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+        if slope <= 0:
+            return None
+        return my - slope * mx, slope
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the decision keeps between intervals."""
+
+    capacity: Capacity = field(default_factory=Capacity)
+    recommendations: tuple[tuple[float, int, int], ...] = ()  # (at, prefill, decode) within the longer window
+    demand: tuple[tuple[float, float, float], ...] = ()  # (at, prefill tokens/s, decode KV tokens) within the trend window
+
+
+@dataclass(frozen=True)
+class Decision:
+    sizes: Mapping[str, int]  # role -> engines
+    reasons: Mapping[str, str]  # role -> why, in words
+    blocked: str | None = None  # a role that cannot grow, and why (AutoscalerBlocked)
+    estimates: Mapping[str, float] = field(default_factory=dict)  # for status and metrics
+
+    def changes(self, obs: Observation) -> bool:
+        return any(self.sizes[r] != obs.role(r).current for r in ROLES)
+
+
+# --- learning -----------------------------------------------------------------------------------------
+
+
+def learn(capacity: Capacity, obs: Observation) -> Capacity:
+    """The capacity after this interval: only warm engines' work counts."""
+    p, d = obs.prefill, obs.decode
+    out = capacity
+    if p.warm and obs.seconds > 0 and obs.prefill_tokens > 0:
+        per_engine = obs.prefill_tokens / obs.seconds / p.warm
+        if p.waiting >= p.warm:  # every engine had a queue: what they did is what they can do
+            known = out.prefill_tokens_per_s
+            out = replace(out, prefill_tokens_per_s=per_engine if known is None else known + LEARN_RATE * (per_engine - known))
+        else:
+            out = replace(out, prefill_floor=max(out.prefill_floor, per_engine))
+    if d.warm and d.current == d.warm and obs.tpot_s is not None and d.kv_tokens > 0:
+        out = replace(out, decode_points=(*out.decode_points, (d.kv_tokens / d.warm, obs.tpot_s))[-DECODE_POINTS:])
+    return out
+
+
+def _trend(points: tuple[tuple[float, float], ...], ahead: float) -> float | None:
+    """The least-squares line through (at, value) projected `ahead` past the last point; None with < 3 points."""
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mt, mv = sum(t for t, _ in points) / n, sum(v for _, v in points) / n
+    stt = sum((t - mt) ** 2 for t, _ in points)
+    if stt == 0:
+        return None
+    slope = sum((t - mt) * (v - mv) for t, v in points) / stt
+    return mv + slope * (points[-1][0] + ahead - mt)
+
+
+# --- the decision ---------------------------------------------------------------------------------------
+
+
+def _engines_for(demand: float, per_engine: float | None) -> int:
+    """Engines that serve `demand` at HEADROOM of `per_engine` each (0 without a capacity; a bound far above any
+    role's maximum where a tiny learned capacity would make it infinite)."""
+    if not per_engine or per_engine <= 0 or demand <= 0:
+        return 0
+    return math.ceil(min(demand / (per_engine * HEADROOM), 1e6))
+
+
+def _prefill_need(policy: Policy, obs: Observation, cap: Capacity, demand: float) -> tuple[int, str]:
+    """Engines prefill needs, and why. Growth trusts only a capacity seen under a queue; shrinking may use the
+    most an engine was seen doing (a lower bound, so it errs on keeping engines)."""
+    p = obs.prefill
+    known = cap.prefill_tokens_per_s
+    model = _engines_for(demand, known)
+    ttft_miss = obs.ttft_s is not None and obs.ttft_s > policy.ttft_s
+    prefill_bound = obs.prefill_leg_s is not None and obs.ttft_s and obs.prefill_leg_s >= PREFILL_SHARE * obs.ttft_s
+    if ttft_miss and (prefill_bound or p.waiting >= max(p.warm, 1)):
+        miss = obs.ttft_s / policy.ttft_s  # type: ignore[operator]
+        grown = p.current + min(policy.max_step, max(1, math.ceil(p.current * min(miss - 1, 1.0))))
+        return max(grown, model), f"TTFT p {obs.ttft_s:.2f}s over the {policy.ttft_s:.2f}s target, the prefill leg {obs.prefill_leg_s or 0:.2f}s of it"
+    if model > p.current:
+        return model, f"{demand:.0f} prompt tokens/s need {model} engines at {known:.0f} tokens/s each"
+    at_least = max(known or 0.0, cap.prefill_floor)
+    if (obs.ttft_s is None or obs.ttft_s < SHRINK_BELOW * policy.ttft_s) and p.current > 1 and p.waiting < 1:
+        # consolidation-aware: the others would still run under the headroom without this one
+        if at_least and demand <= (p.current - 1) * at_least * HEADROOM:
+            return p.current - 1, f"TTFT well under target and {p.current - 1} engines hold {demand:.0f} prompt tokens/s"
+        if demand == 0 and obs.requests == 0:
+            return p.current - 1, "no requests"
+    return p.current, "on target"
+
+
+def _decode_need(policy: Policy, obs: Observation, cap: Capacity, demand: float) -> tuple[int, str]:
+    d = obs.decode
+    line = cap.decode_line()
+    ceiling = KV_FULL * d.kv_capacity if d.kv_capacity else math.inf
+    per_engine = min((policy.tpot_s - line[0]) / line[1], ceiling) if line else (ceiling if ceiling < math.inf else None)
+    model = _engines_for(demand, per_engine)
+    tpot_miss = obs.tpot_s is not None and obs.tpot_s > policy.tpot_s
+    kv_full = d.kv_capacity > 0 and d.warm > 0 and d.kv_tokens >= KV_FULL * d.kv_capacity * d.warm
+    if tpot_miss or kv_full:
+        miss = max(obs.tpot_s / policy.tpot_s if tpot_miss else 1.0, d.kv_tokens / (KV_FULL * d.kv_capacity * d.warm) if kv_full else 1.0)  # type: ignore[operator]
+        grown = d.current + min(policy.max_step, max(1, math.ceil(d.current * min(miss - 1, 1.0))))
+        why = f"TPOT p {obs.tpot_s:.3f}s over the {policy.tpot_s:.3f}s target" if tpot_miss else "KV nearly full"
+        return max(grown, model), why
+    if model > d.current:
+        return model, f"{demand:.0f} KV tokens need {model} engines at {per_engine:.0f} each within the TPOT target"
+    if (obs.tpot_s is None or obs.tpot_s < SHRINK_BELOW * policy.tpot_s) and d.current > 1:
+        if per_engine and demand <= (d.current - 1) * per_engine * HEADROOM:
+            return d.current - 1, f"TPOT well under target and {d.current - 1} engines hold {demand:.0f} KV tokens"
+        if not per_engine and obs.requests == 0 and demand == 0:
+            return d.current - 1, "no requests"
+    return d.current, "on target"
+
+
+def _pressure(policy: Policy, obs: Observation, role: str) -> float:
+    """How far the role misses its own target (measured / target; 0 without a reading)."""
+    if role == "prefill":
+        return (obs.ttft_s or 0.0) / policy.ttft_s
+    return (obs.tpot_s or 0.0) / policy.tpot_s
+
+
+def within_budget(policy: Policy, obs: Observation, sizes: dict[str, int]) -> tuple[dict[str, int], str | None]:
+    """The sizes clamped to the bounds and the budget; what the budget changed, in words.
+
+    When the wanted sizes exceed the budget, engines are handed out one at a time from the bounds' minimums,
+    each to the role further off its target that still wants one and fits (a role's pressure: measured /
+    target), then to the other."""
+    out = {r: min(max(sizes[r], policy.bounds(r).min_engines), policy.bounds(r).max_engines) for r in ROLES}
+    cost = {r: policy.bounds(r).accelerators for r in ROLES}
+
+    def used(s: Mapping[str, int]) -> int:
+        return sum(s[r] * cost[r] for r in ROLES)
+
+    most = policy.max_accelerators
+    pressed_first = sorted(ROLES, key=lambda r: -_pressure(policy, obs, r))
+    note = None
+    if most is not None and used(out) > most:
+        note = f"the budget of {most} accelerators binds"
+        wanted, out = out, {r: policy.bounds(r).min_engines for r in ROLES}
+        while True:
+            role = next((r for r in pressed_first if out[r] < wanted[r] and used(out) + cost[r] <= most), None)
+            if role is None:
+                break
+            out[role] += 1
+    if used(out) < policy.min_accelerators:
+        note = f"the budget's minimum of {policy.min_accelerators} accelerators"
+        while used(out) < policy.min_accelerators:
+            role = next((r for r in pressed_first if out[r] < policy.bounds(r).max_engines
+                         and (most is None or used(out) + cost[r] <= most)), None)  # fmt: skip
+            if role is None:
+                break
+            out[role] += 1
+    return out, note
+
+
+def _stabilised(policy: Policy, memory: Memory, now: float, current: Mapping[str, int], wanted: Mapping[str, int]) -> dict[str, int]:
+    """HPA's rule: grow to the least of the scale-up window's recommendations, shrink to the most of the
+    scale-down window's; a move only once the memory covers its whole window and the window agrees."""
+
+    def window(seconds: float, i: int) -> list[int] | None:
+        if seconds > 0 and not any(now - rec[0] >= seconds for rec in memory.recommendations):
+            return None  # the window is not covered yet (a new operator, a new model)
+        return [rec[i] for rec in memory.recommendations if now - rec[0] <= seconds]
+
+    out = {}
+    for i, role in enumerate(ROLES, start=1):
+        up, down = window(policy.scale_up_window_s, i), window(policy.scale_down_window_s, i)
+        if wanted[role] > current[role]:
+            out[role] = current[role] if up is None else max(min([*up, wanted[role]]), current[role])
+        elif wanted[role] < current[role]:
+            out[role] = current[role] if down is None else min(max([*down, wanted[role]]), current[role])
+        else:
+            out[role] = current[role]
+    return out
+
+
+def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, Memory]:
+    """The sizes for the next interval, why, and the memory to pass to the next call."""
+    capacity = learn(memory.capacity, obs)
+    rate = obs.prefill_tokens / obs.seconds if obs.seconds > 0 else 0.0
+    longest = max(policy.scale_up_window_s, policy.scale_down_window_s)
+    demand_pts = tuple(p for p in memory.demand if obs.at - p[0] <= policy.trend_window_s) + ((obs.at, rate, obs.decode.kv_tokens),)
+    current = {r: obs.role(r).current for r in ROLES}
+    forecast_p = _trend(tuple((t, p) for t, p, _ in demand_pts), policy.warmup_s)
+    forecast_d = _trend(tuple((t, d) for t, _, d in demand_pts), policy.warmup_s)
+    demand = {"prefill": max(rate, forecast_p or 0.0), "decode": max(obs.decode.kv_tokens, forecast_d or 0.0)}
+    estimates = {"prefill_tokens_per_s": rate, "prefill_tokens_per_s_forecast": forecast_p or rate,
+                 "decode_kv_tokens": obs.decode.kv_tokens, "decode_kv_tokens_forecast": forecast_d or obs.decode.kv_tokens,
+                 "prefill_engine_tokens_per_s": capacity.prefill_tokens_per_s or capacity.prefill_floor}  # fmt: skip
+    line = capacity.decode_line()
+    if line:
+        estimates["decode_engine_kv_tokens_at_target"] = (policy.tpot_s - line[0]) / line[1]
+
+    if obs.rolling_out:
+        frozen = Decision(current, {r: "frozen: a rollout is in progress (scaling waits for it)" for r in ROLES}, None, estimates)
+        return frozen, Memory(capacity, memory.recommendations, demand_pts)
+
+    needs = {"prefill": _prefill_need(policy, obs, capacity, demand["prefill"]),
+             "decode": _decode_need(policy, obs, capacity, demand["decode"])}  # fmt: skip
+    wanted, budget_note = within_budget(policy, obs, {r: needs[r][0] for r in ROLES})
+    recs = tuple(r for r in memory.recommendations if obs.at - r[0] <= longest) + ((obs.at, wanted["prefill"], wanted["decode"]),)
+    sizes = _stabilised(policy, memory, obs.at, current, wanted)
+    sizes = {r: min(sizes[r], current[r] + policy.max_step) for r in ROLES}  # a bounded step per interval
+    blocked = None
+    reasons = {}
+    for role in ROLES:
+        o = obs.role(role)
+        reason = needs[role][1]
+        if sizes[role] > current[role] and o.unschedulable:
+            sizes[role] = current[role]
+            blocked = f"{role}: {o.unschedulable} engine(s) cannot be scheduled ({o.unschedulable_reason or 'no reason given'}); not growing"
+            reason = f"blocked: {reason}"
+        elif wanted[role] != needs[role][0] and budget_note:
+            reason = f"{reason}; {budget_note}"
+        elif sizes[role] == current[role] and wanted[role] != current[role]:
+            reason = f"{reason}; waiting out the {'scale-down' if wanted[role] < current[role] else 'scale-up'} window"
+        reasons[role] = reason
+    final, _ = within_budget(policy, obs, sizes)  # the blocked hold kept within the bounds too
+    return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts)

@@ -1,0 +1,152 @@
+"""The SLO autoscaler's decision over scripted measurements: each role on its own signal, the budget, hysteresis,
+the rollout freeze and unschedulable engines; and, over any input, bounds and budget always hold."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disagg_operator.autoscaler import ROLES, Capacity, Memory, RoleBounds, decide, learn
+
+from tests.fixtures.autoscaling import (INTERVAL, KV_CAPACITY, PREFILL_ENGINE_TOKENS_PER_S, TPOT_AT_EMPTY, TPOT_PER_KV_TOKEN,
+                                        observation, observations, plant, policies, policy, role, run)  # fmt: skip
+
+
+def sizes_over(history) -> list[tuple[int, int]]:
+    return [(d.sizes["prefill"], d.sizes["decode"]) for _, d in history]
+
+
+def test_prefill_queueing_grows_prefill_only() -> None:
+    """Prompts outgrow two prefill engines; decode holds little KV: prefill grows until TTFT meets the target."""
+    history = run(policy(), [plant(lambda at: 45_000.0, lambda at: 250_000.0)] * 12, {"prefill": 2, "decode": 2})
+    first = history[0][1]
+    assert first.sizes["prefill"] > 2 and first.sizes["decode"] == 2, first
+    assert "TTFT" in first.reasons["prefill"]
+    obs, last = history[-1]
+    assert last.sizes["prefill"] >= math.ceil(45_000 / PREFILL_ENGINE_TOKENS_PER_S) and obs.ttft_s < policy().ttft_s
+    assert {d.sizes["decode"] for _, d in history} == {2}
+
+
+def test_decode_kv_pressure_grows_decode_only() -> None:
+    """Long answers fill decode's KV; prefill is idle enough: decode grows, prefill stays."""
+    kv = 0.95 * KV_CAPACITY * 2
+    history = run(policy(tpot_s=1.0), [plant(lambda at: 5_000.0, lambda at: kv)] * 6, {"prefill": 2, "decode": 2})
+    first = history[0][1]
+    assert first.sizes["decode"] > 2 and first.reasons["decode"] == "KV nearly full" and first.sizes["prefill"] == 2
+    assert history[-1][1].sizes["decode"] >= math.ceil(kv / (0.9 * KV_CAPACITY * 0.8)) - 1
+
+
+def test_tpot_over_target_grows_decode_to_what_the_learned_line_says() -> None:
+    """TPOT grows with the KV each decode engine holds; the load ramps, so the line is learned from the spread."""
+    target = 0.05
+    per_engine_at_target = (target - TPOT_AT_EMPTY) / TPOT_PER_KV_TOKEN  # 150k KV tokens
+    history = run(policy(tpot_s=target), [plant(lambda at: 5_000.0, lambda at: 100_000.0 + 4_000.0 * at)] * 16,
+                  {"prefill": 2, "decode": 2})  # fmt: skip
+    obs, last = history[-1]
+    assert last.sizes["decode"] >= math.ceil(obs.decode.kv_tokens / per_engine_at_target)
+    assert all(o.tpot_s <= target * 1.3 for o, _ in history[4:]), [o.tpot_s for o, _ in history]
+    assert "decode_engine_kv_tokens_at_target" in last.estimates
+
+
+def test_a_ttft_miss_that_is_not_prefills_does_not_grow_prefill() -> None:
+    """TTFT over target, but the prefill leg is a small part of it (the KV wait or the decode's first token):
+    more prefill engines would not help."""
+    obs = observation(0.0, role(2), role(2, kv_tokens=10_000.0), requests=100, ttft_s=5.0, prefill_leg_s=0.3, tpot_s=0.03,
+                      prefill_tokens=1_000.0)  # fmt: skip
+    decision, _ = decide(policy(), obs, Memory())
+    assert decision.sizes["prefill"] == 2
+
+
+def test_when_the_budget_binds_the_role_further_off_its_target_gets_the_accelerators() -> None:
+    pol = policy(max_accelerators=8, prefill=RoleBounds(1, 8, 2), decode=RoleBounds(1, 8, 1))
+    prefill_worse = observation(0.0, role(2, waiting=20.0), role(3, kv_tokens=0.95 * KV_CAPACITY * 3), requests=500,
+                                ttft_s=8.0, prefill_leg_s=7.5, tpot_s=0.06, prefill_tokens=300_000.0)  # fmt: skip
+    decision, _ = decide(pol, prefill_worse, Memory())
+    assert sum(decision.sizes[r] * pol.bounds(r).accelerators for r in ROLES) <= 8
+    assert decision.sizes["prefill"] == 3 and decision.sizes["decode"] == 2, decision
+    assert "budget" in decision.reasons["decode"]
+
+
+def test_a_steady_noisy_load_does_not_flap() -> None:
+    """Prompts at 24k tokens/s +-15 %, at the edge where three prefill engines would do half the time and fall
+    behind the other half; every latency +-15 % too; the engines' capacity already learned. With the default
+    scale-down window the sizes never move; without hysteresis they would go 4 -> 3 -> 4 ..."""
+    jitter = lambda at: 1.0 + 0.15 * math.sin(at * 0.7) * math.cos(at * 0.13)  # noqa: E731
+    learned = Memory(capacity=Capacity(prefill_tokens_per_s=PREFILL_ENGINE_TOKENS_PER_S))
+    history = run(policy(scale_down_window_s=300.0), [plant(lambda at: 24_000.0 * jitter(at + 3.0), lambda at: 300_000.0, jitter)] * 80,
+                  {"prefill": 4, "decode": 3}, learned)  # fmt: skip
+    assert set(sizes_over(history)) == {(4, 3)}, sizes_over(history)
+
+
+def test_idle_shrinks_one_engine_at_a_time_after_the_scale_down_window() -> None:
+    pol = policy(scale_down_window_s=60.0)
+    history = run(pol, [plant(lambda at: 0.0, lambda at: 0.0)] * 16, {"prefill": 4, "decode": 4})
+    sizes = sizes_over(history)
+    assert sizes[0] == (4, 4), "the window has not passed"
+    assert all(abs(a[0] - b[0]) <= 1 and abs(a[1] - b[1]) <= 1 for a, b in zip(sizes, sizes[1:])), sizes
+    assert sizes[-1] == (1, 1)
+
+
+def test_a_rollout_freezes_the_sizes() -> None:
+    obs = observation(0.0, role(2, waiting=40.0), role(2), ttft_s=9.0, prefill_leg_s=8.0, rolling_out=True)
+    decision, memory = decide(policy(), obs, Memory())
+    assert dict(decision.sizes) == {"prefill": 2, "decode": 2} and "rollout" in decision.reasons["prefill"]
+    assert memory.recommendations == (), "what a rollout saw recommends nothing for later"
+    assert decide(policy(), replace(obs, rolling_out=False), Memory())[0].sizes["prefill"] > 2
+
+
+def test_unschedulable_engines_block_growth_and_say_why_but_not_shrinking() -> None:
+    starved = observation(0.0, role(3, warm=2, unschedulable=1, unschedulable_reason="0/8 nodes: Insufficient nvidia.com/gpu",
+                                    waiting=30.0), role(2), requests=300, ttft_s=9.0, prefill_leg_s=8.5, prefill_tokens=300_000.0)  # fmt: skip
+    decision, _ = decide(policy(), starved, Memory())
+    assert decision.sizes["prefill"] == 3 and decision.blocked and "Insufficient nvidia.com/gpu" in decision.blocked
+    idle = observation(0.0, role(3, warm=2, unschedulable=1, unschedulable_reason="no GPU"), role(2))
+    decision, _ = decide(policy(scale_down_window_s=0.0), idle, Memory())
+    assert decision.sizes["prefill"] == 2, "a starved role still gives back what it does not need (dynamo#14251)"
+
+
+def test_warming_engines_teach_nothing() -> None:
+    """New engines' first passes are slow (dynamo#12430): an interval where none is warm leaves capacity as it was."""
+    cold = observation(0.0, role(4, warm=0, waiting=40.0), role(4, warm=0, kv_tokens=50_000.0), ttft_s=3.0, tpot_s=0.2,
+                       prefill_tokens=10_000.0)  # fmt: skip
+    assert learn(Capacity(), cold) == Capacity()
+
+
+def test_a_rising_load_is_met_ahead_of_the_miss() -> None:
+    """Prompts grow by 500 tokens/s every interval: the trend, projected a warm-up ahead, sizes prefill above
+    what the current rate alone needs, while TTFT still meets the target."""
+    pol = policy(warmup_s=120.0)
+    memory = Memory(capacity=Capacity(prefill_tokens_per_s=PREFILL_ENGINE_TOKENS_PER_S))
+    decision = None
+    for i in range(8):
+        rate = 10_000.0 + 500.0 * i
+        obs = observation(i * INTERVAL, role(4), role(2), requests=100, ttft_s=0.5, prefill_leg_s=0.4, tpot_s=0.03,
+                          prefill_tokens=rate * INTERVAL)  # fmt: skip
+        decision, memory = decide(pol, obs, memory)
+    assert decision is not None
+    now_needs = math.ceil(rate / (PREFILL_ENGINE_TOKENS_PER_S * 0.8))
+    assert decision.estimates["prefill_tokens_per_s_forecast"] > rate
+    assert decision.sizes["prefill"] >= now_needs
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies(), st.lists(st.integers(0, 100), min_size=1, max_size=6).flatmap(
+    lambda gaps: st.tuples(*[observations(at=15.0 * sum(gaps[: i + 1])) for i in range(len(gaps))])))
+def test_never_outside_the_bounds_or_the_budget(pol, intervals) -> None:
+    memory = Memory()
+    for obs in intervals:
+        decision, memory = decide(pol, obs, memory)
+        if obs.rolling_out:
+            assert dict(decision.sizes) == {r: obs.role(r).current for r in ROLES}
+            continue
+        for r in ROLES:
+            b = pol.bounds(r)
+            assert b.min_engines <= decision.sizes[r] <= b.max_engines, (r, decision)
+            grew = decision.sizes[r] - obs.role(r).current
+            assert grew <= max(pol.max_step, b.min_engines - obs.role(r).current) or pol.min_accelerators, (r, decision)
+        used = sum(decision.sizes[r] * pol.bounds(r).accelerators for r in ROLES)
+        if pol.max_accelerators is not None:
+            assert used <= pol.max_accelerators, decision
