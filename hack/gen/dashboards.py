@@ -297,6 +297,11 @@ def model_dashboard() -> gd.Dashboard:
     d = d.with_panel(series("Load per backend", "Requests ahead of a new one as the policies see it: the engine's running "
                             "and waiting at the router's last read of its /metrics plus the router's legs since then still in flight.", "none",
                             query(f"max by (role, backend) (disagg_router_backend_load{{{ROUTER_REV}}})", "{{role}} {{backend}}")))
+    d = d.with_panel(series("Engines' queues and KV in use", "The engines' own scheduler gauges at the router's last fresh "
+                            "read of their /metrics: requests waiting (vllm:num_requests_waiting) and the share of the KV "
+                            "cache in use (vllm:kv_cache_usage_perc), what the SLO autoscaler sizes the roles on.", "none",
+                            query(f"max by (role, backend) (disagg_router_backend_waiting{{{ROUTER_REV}}})", "waiting {{role}} {{backend}}"),
+                            query(f"max by (role, backend) (disagg_router_backend_kv_usage{{{ROUTER_REV}}})", "KV {{role}} {{backend}}")))
     d = d.with_panel(series("Indexes and load reads", "Prompt chunks the prefix index holds and KV blocks the KV-event "
                             "index holds per router replica, and its reads of the engines' /metrics by result.", "none",
                             query(f"sum by (pod) (disagg_router_prefix_index_chunks{{{ROUTER}}})", "chunks {{pod}}"),

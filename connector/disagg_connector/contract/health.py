@@ -104,11 +104,17 @@ class BackendRouting:
     reported_hit_ratio: float | None = None  # prefill: vLLM's own prefix cache hits / queries since the engine started
     prefix_chunks: int = 0  # prefill: prompt chunks the prefix index believes the backend holds
     kv_blocks: int | None = None  # prefill: KV blocks its KV events say it holds (None: its events are not followed)
+    # The engine's own scheduler gauges at the last fresh read of its /metrics (None: no fresh read), for the
+    # operator's autoscaler: requests waiting, the share of its KV cache in use and that cache's size in tokens.
+    waiting: float | None = None
+    kv_usage: float | None = None
+    kv_capacity_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "load": self.load, "readAgeSeconds": self.read_age_seconds, "expectedHitRatio": self.expected_hit_ratio,
             "reportedHitRatio": self.reported_hit_ratio, "prefixChunks": self.prefix_chunks, "kvBlocks": self.kv_blocks,
+            "waiting": self.waiting, "kvUsage": self.kv_usage, "kvCapacityTokens": self.kv_capacity_tokens,
         }  # fmt: skip
 
 
@@ -270,6 +276,9 @@ def _routing(obj: Mapping[str, Any] | None, where: str) -> BackendRouting | None
         reported_hit_ratio=_ratio(obj, "reportedHitRatio", where),
         prefix_chunks=_get(obj, "prefixChunks", int, where, optional=True) or 0,
         kv_blocks=_get(obj, "kvBlocks", int, where, optional=True),
+        waiting=_ratio(obj, "waiting", where),
+        kv_usage=_ratio(obj, "kvUsage", where),
+        kv_capacity_tokens=_get(obj, "kvCapacityTokens", int, where, optional=True),
     )
 
 

@@ -47,6 +47,10 @@ class _Backends(Collector):
             "/metrics plus this router's legs since then still in flight (this router's in-flight legs without a fresh read)",
             labels=labels,
         )  # fmt: skip
+        waiting = GaugeMetricFamily("disagg_router_backend_waiting", "Requests waiting in the engine's scheduler at the last "
+                                    "fresh read of its /metrics (vllm:num_requests_waiting)", labels=labels)  # fmt: skip
+        kv_usage = GaugeMetricFamily("disagg_router_backend_kv_usage", "Share of the engine's KV cache in use at the last fresh "
+                                     "read (vllm:kv_cache_usage_perc; a pod's largest over its cores)", labels=labels)  # fmt: skip
         for b in h.backends:
             values = [b.role, b.pod, b.backend, b.revision]
             inflight.add_metric(values, b.inflight)
@@ -54,6 +58,10 @@ class _Backends(Collector):
             ejected.add_metric(values, int(b.ejected))
             if b.routing is not None:
                 load.add_metric(values, b.routing.load)
+                if b.routing.waiting is not None:
+                    waiting.add_metric(values, b.routing.waiting)
+                if b.routing.kv_usage is not None:
+                    kv_usage.add_metric(values, b.routing.kv_usage)
         pairs = GaugeMetricFamily("disagg_router_ready_pairs", "Usable prefill/decode pairs per revision", labels=["revision"])
         weight = GaugeMetricFamily("disagg_router_revision_weight", "Share of new requests per revision", labels=["revision"])
         ready = GaugeMetricFamily("disagg_router_ready_backends", "Usable backends per role and revision", labels=["role", "revision"])
@@ -62,7 +70,7 @@ class _Backends(Collector):
             weight.add_metric([name], r.weight)
             ready.add_metric(["prefill", name], r.prefill)
             ready.add_metric(["decode", name], r.decode)
-        yield from (inflight, draining, ejected, load, pairs, weight, ready)
+        yield from (inflight, draining, ejected, load, waiting, kv_usage, pairs, weight, ready)
 
 
 class RouterMetrics:

@@ -129,10 +129,13 @@ class Router:
 
     def _routing(self, b: Backend) -> BackendRouting:
         board, stats = self.board, self.stats
-        reading = board.readings.get(b.key)
+        reading, fresh = board.readings.get(b.key), board.fresh(b.key)
         routing = BackendRouting(
             load=board.load(b.key, self.balancer.inflight.get(b.key, 0)),
             read_age_seconds=round(board.clock() - reading.at, 3) if reading is not None else None,
+            waiting=fresh.counters.waiting if fresh is not None else None,
+            kv_usage=fresh.counters.kv_usage if fresh is not None else None,
+            kv_capacity_tokens=fresh.counters.cache_tokens if fresh is not None else None,
         )
         if b.role != "prefill":
             return routing
