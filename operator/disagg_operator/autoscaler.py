@@ -41,9 +41,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Mapping
 
 from disagg_connector import contract
+from disagg_connector.contract.health import BackendRouting
+
+from .router_readings import Interval
+from .state import Census, Obj, RouterView
+
+if TYPE_CHECKING:
+    from .api.models import ModelAutoscalingSpec
 
 ROLES = tuple(contract.ENGINE_ROLES)  # ("prefill", "decode")
 
@@ -359,3 +367,93 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
         reasons[role] = reason
     final, _ = within_budget(policy, obs, sizes)  # the blocked hold kept within the bounds too
     return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts)
+
+
+# --- from the model and what a pass saw (still pure) ------------------------------------------------------------
+
+
+def policy_of(spec: "ModelAutoscalingSpec", accelerators: Mapping[str, int]) -> Policy:
+    """spec.autoscaling as the decision takes it; `accelerators`: of one engine per role (its shape)."""
+    bounds = {r: RoleBounds(getattr(spec, r).min_engines, getattr(spec, r).max_engines, accelerators[r]) for r in ROLES}
+    return Policy(
+        ttft_s=spec.ttft_milliseconds / 1000, tpot_s=spec.tpot_milliseconds / 1000,
+        prefill=bounds["prefill"], decode=bounds["decode"],
+        min_accelerators=spec.accelerators.min, max_accelerators=spec.accelerators.max,
+        scale_up_window_s=spec.scale_up_stabilization_seconds, scale_down_window_s=spec.scale_down_stabilization_seconds,
+        warmup_s=spec.warmup_seconds, advisory=spec.mode == "Advisory",
+    )  # fmt: skip
+
+
+def _epoch(timestamp: str | None) -> float | None:
+    try:
+        return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp() if timestamp else None
+    except ValueError:
+        return None
+
+
+def _ready_since(pod: Obj) -> float | None:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready" and c.get("status") == "True":
+            return _epoch(c.get("lastTransitionTime"))
+    return None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What one pass knows that the observation is made of, besides the routers' interval."""
+
+    revision: str
+    census: Census
+    targets: Mapping[str, int]  # the roles' sizes now (sizing.targets)
+    routers: RouterView | None
+    unschedulable: Mapping[str, tuple[int, str]]  # role -> (engines that cannot be scheduled, the scheduler's words)
+    rolling_out: bool
+    now: float  # epoch seconds
+
+
+def observe(policy: Policy, seen: Seen, measured: Interval, seconds: float, percentile: int) -> Observation:
+    """The decision's observation of one interval: the routers' interval of the current revision, the engines'
+    gauges the routers read, and the engines the census counts (warm: every pod Ready for the warm-up)."""
+    q = percentile / 100
+
+    def warm(role: str) -> int:
+        engines = seen.census.engines(role, seen.revision, ready=True)
+        since = [[_ready_since(p.obj) for p in e.pods] for e in engines]
+        return sum(1 for s in since if all(t is not None and seen.now - t >= policy.warmup_s for t in s))
+
+    gauges: dict[str, BackendRouting] = {}
+    for report in (seen.routers.reports if seen.routers is not None else ()):
+        for b in (report.backends if report is not None else ()):
+            if b.revision == seen.revision and b.routing is not None and b.routing.read_age_seconds is not None:
+                known = gauges.get(b.backend)
+                if known is None or (known.read_age_seconds or 0) > b.routing.read_age_seconds:
+                    gauges[b.backend] = b.routing  # the freshest read of each engine over the routers
+    roles = {b.backend: b.role for r in (seen.routers.reports if seen.routers is not None else ()) if r for b in r.backends}
+    waiting = {r: sum(g.waiting or 0.0 for k, g in gauges.items() if roles.get(k) == r) for r in ROLES}
+    decode = [g for k, g in gauges.items() if roles.get(k) == "decode" and g.kv_capacity_tokens]
+    kv_tokens = sum((g.kv_usage or 0.0) * (g.kv_capacity_tokens or 0) for g in decode)
+    kv_capacity = sum(g.kv_capacity_tokens or 0 for g in decode) / len(decode) if decode else 0.0
+
+    def role(name: str) -> RoleObservation:
+        count, reason = seen.unschedulable.get(name, (0, ""))
+        return RoleObservation(current=seen.targets[name], warm=warm(name), unschedulable=count, unschedulable_reason=reason,
+                               waiting=waiting[name], kv_tokens=kv_tokens if name == "decode" else 0.0,
+                               kv_capacity=kv_capacity if name == "decode" else 0.0)  # fmt: skip
+
+    return Observation(at=seen.now, seconds=seconds, prefill=role("prefill"), decode=role("decode"), requests=measured.requests,
+                       ttft_s=measured.ttft.quantile(q), tpot_s=measured.tpot.quantile(q), prefill_leg_s=measured.prefill_leg.quantile(q),
+                       prefill_tokens=measured.uncached_prompt_tokens, rolling_out=seen.rolling_out)  # fmt: skip
+
+
+def status_of(decision: Decision, obs: Observation, policy: Policy, at: str) -> dict[str, Any]:
+    """status.autoscaling: what it decided at `at` and why, with what it measured and estimates."""
+    measured = {"requests": obs.requests, "ttftSeconds": obs.ttft_s, "tpotSeconds": obs.tpot_s,
+                "prefillLegSeconds": obs.prefill_leg_s}  # fmt: skip
+    return {
+        "mode": "Advisory" if policy.advisory else "Active",
+        "decidedAt": at,
+        **{r: {"current": obs.role(r).current, "recommended": decision.sizes[r], "reason": decision.reasons[r]} for r in ROLES},
+        **({"blocked": decision.blocked} if decision.blocked else {}),
+        "measured": {k: round(v, 4) if isinstance(v, float) else v for k, v in measured.items() if v is not None},
+        "estimates": {k: round(v, 1) for k, v in decision.estimates.items()},
+    }

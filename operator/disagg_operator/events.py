@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, cast
 
+from disagg_connector import contract
+
 from . import planner
 from .api import vocabulary
 from .api.vocabulary import GANG_SCHEDULED, KV_TRANSFER_HEALTHY, READY, ConditionType, EventReason, Reason
@@ -116,5 +118,20 @@ def of_status(previous: Mapping[str, Any] | None, status: Mapping[str, Any]) -> 
     was, now = _condition(previous, GANG_SCHEDULED), _condition(status, GANG_SCHEDULED)
     if now.get("status") == "False" and (was.get("status") != "False" or was.get("reason") != now.get("reason")):
         out.append(Event(cast(Reason, now.get("reason", "")), "Status", now.get("message", "")))
+    return out + _of_autoscaling((previous or {}).get("autoscaling") or {}, status.get("autoscaling") or {})
+
+
+def _of_autoscaling(was: Mapping[str, Any], now: Mapping[str, Any]) -> list[Event]:
+    """A new recommendation that differs from the roles' sizes, and a role newly blocked: once per decision."""
+    if not now or now.get("decidedAt") == was.get("decidedAt"):
+        return []
+    out = []
+    moves = {r: (now[r]["current"], now[r]["recommended"]) for r in contract.ENGINE_ROLES if now[r]["recommended"] != now[r]["current"]}
+    before = {r: (was[r]["current"], was[r]["recommended"]) for r in contract.ENGINE_ROLES if was and was[r]["recommended"] != was[r]["current"]}
+    if moves and moves != before:
+        out.append(Event(EventReason.AUTOSCALER_RECOMMENDS, "Scale", "; ".join(
+            f"{r} {a} -> {b}: {now[r]['reason']}" for r, (a, b) in moves.items())))  # fmt: skip
+    if now.get("blocked") and now.get("blocked") != was.get("blocked"):
+        out.append(Event(EventReason.AUTOSCALER_BLOCKED, "Scale", str(now["blocked"])))
     return out
 

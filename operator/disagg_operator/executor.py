@@ -112,6 +112,24 @@ def read_routers(observed: Observed, ready: Callable[[Obj], bool]) -> RouterView
     return RouterView(tuple(reports), tuple(names))
 
 
+def read_router_metrics(observed: Observed, ready: Callable[[Obj], bool]) -> dict[str, str | None]:
+    """Each ready router pod's /metrics text (the SLO autoscaler's measurements), None for one that does not
+    answer."""
+    texts: dict[str, str | None] = {}
+    for pod in observed.pods:
+        ip = pod.get("status", {}).get("podIP")
+        if role_of(pod) != "router" or not ready(pod) or not ip:
+            continue
+        host = f"[{ip}]" if ":" in ip else ip
+        try:
+            with urllib.request.urlopen(f"http://{host}:{contract.ROUTER_PORT}/metrics", timeout=ROUTER_HEALTH_TIMEOUT) as r:
+                texts[pod["metadata"]["name"]] = r.read().decode()
+        except (OSError, ValueError) as error:
+            log.info("router pod %s: no /metrics (%s)", pod["metadata"]["name"], error)
+            texts[pod["metadata"]["name"]] = None
+    return texts
+
+
 @dataclass(frozen=True)
 class Outcome:
     done: int  # actions carried out

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 import urllib3.exceptions
 from kubernetes.client.exceptions import ApiException
 
-from . import events, executor, planner
+from . import autoscaler, events, executor, planner, sizing
 from . import status as status_mod
 from .api.vocabulary import Reason
 from .cache import Cache
@@ -37,7 +37,8 @@ from .kube import Cluster, EventRecorder, error_message
 from .metrics import CONTROLLER, ModelCondition, OperatorMetrics, model_conditions
 from .render import gang
 from .render.engine import weights_claim
-from .state import ChildProblem, Observed, SpecProblems, desire
+from .router_readings import Interval, ReadingError, RouterReading, interval, parse_router_metrics
+from .state import ChildProblem, Desired, Observed, SpecProblems, desire
 from .workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,16 @@ def _resource_version(obj: Mapping[str, Any] | None) -> int:
         return 0
 
 
+@dataclass
+class _Scaling:
+    """The SLO autoscaler's memory of one model, between its decisions."""
+
+    readings: dict[str, RouterReading]  # per router pod: its /metrics at the last decision
+    memory: autoscaler.Memory
+    at: float | None = None  # monotonic, of the last read
+    status: dict[str, Any] | None = None  # status.autoscaling of the last decision
+
+
 class Reconciler:
     def __init__(self, cache: Cache, cluster: Cluster, defaults: RenderDefaults, metrics: OperatorMetrics,
                  now: Callable[[], str] = utc_now, router_poll_seconds: float = 300.0,
@@ -84,6 +95,7 @@ class Reconciler:
         # The status we last wrote per model, with the resourceVersion the write produced: until the cache
         # has caught up with our own write, that is the status this pass starts from.
         self._written: dict[ModelKey, tuple[int, dict[str, Any]]] = {}
+        self._scaling: dict[ModelKey, _Scaling] = {}
         self._guard = threading.Lock()
 
     def reconcile(self, key: ModelKey) -> PassResult:
@@ -92,6 +104,7 @@ class Reconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             with self._guard:
                 self._written.pop(key, None)
+                self._scaling.pop(key, None)
             return PassResult("gone")
         previous = self._previous_status(key, body)
         try:
@@ -134,6 +147,8 @@ class Reconciler:
             observed = replace(observed, missing_claim=self._missing_claim(desired.model, observed, namespace))
             if self._routers_due(key, observed):  # HTTP to the router pods, not the API server
                 observed = replace(observed, routers=executor.read_routers(observed, status_mod.pod_ready))
+            if desired.model.spec.autoscaling is not None:
+                observed = replace(observed, autoscaling=self._autoscale(key, desired, observed))
             plan = planner.plan(desired, observed, now)
             if plan.applies:
                 probes = executor.probe(plan, self.cluster, desired.ref.uid)
@@ -157,6 +172,9 @@ class Reconciler:
             return PassResult("blocked", plan.problems[0].reason, plan.problems[0].describe())
         if outcome.failure is not None:
             return PassResult("error", outcome.failure.reason, outcome.failure.describe())
+        scaling = desired.model.spec.autoscaling
+        if scaling is not None:  # back for the next decision
+            return PassResult("success", requeue_after=min(plan.requeue_after or scaling.interval_seconds, scaling.interval_seconds))
         return PassResult("success", requeue_after=plan.requeue_after)
 
     def _finish(self, key: ModelKey, body: Mapping[str, Any], outcome: status_mod.PassOutcome,
@@ -184,6 +202,47 @@ class Reconciler:
             if due:
                 self._routers_read[key] = planner.RoutersRead(at, planner.ready_routers(observed))
         return due
+
+    def _autoscale(self, key: ModelKey, desired: Desired, observed: Observed) -> dict[str, Any] | None:
+        """status.autoscaling: a new decision once an interval has passed since the last read of the routers'
+        /metrics (HTTP to the router pods), else the last one. The first read only starts the interval."""
+        spec = desired.model.spec.autoscaling
+        assert spec is not None
+        with self._guard:
+            state = self._scaling.setdefault(key, _Scaling({}, autoscaler.Memory()))
+        started = time.monotonic()
+        if state.at is not None and started - state.at < spec.interval_seconds:
+            return state.status
+        routers = observed.routers if observed.routers is not None else executor.read_routers(observed, status_mod.pod_ready)
+        revision = desired.revision
+        prefills = {b.backend for r in routers.reports if r for b in r.backends if b.role == "prefill" and b.revision == revision}
+        measured, readings = Interval(), {}
+        for pod, text in executor.read_router_metrics(observed, status_mod.pod_ready).items():
+            if text is None:
+                continue
+            try:
+                readings[pod] = parse_router_metrics(text)
+            except ReadingError as error:
+                log.info("%s/%s: router pod %s: %s", *key, pod, error)
+                continue
+            measured = measured.plus(interval(state.readings.get(pod), readings[pod], revision, prefills))
+        first, seconds = state.at is None, started - (state.at or started)
+        state.readings, state.at = readings, started
+        if first:
+            return state.status
+        census = observed.census
+        unschedulable = {}
+        for role in autoscaler.ROLES:
+            stuck = [(v.engine.key, p) for v in census.select(role, revision) if (p := status_mod.unschedulable(v.obj)) is not None]
+            unschedulable[role] = (len({k for k, _ in stuck}), stuck[0][1].message if stuck else "")
+        shapes = {r: getattr(desired.model.spec, r).shape.accelerators for r in autoscaler.ROLES}
+        policy = autoscaler.policy_of(spec, shapes)
+        seen = autoscaler.Seen(revision, census, sizing.targets(desired, observed), routers, unschedulable,
+                               bool(status_mod.old_revisions(observed, revision)), time.time())  # fmt: skip
+        obs = autoscaler.observe(policy, seen, measured, seconds, spec.percentile)
+        decision, state.memory = autoscaler.decide(policy, obs, state.memory)
+        state.status = autoscaler.status_of(decision, obs, policy, self.now())
+        return state.status
 
     def _count(self, action: planner.Action) -> None:
         if isinstance(action, planner.Apply):

@@ -242,6 +242,8 @@ class Observed:
     # The model's weights claim (spec.model.source pvc://), when this pass found it missing: asked only while an
     # engine pod has a scheduler error (a gang's cycle hides the missing claim behind one: status._unschedulable).
     missing_claim: str | None = None
+    # status.autoscaling: the SLO autoscaler's last decision, made by the reconciler every spec.autoscaling interval
+    autoscaling: Mapping[str, Any] | None = None
 
     @cached_property
     def census(self) -> Census:

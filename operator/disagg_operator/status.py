@@ -188,6 +188,11 @@ def scheduler_error(pod: Obj) -> str | None:
     return None
 
 
+def unschedulable(pod: Obj) -> Problem | None:
+    """Why the scheduler cannot place the pod, or None (the SLO autoscaler's AutoscalerBlocked)."""
+    return _unschedulable(pod)
+
+
 def _unschedulable(pod: Obj, missing_claim: str | None = None) -> Problem | None:
     name = pod["metadata"]["name"]
     if (error := scheduler_error(pod)) is not None:
@@ -336,7 +341,8 @@ def unservable(
 ) -> dict[str, Any]:
     """The pass could not get as far as a plan: say why and what to do; keep the counts already reported."""
     # vllmVersion too: what the engines run, which the next valid spec keeps (resolve.held_release)
-    kept = {k: v for k, v in (previous_status or {}).items() if k in ("prefill", "decode", "router", "revision", "vllmVersion")}
+    kept = {k: v for k, v in (previous_status or {}).items()
+            if k in ("prefill", "decode", "router", "revision", "vllmVersion", "autoscaling")}
     conditions = [
         condition(READY, False, reason, message, generation, previous_status or {}, now),
         condition(PROGRESSING, False, reason, next_step, generation, previous_status or {}, now),
@@ -442,6 +448,7 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
         "backend": plan.backend,
         "vllmVersion": plan.vllm_version,
         "revision": revision,
+        **({"autoscaling": dict(observed.autoscaling)} if observed.autoscaling is not None else {}),
         "prefill": {**facts.roles["prefill"], "targetReplicas": facts.wanted["prefill"]},
         "decode": {**facts.roles["decode"], "targetReplicas": facts.wanted["decode"]},
         "router": {"readyReplicas": facts.routers_ready, "url": contract.router_url(ref.name, ref.namespace, desired.model.spec.router.service.port)},

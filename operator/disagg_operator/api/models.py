@@ -608,6 +608,63 @@ class AutoscalingSpec(ApiModel):
     )
 
 
+class EngineBounds(ApiModel):
+    """How few and how many engines the SLO autoscaler may give one role."""
+
+    cel_rules = (
+        CelRule(rule="self.minEngines <= self.maxEngines", message="minEngines must not exceed maxEngines",
+                field_path=".minEngines"),
+    )  # fmt: skip
+
+    min_engines: Annotated[int, Field(ge=1, le=1000)] = Field(default=1, description="Fewest engines.")
+    max_engines: Annotated[int, Field(ge=1, le=1000)] = Field(description="Most engines.")
+
+
+class AcceleratorBudget(ApiModel):
+    """The accelerators (GPUs or Neuron devices, of every engine's pods) the model's engines may use together."""
+
+    cel_rules = (
+        CelRule(rule="!has(self.max) || self.min <= self.max", message="accelerators.min must not exceed accelerators.max",
+                field_path=".min"),
+    )  # fmt: skip
+
+    min: Annotated[int, Field(ge=0, le=100_000)] = Field(default=0, description="Fewest accelerators: below it the "
+                                                         "role further off its target gets engines.")  # fmt: skip
+    max: Annotated[int, Field(ge=1, le=100_000)] | None = Field(
+        default=None, description="Most accelerators: above it the role less far off its target gives engines up "
+        "first. Unset: only the roles' maxEngines bound the model."
+    )
+
+
+class ModelAutoscalingSpec(ApiModel):
+    """Prefill and decode sized together to TTFT and TPOT targets from what the routers measure
+    (docs/autoscaling.md)."""
+
+    mode: Literal["Advisory"] = Field(
+        default="Advisory",
+        description="Advisory: the autoscaler decides every interval and reports the sizes it would set, and why, in "
+        "status.autoscaling; the roles' sizes stay with their writers (spec.<role>.replicas, kubectl scale).",
+    )
+    ttft_milliseconds: Annotated[int, Field(ge=10, le=600_000)] = Field(description="Time to first token target.")
+    tpot_milliseconds: Annotated[int, Field(ge=1, le=10_000)] = Field(description="Time per output token target.")
+    percentile: Literal[50, 90, 95, 99] = Field(default=90, description="The percentile of requests that must meet both.")
+    prefill: EngineBounds = Field(description="Bounds of the prefill engines.")
+    decode: EngineBounds = Field(description="Bounds of the decode engines.")
+    accelerators: AcceleratorBudget = Field(
+        default_factory=AcceleratorBudget, description="The budget of both roles' accelerators together."
+    )
+    interval_seconds: Annotated[int, Field(ge=5, le=300)] = Field(default=15, description="How often it decides.")
+    scale_up_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = Field(
+        default=0, description="A role grows to the least size this window's decisions asked for."
+    )
+    scale_down_stabilization_seconds: Annotated[int, Field(ge=0, le=3600)] = Field(
+        default=300, description="A role shrinks to the most this window's decisions asked for (no flapping)."
+    )
+    warmup_seconds: Annotated[int, Field(ge=0, le=3600)] = Field(
+        default=120, description="An engine Ready for less than this is not counted as capacity and teaches nothing."
+    )
+
+
 class KVCacheSpec(ApiModel):
     """Where a role's engines keep KV cache beyond GPU memory."""
 
@@ -1034,7 +1091,40 @@ _CEL_VLLM_VERSION = f"(has(self.engine.vllmVersion) ? self.engine.vllmVersion : 
 _CEL_PUBLISHES_KV_EVENTS = "(self.router.prefillPolicy == 'PrefixAndLoad' && self.engine.enablePrefixCaching)"
 _PUSH_INCOMPATIBLE = "mode Push cannot {what}: set spec.kvTransfer.mode to Pull (or Auto, which picks pull) {fix}"
 
+
+
+def _cel_accelerators_per_engine(role: str) -> str:
+    """engine_shape(...).accelerators of spec.<role>, in CEL."""
+    r = f"self.{role}"
+    per_pod = f"({r}.accelerator.count / ({r}.parallelism.tensor * {r}.parallelism.pipeline))"
+    ranks = f"({per_pod} > 1 ? {per_pod} : 1)"
+    pods = f"({r}.parallelism.data / {ranks} > 1 ? {r}.parallelism.data / {ranks} : 1)"
+    return f"({r}.accelerator.type != 'nvidia' ? {r}.accelerator.count : {r}.accelerator.count * {pods})"
+
+
+def _cel_autoscaling_accelerators(bound: str) -> str:
+    return " + ".join(f"self.autoscaling.{role}.{bound} * {_cel_accelerators_per_engine(role)}" for role in ("prefill", "decode"))
+
+
+AUTOSCALING_RULES = (
+    CelRule(
+        rule="!has(self.autoscaling) || !has(self.autoscaling.accelerators) || !has(self.autoscaling.accelerators.max) || "
+        f"{_cel_autoscaling_accelerators('minEngines')} <= self.autoscaling.accelerators.max",
+        message="autoscaling.accelerators.max is below what the roles' minEngines take (minEngines x the accelerators of "
+        "one engine, summed over prefill and decode): raise accelerators.max or lower a role's minEngines",
+        field_path=".autoscaling.accelerators.max",
+    ),
+    CelRule(
+        rule="!has(self.autoscaling) || !has(self.autoscaling.accelerators) || "
+        f"self.autoscaling.accelerators.min <= {_cel_autoscaling_accelerators('maxEngines')}",
+        message="autoscaling.accelerators.min is above what the roles' maxEngines allow: lower accelerators.min or raise "
+        "a role's maxEngines",
+        field_path=".autoscaling.accelerators.min",
+    ),
+)
+
 SPEC_RULES = (
+    *AUTOSCALING_RULES,
     CelRule(
         rule=(
             "self.prefill.parallelism.tensor % self.decode.parallelism.tensor == 0 || "
@@ -1191,6 +1281,11 @@ class DisaggregatedModelSpec(ApiModel):
         description="Routing from Gateway API inference gateways: an InferencePool of the router pods and an "
         "HTTPRoute from these Gateways (docs/gateway.md). Unset: the router's Service only.",
     )
+    autoscaling: ModelAutoscalingSpec | None = Field(
+        default=None,
+        description="Prefill and decode sized together to TTFT and TPOT targets from the routers' measurements, "
+        "within a GPU budget (docs/autoscaling.md). Not with spec.<role>.autoscaling (one writer per role's size).",
+    )
 
     @property
     def publishes_kv_events(self) -> bool:
@@ -1241,6 +1336,27 @@ class RouterStatus(ApiModel):
     url: str | None = Field(default=None, description="In-cluster URL of the router's Service, for clients.")
 
 
+class RoleRecommendation(ApiModel):
+    current: int = Field(description="The role's size when it decided.")
+    recommended: int = Field(description="The size it decided on.")
+    reason: str = Field(description="Why, in words.")
+
+
+class AutoscalingStatus(ApiModel):
+    """The SLO autoscaler's last decision (spec.autoscaling; docs/autoscaling.md)."""
+
+    mode: Literal["Advisory", "Active"] = Field(description="Advisory: reported, not applied.")
+    decided_at: str = Field(description="When it decided (RFC 3339).")
+    prefill: RoleRecommendation = Field(description="Prefill's size, decided.")
+    decode: RoleRecommendation = Field(description="Decode's size, decided.")
+    blocked: str | None = Field(default=None, description="A role that cannot grow, and the scheduler's reason.")
+    measured: dict[str, float] = Field(
+        default_factory=dict, description="What the routers measured over the interval: requests, and the targets' "
+        "percentile of TTFT, TPOT and the prefill leg, in seconds.",
+    )
+    estimates: dict[str, float] = Field(default_factory=dict, description="Demand and learned capacity per role.")
+
+
 class DisaggregatedModelStatus(ApiModel):
     """What is true now, written by the operator."""
 
@@ -1271,6 +1387,7 @@ class DisaggregatedModelStatus(ApiModel):
         description="Hash of everything prefill and decode must agree on; engine Deployments and pods "
         "carry it, and the router pairs pods only within one revision.",
     )
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="The SLO autoscaler's last decision.")
     prefill: RoleStatus = Field(default_factory=RoleStatus, description="Prefill pod counts.")
     decode: RoleStatus = Field(default_factory=RoleStatus, description="Decode pod counts.")
     router: RouterStatus = Field(default_factory=RouterStatus, description="Router pods and URL.")

@@ -212,6 +212,8 @@ class EventReason(StrEnum):
     REVISION_RETIRED = "RevisionRetired"
     STREAMS_MIGRATED = RouterEventReason.STREAMS_MIGRATED.value
     STREAMS_CUT = RouterEventReason.STREAMS_CUT.value
+    AUTOSCALER_RECOMMENDS = "AutoscalerRecommends"
+    AUTOSCALER_BLOCKED = "AutoscalerBlocked"
 
 
 # What each Event reason means (a refused child, a failed write, Ready lost and KV transfers failing use the
@@ -225,6 +227,10 @@ EVENT_REASONS: dict[EventReason, str] = {
     EventReason.POD_RETIRED: "A draining pod is idle (no router has anything in flight on it) and goes.",
     EventReason.DRAIN_TIMED_OUT: "A draining pod went at spec.rollout.drainTimeoutSeconds without a router saying it was idle.",
     EventReason.REVISION_RETIRED: "An old revision's Deployment was deleted once its pods were gone.",
+    EventReason.AUTOSCALER_RECOMMENDS: "The SLO autoscaler (spec.autoscaling, Advisory) decided on other sizes than the "
+    "roles have: status.autoscaling says which and why (docs/autoscaling.md).",
+    EventReason.AUTOSCALER_BLOCKED: "The SLO autoscaler would grow a role whose engines cannot be scheduled: it holds "
+    "that role's size and says the scheduler's reason (more nodes, or a smaller budget).",
     EventReason.STREAMS_MIGRATED: "A router: a decode engine failed mid-stream and every stream on it went on, "
     "continued on another pair (or already whole); clients saw a pause (docs/router.md, stream migration).",
     EventReason.STREAMS_CUT: "A router: a decode engine failed mid-stream and some of its streams were cut (an error "
@@ -233,7 +239,7 @@ EVENT_REASONS: dict[EventReason, str] = {
 
 BY_NAME: dict[str, ReasonDoc] = {r.name: r for r in REASONS}
 # Event reasons of the table above that need someone's attention.
-WARNING_EVENT_REASONS = frozenset({EventReason.DRAIN_TIMED_OUT, EventReason.STREAMS_CUT})
+WARNING_EVENT_REASONS = frozenset({EventReason.DRAIN_TIMED_OUT, EventReason.STREAMS_CUT, EventReason.AUTOSCALER_BLOCKED})
 
 
 def _check() -> None:

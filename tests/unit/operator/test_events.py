@@ -64,3 +64,18 @@ def test_a_refused_child_is_a_warning_and_ready_lost_is_one_too() -> None:
 def test_pods_starting_at_create_are_no_warning() -> None:
     assert [r for t, r, _ in story(WORLD, Observed(), None) if t == "Warning"] == []
     assert [r for t, r, _ in story(desired(), Observed(), status_of(WORLD, Observed())) if t == "Warning"] == []
+
+
+def test_the_autoscalers_recommendation_and_block_are_told_once_per_decision() -> None:
+    def decided(at: str, prefill: tuple[int, int], blocked: str | None = None) -> dict:
+        role = lambda current, recommended: {"current": current, "recommended": recommended, "reason": "why"}  # noqa: E731
+        return {"autoscaling": {"mode": "Advisory", "decidedAt": at, "prefill": role(*prefill), "decode": role(1, 1),
+                                **({"blocked": blocked} if blocked else {})}}  # fmt: skip
+
+    first = events.of_status({}, decided("t1", (1, 3)))
+    assert [(e.reason, e.type) for e in first] == [("AutoscalerRecommends", "Normal")] and "prefill 1 -> 3" in first[0].note
+    assert events.of_status(decided("t1", (1, 3)), decided("t1", (1, 3))) == [], "the same decision again"
+    assert events.of_status(decided("t1", (1, 3)), decided("t2", (1, 3))) == [], "the same recommendation again"
+    assert events.of_status(decided("t2", (1, 3)), decided("t3", (1, 1))) == [], "on target: no news"
+    blocked = events.of_status(decided("t3", (1, 1)), decided("t4", (3, 3), blocked="prefill: 1 engine(s) cannot be scheduled"))
+    assert [(e.reason, e.type) for e in blocked] == [("AutoscalerBlocked", "Warning")]

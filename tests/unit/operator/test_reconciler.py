@@ -99,9 +99,13 @@ def steady_objects() -> list[dict[str, Any]]:
 
 
 def steady_status() -> dict[str, Any]:
+    return planner_status(desired(), steady(desired()))
+
+
+def planner_status(world: Desired, observed: Any) -> dict[str, Any]:
     from disagg_operator import planner
 
-    return planner.plan(desired(), steady(desired()), NOW).status
+    return planner.plan(world, observed, NOW).status
 
 
 @dataclass(frozen=True)
@@ -206,3 +210,68 @@ def test_desire_parses_and_renders_in_one_step_or_says_every_problem() -> None:
     refused = desire(model({"kvTransfer": {"mode": "Push", "bidirectional": True}}), RenderDefaults(), None)
     assert isinstance(refused, SpecProblems) and refused.problems
     assert all("bidirectional" in p or "Push" in p for p in refused.problems), refused.problems
+
+
+# --- spec.autoscaling, Advisory: a decision every interval in status, no size written ------------------------------
+
+SLO = {"autoscaling": {"ttftMilliseconds": 2000, "tpotMilliseconds": 50, "prefill": {"maxEngines": 4}, "decode": {"maxEngines": 4},
+                       "intervalSeconds": 15}}  # fmt: skip
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.at = 1000.0
+
+    def monotonic(self) -> float:
+        return self.at
+
+    def time(self) -> float:
+        return 1.8e9 + self.at
+
+
+def test_advisory_autoscaling_reports_a_decision_each_interval_and_writes_no_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from disagg_connector.contract.health import BackendHealth, BackendRouting, RouterHealth
+    from disagg_connector.router.metrics import RouterMetrics
+    from prometheus_client import generate_latest
+
+    from disagg_operator import executor, reconcile
+    from disagg_operator.state import RouterView
+
+    world = desired(SLO)
+    revision = world.revision
+    router = RouterMetrics(lambda: RouterHealth("ok", True, "Push", 60.0, (), {}))
+    backends = tuple(BackendHealth(f"{r[0]}-{revision}-0", f"{r[0]}-{revision}-0", r, revision, "Push", 0, False, False,
+                                   BackendRouting(3.0, 0.5, waiting=12.0 if r == "prefill" else 0.0, kv_usage=0.2,
+                                                  kv_capacity_tokens=200_000))
+                     for r in ("prefill", "decode"))  # fmt: skip
+    health = RouterHealth("ok", True, "Push", 60.0, backends, {})
+    monkeypatch.setattr(executor, "read_routers", lambda observed, ready: RouterView((health,), ("r-0",)))
+    monkeypatch.setattr(executor, "read_router_metrics", lambda observed, ready: {"r-0": generate_latest(router.registry).decode()})
+    clock = Clock()
+    monkeypatch.setattr(reconcile, "time", clock)
+
+    observed = steady(world)
+    objects = [*observed.children.values(), *({**p, "kind": "Pod"} for p in observed.pods)]
+    cluster = ScriptedCluster()
+    status = planner_status(world, observed)
+    reconciler = Reconciler(MemoryCache([model(SLO, status)], objects), cluster, RenderDefaults(), OperatorMetrics(workers=1),  # type: ignore[arg-type]
+                            now=lambda: NOW)  # fmt: skip
+    first = reconciler.reconcile(KEY)
+    assert first.requeue_after == 15, "back for the next decision"
+    assert "autoscaling" not in (cluster.statuses[-1] if cluster.statuses else {}), "the first read only starts the interval"
+
+    for _ in range(40):  # prompts queue on the one prefill: TTFT 9 s, the prefill leg 8.5 s of it
+        router.child(router.ttft, revision, "Push").observe(9.0)
+        router.child(router.prefill, revision, "Push").observe(8.5)
+        router.child(router.tpot, revision, "Push").observe(0.02)
+    router.child(router.prompt_tokens, f"prefill-{revision}-0").inc(400_000)
+    clock.at += 15
+    reconciler.reconcile(KEY)
+    scaling = cluster.statuses[-1]["autoscaling"]
+    assert scaling["mode"] == "Advisory" and scaling["prefill"]["current"] == 1 and scaling["prefill"]["recommended"] >= 2
+    assert "TTFT" in scaling["prefill"]["reason"] and scaling["decode"]["recommended"] == 1
+    assert scaling["measured"]["requests"] == 40 and scaling["measured"]["ttftSeconds"] > 7.5
+    assert cluster.writes == [], "Advisory writes no size"
+    clock.at += 5
+    reconciler.reconcile(KEY)
+    assert cluster.statuses[-1]["autoscaling"] == scaling, "within the interval the last decision stands"

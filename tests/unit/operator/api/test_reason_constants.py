@@ -35,7 +35,8 @@ WIRE_REASONS = (
     "PodGroups PodGroupsNotServed PodsOutsideGroups PartlyBound GroupUnschedulable TransfersSucceeding TransfersFailing DeadlinesHit ProtocolMismatch "
     "NoTransferCompleted NoTrafficYet NotCheckedYet NoRouterReady RouterStarting RouterUnreachable"
 ).split()
-WIRE_EVENT_REASONS = "RolloutStarted RolloutStep RolloutComplete Scaled PodDraining PodRetired DrainTimedOut RevisionRetired StreamsMigrated StreamsCut".split()
+WIRE_EVENT_REASONS = ("RolloutStarted RolloutStep RolloutComplete Scaled PodDraining PodRetired DrainTimedOut RevisionRetired StreamsMigrated StreamsCut "
+                      "AutoscalerRecommends AutoscalerBlocked").split()
 WIRE_CONDITION_TYPES = "Ready Progressing Degraded FabricReady KVTransferHealthy GangScheduled Reconciling Stalled".split()
 WIRE_PREFLIGHT = "NixlImportFailed NixlBackendUnavailable EfaDevicesMissing AcceleratorsMissing HugepagesMissing SharedMemoryTooSmall".split()
 WIRE_KV = "TransfersSucceeding TransfersFailing DeadlinesHit ProtocolMismatch NoTransferCompleted NoTrafficYet".split()
