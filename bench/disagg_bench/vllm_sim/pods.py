@@ -157,6 +157,11 @@ class PodEngine:
         """The simulator's /sim/stats: counters, and what it still holds (KV blocks, writes, requests)."""
         if self.final is not None:
             return self.final[1]
+        if not self.proc.alive() and self.pre_stop is not None and self.pre_stop.stats_at_start is not None:
+            # its pod was being deleted and the engine died on its own before it was stopped: a rank of a retired
+            # LeaderWorkerSet group whose leader went first (their collectives fail, as vLLM's do). What it held
+            # when the deletion began is the last it said.
+            return self.pre_stop.stats_at_start
         return self._get("/sim/stats")
 
     def counters(self) -> dict[str, int]:

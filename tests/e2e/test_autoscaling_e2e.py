@@ -1,0 +1,60 @@
+"""The SLO autoscaler in Advisory mode on the real API server: simulated engines on the pods' IPs whose prefill is
+slow (5 ms per prompt token), the router on its pod's IP, traffic through it (every prompt disaggregated: the
+client's prompts are short, which the router would otherwise prefill on decode). The operator reads the router's
+/metrics and /health itself, decides every interval and says in status.autoscaling and an Event that prefill
+should grow because TTFT misses its target on the prefill leg, and writes no size (Advisory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kubernetes import client
+
+from disagg_connector import contract
+from disagg_bench.vllm_sim.harness import FAST
+
+from tests.fixtures.e2e.models import get_model, model_manifest, wait_ready
+from tests.fixtures.e2e.serving import Serving
+from tests.fixtures.e2e.traffic import wait_for
+
+GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
+SLO = {"ttftMilliseconds": 50, "tpotMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 3},
+       "intervalSeconds": 5, "warmupSeconds": 0}  # fmt: skip
+
+
+def _events(core: client.CoreV1Api, namespace: str, name: str, reason: str) -> list[str]:
+    found = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name},involvedObject.kind={contract.KIND}")
+    return [e.message for e in found.items if e.reason == reason]
+
+
+def test_advisory_autoscaling_reports_a_slow_prefill_and_scales_nothing(operator, cluster, api_client, namespace,
+                                                                       tmp_path: Path) -> None:  # fmt: skip
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    name = "slo"
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {"autoscaling": SLO, "router": {"disaggregationThresholdTokens": 0}}))
+    ready = wait_ready(custom, namespace, name, 180)
+    served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
+    with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing={**FAST, "prefill_us_per_token": 5000.0}) as serving:
+        wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
+        serving.start_client(workers=4)
+
+        seen: list[dict] = [{}]
+
+        def prefill_recommended() -> dict | None:
+            seen[0] = scaling = get_model(custom, namespace, name)["status"].get("autoscaling") or {}
+            return scaling if scaling.get("prefill", {}).get("recommended", 1) > 1 else None
+
+        try:
+            scaling = wait_for("a decision that prefill should grow", prefill_recommended, 90)
+        except AssertionError as error:
+            raise AssertionError(f"{error}; status.autoscaling: {seen[0]}") from None
+        assert scaling["mode"] == "Advisory" and scaling["prefill"]["current"] == 1 and "TTFT" in scaling["prefill"]["reason"]
+        assert scaling["measured"]["requests"] > 0 and scaling["measured"]["ttftSeconds"] > 0.05, scaling
+        assert scaling["measured"]["prefillLegSeconds"] >= 0.5 * scaling["measured"]["ttftSeconds"], scaling
+        told = wait_for("an AutoscalerRecommends Event", lambda: _events(core, namespace, name, "AutoscalerRecommends") or None, 30)
+        assert any("prefill 1 -> " in note for note in told), told
+        results = serving.stop_client()
+        assert results and not [r for r in results if not r.ok], "requests failed while the autoscaler read the router"
+    roles = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, contract.ROLE_PLURAL)["items"]
+    assert {r["metadata"]["name"]: r["spec"]["replicas"] for r in roles if r["metadata"]["name"].startswith(f"{name}-")} == {
+        f"{name}-prefill": 1, f"{name}-decode": 1}, "Advisory writes no size"
