@@ -106,7 +106,7 @@ class RoleObservation:
     warm: int  # engines ready for longer than the warm-up: the capacity
     unschedulable: int = 0  # engines the scheduler cannot place
     unschedulable_reason: str = ""
-    waiting: float = 0.0  # requests waiting on the role's engines (mean over the interval, summed over engines)
+    waiting: float = 0.0  # requests waiting on the role's engines at the routers' last read, summed over engines
     kv_tokens: float = 0.0  # KV tokens in use on the role's engines (decode)
     kv_capacity: float = 0.0  # KV tokens one engine holds (decode)
 
