@@ -207,7 +207,7 @@ KV_TRANSFER_PREFIX = "vllm:nixl_"
 # For routing: each engine's prefix-cache counters (tokens queried and found cached, vLLM's v1/metrics/loggers.py) and
 # the requests it finished (a prefill engine: its prefill legs), and the simulator's own count of prefills.
 ROUTING_SERIES = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total",
-                  "vllm:external_prefix_cache_hits_total")  # a CPU tier's hits (its engines only export it)
+                  "vllm:external_prefix_cache_hits_total")  # a CPU tier's hits (and a decode's KV from prefill)
 SIM_PREFILLS = "sim:prefills"
 
 

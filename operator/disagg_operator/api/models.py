@@ -221,7 +221,7 @@ _NO_MANAGED_FLAGS = CelRule(
     field_path=".extraArgs",
 )
 # vLLM's flags that REPLACE a configured kv_connector with its offloading connector (kv_role kv_both, no warning:
-# vllm/config/vllm.py _post_init_kv_transfer_config, 0.33.0 and 0.34.0), which turns P/D off. kvCache.cpu is the way.
+# vllm/config/vllm.py _post_init_kv_transfer_config, 0.26.0, 0.33.0 and 0.34.0), which turns P/D off. kvCache.cpu is the way.
 OFFLOADING_FLAGS = ("--kv-offloading-size",)
 _NO_OFFLOADING_FLAGS = CelRule(
     rule=f"self.extraArgs.all(a, !{_spells_a_long_flag(OFFLOADING_FLAGS)})",

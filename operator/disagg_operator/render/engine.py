@@ -61,7 +61,7 @@ def _device_resources(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, str]:
 def resources(dm: DisaggregatedModel, role: RoleSpec) -> dict[str, Any]:
     devices = _device_resources(dm, role)
     requests, limits = {**role.resources.requests, **devices}, {**role.resources.limits, **devices}
-    tier = vllm.cpu_tier_bytes(role)
+    tier = vllm.role_cpu_tier_bytes(role)
     if tier is not None:
         # the CPU tier is host memory each engine core pins: the scheduler must count it, the OOM killer allow it
         added = tier * role.shape.ranks_per_pod

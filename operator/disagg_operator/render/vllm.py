@@ -65,7 +65,7 @@ def kv_transfer_config(spec: DisaggregatedModelSpec, role: contract.Role, plan: 
         "kv_load_failure_policy": spec.kv_transfer.load_failure_policy.lower(),
         "kv_connector_extra_config": extra,
     }
-    cpu = cpu_tier_bytes(getattr(spec, role))
+    cpu = role_cpu_tier_bytes(getattr(spec, role))
     if cpu is None:
         return nixl
     # NIXL first: MultiConnector loads a request's KV from the first child that offers tokens, and a decode must
@@ -82,7 +82,7 @@ def kv_transfer_config(spec: DisaggregatedModelSpec, role: contract.Role, plan: 
     }
 
 
-def cpu_tier_bytes(role: RoleSpec) -> int | None:
+def role_cpu_tier_bytes(role: RoleSpec) -> int | None:
     """The CPU tier of each engine core of the role, in bytes (vLLM's cpu_bytes_to_use), or None."""
     return None if role.kv_cache.cpu is None else int(parse_quantity(role.kv_cache.cpu))
 
