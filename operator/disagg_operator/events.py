@@ -122,14 +122,16 @@ def of_status(previous: Mapping[str, Any] | None, status: Mapping[str, Any]) -> 
 
 
 def _of_autoscaling(was: Mapping[str, Any], now: Mapping[str, Any]) -> list[Event]:
-    """A new recommendation that differs from the roles' sizes, and a role newly blocked: once per decision."""
+    """A new decision that differs from the roles' sizes (Advisory: recommended; Active: set), and a role newly
+    blocked: once per decision."""
     if not now or now.get("decidedAt") == was.get("decidedAt"):
         return []
     out = []
     moves = {r: (now[r]["current"], now[r]["recommended"]) for r in contract.ENGINE_ROLES if now[r]["recommended"] != now[r]["current"]}
     before = {r: (was[r]["current"], was[r]["recommended"]) for r in contract.ENGINE_ROLES if was and was[r]["recommended"] != was[r]["current"]}
     if moves and moves != before:
-        out.append(Event(EventReason.AUTOSCALER_RECOMMENDS, "Scale", "; ".join(
+        reason = EventReason.AUTOSCALER_SCALED if now.get("mode") == "Active" else EventReason.AUTOSCALER_RECOMMENDS
+        out.append(Event(reason, "Scale", "; ".join(
             f"{r} {a} -> {b}: {now[r]['reason']}" for r, (a, b) in moves.items())))  # fmt: skip
     if now.get("blocked") and now.get("blocked") != was.get("blocked"):
         out.append(Event(EventReason.AUTOSCALER_BLOCKED, "Scale", str(now["blocked"])))

@@ -7,7 +7,12 @@ whose name survives revisions. The rule for what the operator writes there:
   bounds with autoscaling); or, when the model's status already records a target for the role at this
   generation (someone deleted the DisaggregatedRole), with that target: a size set by `kubectl scale` or
   an HPA survives the role being deleted and recreated, and no serving pod is drained for it;
-- with `autoscaling`: the HPA owns the size; the operator keeps whatever is there;
+- with `autoscaling` (an HPA): the HPA owns the size; the operator keeps whatever is there;
+- with the model's `spec.autoscaling` in mode Active: the SLO autoscaler owns both roles' sizes. Its last
+  decision (status.autoscaling, this pass's or the last interval's) is the target; before its first decision,
+  whatever is there (or spec.<role>.replicas for a role not made yet); always within the autoscaler's
+  minEngines..maxEngines. A `kubectl scale` in between lasts until the next decision. Admission refuses an
+  HPA beside it;
 - otherwise: the operator writes spec.<role>.replicas when that field changed since it last wrote it (the
   annotation `disagg.dev/spec-replicas` records the value last written); in between, `kubectl scale` or
   any other scaler of the DisaggregatedRole wins, and the operator keeps its value.
@@ -54,11 +59,28 @@ def _recorded_target(desired: Desired, role: str) -> int | None:
     return int(target)
 
 
+def _slo_decided(desired: Desired, observed: Observed, role: str) -> tuple[int | None, int, int] | None:
+    """With the SLO autoscaler Active: its last decision for the role (None before its first) and its bounds."""
+    scaling = desired.model.spec.autoscaling
+    if scaling is None or scaling.mode != "Active":
+        return None
+    bounds = getattr(scaling, role)
+    decision = observed.autoscaling or {}
+    decided = (decision.get(role) or {}).get("recommended") if decision.get("mode") == "Active" else None
+    return (int(decided) if decided is not None else None), bounds.min_engines, bounds.max_engines
+
+
 def role_target(desired: Desired, observed: Observed, role: str) -> int:
     """One engine role's size after the one-writer rule: what every revision is rolled out to."""
     role_spec = getattr(desired.model.spec, role)
     live = observed.children.get(scaler_key(desired, role))
     live_size = _spec_replicas(live)
+    slo = _slo_decided(desired, observed, role)
+    if slo is not None:
+        decided, least, most = slo
+        if decided is None:
+            decided = live_size if live is not None and live_size is not None else _recorded_target(desired, role)
+        return min(max(decided if decided is not None else role_spec.replicas, least), most)
     if live is None or live_size is None:
         recorded = _recorded_target(desired, role)
         return recorded if recorded is not None else initial_replicas(role_spec)

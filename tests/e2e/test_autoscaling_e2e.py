@@ -1,8 +1,10 @@
-"""The SLO autoscaler in Advisory mode on the real API server: simulated engines on the pods' IPs whose prefill is
-slow (5 ms per prompt token), the router on its pod's IP, traffic through it (every prompt disaggregated: the
-client's prompts are short, which the router would otherwise prefill on decode). The operator reads the router's
-/metrics and /health itself, decides every interval and says in status.autoscaling and an Event that prefill
-should grow because TTFT misses its target on the prefill leg, and writes no size (Advisory)."""
+"""The SLO autoscaler on the real API server: simulated engines on the pods' IPs whose prefill is slow (5 ms per
+prompt token), the router on its pod's IP, traffic through it (every prompt disaggregated: the client's prompts
+are short, which the router would otherwise prefill on decode). The operator reads the router's /metrics and
+/health itself and decides every interval. Advisory: status.autoscaling and an Event say that prefill should grow
+because TTFT misses its target on the prefill leg, and no size is written. Active: prefill grows, the new engine
+joins the router's table with every request answered, and once the load stops prefill shrinks back (the leaving
+engine drained, its pod gone)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ from tests.fixtures.e2e.traffic import wait_for
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 SLO = {"ttftMilliseconds": 50, "tpotMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 3},
        "intervalSeconds": 5, "warmupSeconds": 0}  # fmt: skip
+
+
+def _role_sizes(custom: client.CustomObjectsApi, namespace: str, name: str) -> dict[str, int]:
+    roles = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, contract.ROLE_PLURAL)["items"]
+    return {r["metadata"]["name"]: r["spec"]["replicas"] for r in roles if r["metadata"]["name"].startswith(f"{name}-")}
 
 
 def _events(core: client.CoreV1Api, namespace: str, name: str, reason: str) -> list[str]:
@@ -55,6 +62,33 @@ def test_advisory_autoscaling_reports_a_slow_prefill_and_scales_nothing(operator
         assert any("prefill 1 -> " in note for note in told), told
         results = serving.stop_client()
         assert results and not [r for r in results if not r.ok], "requests failed while the autoscaler read the router"
-    roles = custom.list_namespaced_custom_object(GROUP, VERSION, namespace, contract.ROLE_PLURAL)["items"]
-    assert {r["metadata"]["name"]: r["spec"]["replicas"] for r in roles if r["metadata"]["name"].startswith(f"{name}-")} == {
-        f"{name}-prefill": 1, f"{name}-decode": 1}, "Advisory writes no size"
+    assert _role_sizes(custom, namespace, name) == {f"{name}-prefill": 1, f"{name}-decode": 1}, "Advisory writes no size"
+
+
+def test_active_autoscaling_grows_prefill_under_load_and_shrinks_it_when_idle(operator, cluster, api_client, namespace,
+                                                                             tmp_path: Path) -> None:  # fmt: skip
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    name = "slo-active"
+    slo = {**SLO, "mode": "Active", "prefill": {"maxEngines": 2}, "decode": {"maxEngines": 1}, "scaleDownStabilizationSeconds": 0}
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {"autoscaling": slo, "router": {"disaggregationThresholdTokens": 0}}))
+    ready = wait_ready(custom, namespace, name, 180)
+    served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
+    prefill_pods = lambda: [p.metadata.name for p in core.list_namespaced_pod(  # noqa: E731
+        namespace, label_selector=f"{contract.LABEL_MODEL}={contract.model_label_value(name)},{contract.LABEL_ROLE}=prefill").items]
+    with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing={**FAST, "prefill_us_per_token": 5000.0}) as serving:
+        wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
+        serving.start_client(workers=4)
+        wait_for("prefill grown to 2 engines", lambda: _role_sizes(custom, namespace, name)[f"{name}-prefill"] == 2 or None, 90)
+        wait_for("the new prefill engine in the router's table", lambda: serving.router.table() == {revision: (2, 1)}, 90)
+        scaling = get_model(custom, namespace, name)["status"]["autoscaling"]
+        assert scaling["mode"] == "Active" and scaling["decode"]["recommended"] == 1, scaling
+        told = wait_for("an AutoscalerScaled Event", lambda: _events(core, namespace, name, "AutoscalerScaled") or None, 30)
+        assert any("prefill 1 -> 2" in note for note in told), told
+        results = serving.stop_client()
+        assert results and not [r for r in results if not r.ok], "a request failed while prefill grew"
+
+        wait_for("prefill back to 1 engine once idle", lambda: _role_sizes(custom, namespace, name)[f"{name}-prefill"] == 1 or None, 90)
+        wait_for("the leaving prefill pod gone", lambda: len(prefill_pods()) == 1 or None, 120)
+        wait_for("the router's table 1P1D again", lambda: serving.router.table() == {revision: (1, 1)}, 60)
+    status = get_model(custom, namespace, name)["status"]
+    assert status["prefill"]["targetReplicas"] == 1 and status["autoscaling"]["prefill"]["recommended"] == 1, status

@@ -640,10 +640,12 @@ class ModelAutoscalingSpec(ApiModel):
     """Prefill and decode sized together to TTFT and TPOT targets from what the routers measure
     (docs/autoscaling.md)."""
 
-    mode: Literal["Advisory"] = Field(
+    mode: Literal["Advisory", "Active"] = Field(
         default="Advisory",
         description="Advisory: the autoscaler decides every interval and reports the sizes it would set, and why, in "
-        "status.autoscaling; the roles' sizes stay with their writers (spec.<role>.replicas, kubectl scale).",
+        "status.autoscaling; the roles' sizes stay with their writers (spec.<role>.replicas, kubectl scale). Active: "
+        "it writes them too (the roles' DisaggregatedRoles), within the bounds: it is then the roles' one writer, "
+        "so a kubectl scale lasts until its next decision.",
     )
     ttft_milliseconds: Annotated[int, Field(ge=10, le=600_000)] = Field(description="Time to first token target.")
     tpot_milliseconds: Annotated[int, Field(ge=1, le=10_000)] = Field(description="Time per output token target.")
@@ -1121,6 +1123,14 @@ AUTOSCALING_RULES = (
         "a role's maxEngines",
         field_path=".autoscaling.accelerators.min",
     ),
+    CelRule(
+        rule="!has(self.autoscaling) || !has(self.autoscaling.mode) || self.autoscaling.mode != 'Active' || "
+        "(!has(self.prefill.autoscaling) && !has(self.decode.autoscaling))",
+        message="autoscaling.mode Active writes both roles' sizes, and spec.<role>.autoscaling renders an HPA that "
+        "writes its role's: one writer per size. Remove spec.prefill.autoscaling and spec.decode.autoscaling, or "
+        "set autoscaling.mode to Advisory",
+        field_path=".autoscaling.mode",
+    ),
 )
 
 SPEC_RULES = (
@@ -1284,7 +1294,7 @@ class DisaggregatedModelSpec(ApiModel):
     autoscaling: ModelAutoscalingSpec | None = Field(
         default=None,
         description="Prefill and decode sized together to TTFT and TPOT targets from the routers' measurements, "
-        "within a GPU budget (docs/autoscaling.md). Not with spec.<role>.autoscaling (one writer per role's size).",
+        "within a GPU budget (docs/autoscaling.md). Active: not with spec.<role>.autoscaling (one writer per role's size).",
     )
 
     @property

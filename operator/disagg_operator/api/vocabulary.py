@@ -213,6 +213,7 @@ class EventReason(StrEnum):
     STREAMS_MIGRATED = RouterEventReason.STREAMS_MIGRATED.value
     STREAMS_CUT = RouterEventReason.STREAMS_CUT.value
     AUTOSCALER_RECOMMENDS = "AutoscalerRecommends"
+    AUTOSCALER_SCALED = "AutoscalerScaled"
     AUTOSCALER_BLOCKED = "AutoscalerBlocked"
 
 
@@ -229,6 +230,8 @@ EVENT_REASONS: dict[EventReason, str] = {
     EventReason.REVISION_RETIRED: "An old revision's Deployment was deleted once its pods were gone.",
     EventReason.AUTOSCALER_RECOMMENDS: "The SLO autoscaler (spec.autoscaling, Advisory) decided on other sizes than the "
     "roles have: status.autoscaling says which and why (docs/autoscaling.md).",
+    EventReason.AUTOSCALER_SCALED: "The SLO autoscaler (spec.autoscaling, Active) set other sizes than the roles had: "
+    "status.autoscaling says which and why; a role that shrinks drains its leaving engines first.",
     EventReason.AUTOSCALER_BLOCKED: "The SLO autoscaler would grow a role whose engines cannot be scheduled: it holds "
     "that role's size and says the scheduler's reason (more nodes, or a smaller budget).",
     EventReason.STREAMS_MIGRATED: "A router: a decode engine failed mid-stream and every stream on it went on, "

@@ -67,9 +67,9 @@ def test_pods_starting_at_create_are_no_warning() -> None:
 
 
 def test_the_autoscalers_recommendation_and_block_are_told_once_per_decision() -> None:
-    def decided(at: str, prefill: tuple[int, int], blocked: str | None = None) -> dict:
+    def decided(at: str, prefill: tuple[int, int], blocked: str | None = None, mode: str = "Advisory") -> dict:
         role = lambda current, recommended: {"current": current, "recommended": recommended, "reason": "why"}  # noqa: E731
-        return {"autoscaling": {"mode": "Advisory", "decidedAt": at, "prefill": role(*prefill), "decode": role(1, 1),
+        return {"autoscaling": {"mode": mode, "decidedAt": at, "prefill": role(*prefill), "decode": role(1, 1),
                                 **({"blocked": blocked} if blocked else {})}}  # fmt: skip
 
     first = events.of_status({}, decided("t1", (1, 3)))
@@ -79,3 +79,5 @@ def test_the_autoscalers_recommendation_and_block_are_told_once_per_decision() -
     assert events.of_status(decided("t2", (1, 3)), decided("t3", (1, 1))) == [], "on target: no news"
     blocked = events.of_status(decided("t3", (1, 1)), decided("t4", (3, 3), blocked="prefill: 1 engine(s) cannot be scheduled"))
     assert [(e.reason, e.type) for e in blocked] == [("AutoscalerBlocked", "Warning")]
+    scaled = events.of_status(decided("t4", (1, 1), mode="Active"), decided("t5", (1, 2), mode="Active"))
+    assert [(e.reason, e.type) for e in scaled] == [("AutoscalerScaled", "Normal")] and "prefill 1 -> 2" in scaled[0].note

@@ -234,6 +234,34 @@ def test_with_an_hpa_the_operator_never_writes_the_size() -> None:
     assert plan.status["decode"]["targetReplicas"] == 5
 
 
+ACTIVE = {"autoscaling": {"mode": "Active", "ttftMilliseconds": 2000, "tpotMilliseconds": 50,
+                          "prefill": {"maxEngines": 4}, "decode": {"minEngines": 2, "maxEngines": 4}}}  # fmt: skip
+
+
+def _decided(observed: Observed, prefill: int, decode: int, mode: str = "Active") -> Observed:
+    role = lambda current, size: {"current": current, "recommended": size, "reason": "why"}  # noqa: E731
+    return replace(observed, autoscaling={"mode": mode, "decidedAt": NOW, "prefill": role(1, prefill), "decode": role(1, decode)})
+
+
+def test_the_active_slo_autoscaler_is_the_roles_one_writer() -> None:
+    """Its decision is written to both roles, over a kubectl scale; before its first decision the live size stays;
+    its bounds hold whatever the spec or the hand-scaled size says; an Advisory decision writes nothing."""
+    active = desired(ACTIVE)
+    steady_active = steady(active)
+    plan = planner.plan(active, _decided(steady_active, 3, 2), NOW)
+    scalers = {a.obj["metadata"]["name"]: a.obj["spec"]["replicas"] for a in plan.applies if a.obj["kind"] == contract.ROLE_KIND}
+    assert scalers == {"m-prefill": 3, "m-decode": 2}
+    assert (plan.status["prefill"]["targetReplicas"], plan.status["decode"]["targetReplicas"]) == (3, 2)
+    hand = _scaled_by_hand(active, "prefill", 4)  # kubectl scale between two decisions: the last decision stands
+    assert planner.plan(active, _decided(hand, 3, 2), NOW).status["prefill"]["targetReplicas"] == 3
+    before = planner.plan(active, hand, NOW)  # no decision yet (a restarted operator): what is there, within bounds
+    assert (before.status["prefill"]["targetReplicas"], before.status["decode"]["targetReplicas"]) == (4, 2)
+    too_big = planner.plan(active, _scaled_by_hand(active, "prefill", 9), NOW)
+    assert too_big.status["prefill"]["targetReplicas"] == 4, "maxEngines bounds a hand-scaled size"
+    advisory = planner.plan(active, _decided(steady_active, 3, 3, mode="Advisory"), NOW)
+    assert advisory.status["prefill"]["targetReplicas"] == 1, "a decision of the Advisory mode is not written"
+
+
 def test_scale_in_drains_the_pod_that_leaves_first() -> None:
     two = desired({"decode": {"replicas": 2}})
     observed = with_role_status(Observed(children(two), serving_pods(two.revision, decode=2)), two.revision)

@@ -14,6 +14,7 @@ import pytest
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
+from disagg_connector import contract
 from disagg_operator.api.models import DEFAULT_VLLM_VERSION
 from disagg_operator.config import ENGINE_REPOSITORY, RenderDefaults
 from disagg_operator.metrics import OperatorMetrics
@@ -212,7 +213,7 @@ def test_desire_parses_and_renders_in_one_step_or_says_every_problem() -> None:
     assert all("bidirectional" in p or "Push" in p for p in refused.problems), refused.problems
 
 
-# --- spec.autoscaling, Advisory: a decision every interval in status, no size written ------------------------------
+# --- spec.autoscaling: a decision every interval in status; Advisory writes no size, Active writes it ---------------
 
 SLO = {"autoscaling": {"ttftMilliseconds": 2000, "tpotMilliseconds": 50, "prefill": {"maxEngines": 4}, "decode": {"maxEngines": 4},
                        "intervalSeconds": 15}}  # fmt: skip
@@ -229,7 +230,8 @@ class Clock:
         return 1.8e9 + self.at
 
 
-def test_advisory_autoscaling_reports_a_decision_each_interval_and_writes_no_size(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["Advisory", "Active"])
+def test_autoscaling_decides_each_interval_and_only_active_writes_the_size(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from disagg_connector.contract.health import BackendHealth, BackendRouting, RouterHealth
     from disagg_connector.router.metrics import RouterMetrics
     from prometheus_client import generate_latest
@@ -237,7 +239,8 @@ def test_advisory_autoscaling_reports_a_decision_each_interval_and_writes_no_siz
     from disagg_operator import executor, reconcile
     from disagg_operator.state import RouterView
 
-    world = desired(SLO)
+    slo = {"autoscaling": {**SLO["autoscaling"], "mode": mode}}
+    world = desired(slo)
     revision = world.revision
     router = RouterMetrics(lambda: RouterHealth("ok", True, "Push", 60.0, (), {}))
     backends = tuple(BackendHealth(f"{r[0]}-{revision}-0", f"{r[0]}-{revision}-0", r, revision, "Push", 0, False, False,
@@ -254,7 +257,7 @@ def test_advisory_autoscaling_reports_a_decision_each_interval_and_writes_no_siz
     objects = [*observed.children.values(), *({**p, "kind": "Pod"} for p in observed.pods)]
     cluster = ScriptedCluster()
     status = planner_status(world, observed)
-    reconciler = Reconciler(MemoryCache([model(SLO, status)], objects), cluster, RenderDefaults(), OperatorMetrics(workers=1),  # type: ignore[arg-type]
+    reconciler = Reconciler(MemoryCache([model(slo, status)], objects), cluster, RenderDefaults(), OperatorMetrics(workers=1),  # type: ignore[arg-type]
                             now=lambda: NOW)  # fmt: skip
     first = reconciler.reconcile(KEY)
     assert first.requeue_after == 15, "back for the next decision"
@@ -268,10 +271,18 @@ def test_advisory_autoscaling_reports_a_decision_each_interval_and_writes_no_siz
     clock.at += 15
     reconciler.reconcile(KEY)
     scaling = cluster.statuses[-1]["autoscaling"]
-    assert scaling["mode"] == "Advisory" and scaling["prefill"]["current"] == 1 and scaling["prefill"]["recommended"] >= 2
+    assert scaling["mode"] == mode and scaling["prefill"]["current"] == 1 and scaling["prefill"]["recommended"] >= 2
     assert "TTFT" in scaling["prefill"]["reason"] and scaling["decode"]["recommended"] == 1
     assert scaling["measured"]["requests"] == 40 and scaling["measured"]["ttftSeconds"] > 7.5
-    assert cluster.writes == [], "Advisory writes no size"
+    grown = scaling["prefill"]["recommended"]
+    if mode == "Advisory":
+        assert cluster.writes == [], "Advisory writes no size"
+        assert cluster.statuses[-1]["prefill"]["targetReplicas"] == 1
+    else:  # the DisaggregatedRole, then the current revision's prefill Deployment, at the decided size
+        written = {name for _, name in cluster.writes}
+        assert {f"{contract.ROLE_KIND}/m-prefill", f"Deployment/{contract.engine_deployment_name('m', 'prefill', revision)}"} <= written
+        assert not [n for n in written if "decode" in n], cluster.writes
+        assert cluster.statuses[-1]["prefill"]["targetReplicas"] == grown
     clock.at += 5
     reconciler.reconcile(KEY)
     assert cluster.statuses[-1]["autoscaling"] == scaling, "within the interval the last decision stands"

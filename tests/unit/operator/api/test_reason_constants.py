@@ -36,7 +36,7 @@ WIRE_REASONS = (
     "NoTransferCompleted NoTrafficYet NotCheckedYet NoRouterReady RouterStarting RouterUnreachable"
 ).split()
 WIRE_EVENT_REASONS = ("RolloutStarted RolloutStep RolloutComplete Scaled PodDraining PodRetired DrainTimedOut RevisionRetired StreamsMigrated StreamsCut "
-                      "AutoscalerRecommends AutoscalerBlocked").split()
+                      "AutoscalerRecommends AutoscalerScaled AutoscalerBlocked").split()
 WIRE_CONDITION_TYPES = "Ready Progressing Degraded FabricReady KVTransferHealthy GangScheduled Reconciling Stalled".split()
 WIRE_PREFLIGHT = "NixlImportFailed NixlBackendUnavailable EfaDevicesMissing AcceleratorsMissing HugepagesMissing SharedMemoryTooSmall".split()
 WIRE_KV = "TransfersSucceeding TransfersFailing DeadlinesHit ProtocolMismatch NoTransferCompleted NoTrafficYet".split()

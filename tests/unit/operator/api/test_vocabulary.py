@@ -32,6 +32,7 @@ NOT_REASONS = {
     "Progressing", "Degraded", "FallbackToLogsOnError", "Error", "GPUs", "Normal", "Warning", "Drain", "Retire",
     "Scale", "Delete", "Plan", "Rollout", "Apply", "Status",
     "SchedulerError", "PersistentVolumeClaim",  # kube-scheduler's PodScheduled reason (read, not written); a kind
+    "Active",  # spec.autoscaling.mode
 }  # fmt: skip
 
 
