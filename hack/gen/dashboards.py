@@ -308,6 +308,22 @@ def model_dashboard() -> gd.Dashboard:
                             query(f"sum by (pod) (disagg_router_kv_index_blocks{{{ROUTER}}})", "KV blocks {{pod}}"),
                             query(f"sum by (result) ({rate('disagg_router_load_reads_total', ROUTER)})", "reads/s {{result}}")))
 
+    d = d.with_row(gd.Row("SLO autoscaler"))
+    d = d.with_panel(series("Engines: current and decided", "Per role, the engines the model ran when the SLO autoscaler "
+                            "(spec.autoscaling) last decided, and the size it decided (Active: written; Advisory: "
+                            "recommended). Blocked: 1 while a role it would grow cannot be scheduled.", "none",
+                            query(f"max by (role, size) (disagg_operator_autoscaler_engines{{{MODEL}}})", "{{role}} {{size}}"),
+                            query(f"max(disagg_operator_autoscaler_blocked{{{MODEL}}})", "blocked"), width=8))
+    d = d.with_panel(series("TTFT and TPOT against the targets", "The targets' percentile the routers measured over the "
+                            "autoscaler's last interval (the prefill leg: queue and compute on prefill), and the targets.", "s",
+                            query(f"max by (slo) (disagg_operator_autoscaler_measured_seconds{{{MODEL}}})", "{{slo}}"),
+                            query(f"max by (slo) (disagg_operator_autoscaler_target_seconds{{{MODEL}}})", "{{slo}} target"),
+                            width=8))  # fmt: skip
+    d = d.with_panel(series("Demand and capacity", "What the autoscaler estimates: prompt tokens/s and decode KV tokens "
+                            "(now and forecast), and one engine's learned capacity (docs/autoscaling.md).", "none",
+                            query(f"max by (estimate) (disagg_operator_autoscaler_estimate{{{MODEL}}})", "{{estimate}}"),
+                            width=8))  # fmt: skip
+
     d = d.with_row(gd.Row("Router discovery"))
     d = d.with_panel(series("Discovery", "Pod watch events applied, and discovery failures (the router keeps its last table).",
                             "ops",

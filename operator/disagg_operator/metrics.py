@@ -16,13 +16,21 @@ Ours:
   disagg_operator_models{phase}                               read from the cache at scrape time
   disagg_operator_model_condition{model_namespace, model, type, status, reason}   1 per model and condition
                                                               type, read from the cache at scrape time
+  The SLO autoscaler's (spec.autoscaling) targets and last decision, read from the cache at scrape time:
+  disagg_operator_autoscaler_engines{model_namespace, model, role, size=current|decided}
+  disagg_operator_autoscaler_target_seconds{model_namespace, model, slo=ttft|tpot}
+  disagg_operator_autoscaler_measured_seconds{model_namespace, model, slo=ttft|tpot|prefill_leg}   the targets'
+                                                              percentile over its last interval
+  disagg_operator_autoscaler_estimate{model_namespace, model, estimate}   demand and learned capacity
+                                                              (status.autoscaling.estimates' keys)
+  disagg_operator_autoscaler_blocked{model_namespace, model}  1 while a role that should grow cannot be scheduled
 The model's own labels are model_namespace and model, not namespace: a scrape's target label namespace (the
 operator's) would rename an exported namespace to exported_namespace.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -54,14 +62,60 @@ def model_conditions(namespace: str, name: str, body: Mapping[str, object]) -> l
     ]
 
 
+# The SLO autoscaler's gauges: family -> (help, its labels besides model_namespace and model).
+AUTOSCALER_FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "disagg_operator_autoscaler_engines": ("Engines per role of a model with spec.autoscaling: current (when the "
+                                           "autoscaler decided) and decided", ("role", "size")),
+    "disagg_operator_autoscaler_target_seconds": ("The SLO autoscaler's TTFT and TPOT targets", ("slo",)),
+    "disagg_operator_autoscaler_measured_seconds": ("The targets' percentile the routers measured over the SLO "
+                                                    "autoscaler's last interval", ("slo",)),
+    "disagg_operator_autoscaler_estimate": ("The SLO autoscaler's demand and learned capacity estimates", ("estimate",)),
+    "disagg_operator_autoscaler_blocked": ("1 while a role the SLO autoscaler would grow cannot be scheduled", ()),
+}  # fmt: skip
+# status.autoscaling.measured's keys as the measured family's slo label.
+_MEASURED_SLO = {"ttftSeconds": "ttft", "tpotSeconds": "tpot", "prefillLegSeconds": "prefill_leg"}
+
+
+class AutoscalerSample(NamedTuple):
+    family: str  # a key of AUTOSCALER_FAMILIES
+    namespace: str
+    model: str
+    labels: tuple[str, ...]  # the family's own labels' values
+    value: float
+
+
+def model_autoscaling(namespace: str, name: str, body: Mapping[str, Any]) -> list[AutoscalerSample]:
+    """A model's SLO autoscaler gauges: its targets (spec) and its last decision (status); none without
+    spec.autoscaling."""
+    spec = (body.get("spec") or {}).get("autoscaling")
+    if not isinstance(spec, Mapping):
+        return []
+    out = [AutoscalerSample("disagg_operator_autoscaler_target_seconds", namespace, name, (slo,), float(spec[key]) / 1000)
+           for slo, key in (("ttft", "ttftMilliseconds"), ("tpot", "tpotMilliseconds")) if key in spec]
+    decision = (body.get("status") or {}).get("autoscaling")
+    if not isinstance(decision, Mapping):
+        return out
+    for role in ("prefill", "decode"):
+        for size, key in (("current", "current"), ("decided", "recommended")):
+            if isinstance(decision.get(role), Mapping) and key in decision[role]:
+                out.append(AutoscalerSample("disagg_operator_autoscaler_engines", namespace, name, (role, size), float(decision[role][key])))
+    out += [AutoscalerSample("disagg_operator_autoscaler_measured_seconds", namespace, name, (slo,), float(v))
+            for key, slo in _MEASURED_SLO.items() if isinstance(v := (decision.get("measured") or {}).get(key), (int, float))]
+    out += [AutoscalerSample("disagg_operator_autoscaler_estimate", namespace, name, (str(k),), float(v))
+            for k, v in (decision.get("estimates") or {}).items() if isinstance(v, (int, float))]
+    out.append(AutoscalerSample("disagg_operator_autoscaler_blocked", namespace, name, (), float(bool(decision.get("blocked")))))
+    return out
+
+
 class _Live(Collector):
     """Gauges read at scrape time (queue depth, models by phase, their conditions), so nothing has to keep them current."""
 
     def __init__(self, queue_stats: Callable[[], tuple[int, int, int]], phases: Callable[[], Mapping[str, int]],
-                 conditions: Callable[[], Iterable[ModelCondition]]):
+                 conditions: Callable[[], Iterable[ModelCondition]], autoscaling: Callable[[], Iterable[AutoscalerSample]]):
         self._queue_stats = queue_stats
         self._phases = phases
         self._conditions = conditions
+        self._autoscaling = autoscaling
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         depth, adds, retries = self._queue_stats()
@@ -77,6 +131,11 @@ class _Live(Collector):
         for c in self._conditions():
             condition.add_metric([c.namespace, c.model, c.type, c.status, c.reason], 1)
         yield condition
+        families = {name: GaugeMetricFamily(name, text, labels=["model_namespace", "model", *labels])
+                    for name, (text, labels) in AUTOSCALER_FAMILIES.items()}  # fmt: skip
+        for s in self._autoscaling():
+            families[s.family].add_metric([s.namespace, s.model, *s.labels], s.value)
+        yield from families.values()
 
 
 def _labelled(family: GaugeMetricFamily | CounterMetricFamily, value: float) -> GaugeMetricFamily | CounterMetricFamily:
@@ -110,8 +169,9 @@ class OperatorMetrics:
             self.reconcile_total.labels(CONTROLLER, result)
 
     def watch(self, queue_stats: Callable[[], tuple[int, int, int]], phases: Callable[[], Mapping[str, int]],
-              conditions: Callable[[], Iterable[ModelCondition]] = tuple) -> None:
-        self.registry.register(_Live(queue_stats, phases, conditions))
+              conditions: Callable[[], Iterable[ModelCondition]] = tuple,
+              autoscaling: Callable[[], Iterable[AutoscalerSample]] = tuple) -> None:
+        self.registry.register(_Live(queue_stats, phases, conditions, autoscaling))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Binds now (OSError when it cannot: `run` says so before kopf starts), serves from a daemon thread."""

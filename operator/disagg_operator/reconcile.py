@@ -34,7 +34,7 @@ from .api.vocabulary import Reason
 from .cache import Cache
 from .config import RenderDefaults
 from .kube import Cluster, EventRecorder, error_message
-from .metrics import CONTROLLER, ModelCondition, OperatorMetrics, model_conditions
+from .metrics import CONTROLLER, AutoscalerSample, ModelCondition, OperatorMetrics, model_autoscaling, model_conditions
 from .render import gang
 from .render.engine import weights_claim
 from .router_readings import Interval, ReadingError, RouterReading, interval, parse_router_metrics
@@ -289,7 +289,8 @@ class Controller:
         self.queue.add((namespace, name))
 
     def start(self) -> None:
-        self.metrics.watch(lambda: (len(self.queue), self.queue.adds, self.queue.retries), self.phases, self.conditions)
+        self.metrics.watch(lambda: (len(self.queue), self.queue.adds, self.queue.retries), self.phases, self.conditions,
+                           self.autoscaling)  # fmt: skip
         for n in range(self.workers):
             self._threads.append(threading.Thread(target=self._work, name=f"reconcile-{n}", daemon=True))
         self._threads.append(threading.Thread(target=self._resync, name="resync", daemon=True))
@@ -311,6 +312,10 @@ class Controller:
     def conditions(self) -> list[ModelCondition]:
         cache = self.reconciler.cache
         return [c for ns, name in cache.model_keys() for c in model_conditions(ns, name, cache.model(ns, name) or {})]
+
+    def autoscaling(self) -> list[AutoscalerSample]:
+        cache = self.reconciler.cache
+        return [s for ns, name in cache.model_keys() for s in model_autoscaling(ns, name, cache.model(ns, name) or {})]
 
     def _resync(self) -> None:
         while not self._stop.wait(self.resync_seconds):

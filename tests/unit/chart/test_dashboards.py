@@ -153,10 +153,11 @@ def test_operator_dashboard_covers_the_reconcile_loop() -> None:
     deleted, models by phase; the model's conditions are on the model's dashboard."""
     used = set().union(*(metric_names(e) for _, e in queries(load("disagg-operator.json"))))
     operator = {n for n in EXPORTED if not n.startswith("disagg_router_") and not n.endswith(("_sum", "_count"))}
-    # per model, not for the operator's dashboard: the conditions (on the model's dashboard) and the passes (what
-    # the e2e counts to know a model was reconciled N times after a restart)
-    assert operator - used == {"disagg_operator_model_condition", "disagg_operator_model_passes_total"}
-    assert "disagg_operator_model_condition" in set().union(*(metric_names(e) for _, e in queries(load("disagg-model.json"))))
+    # per model, not for the operator's dashboard: the conditions and the SLO autoscaler's gauges (on the model's
+    # dashboard) and the passes (what the e2e counts to know a model was reconciled N times after a restart)
+    per_model = {n for n in operator if n.startswith("disagg_operator_autoscaler_")} | {"disagg_operator_model_condition"}
+    assert len(per_model) == 6 and operator - used == per_model | {"disagg_operator_model_passes_total"}
+    assert per_model <= set().union(*(metric_names(e) for _, e in queries(load("disagg-model.json"))))
 
 
 # --- every query names only exported metrics, and parses ------------------------------------------------

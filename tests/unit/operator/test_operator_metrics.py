@@ -52,3 +52,34 @@ def test_conditions_and_phases_of_the_cached_models_at_scrape_time() -> None:
     ]
     assert sorted((l["phase"], v) for l, v in phases) == [("Pending", 1.0), ("Ready", 1.0), ("Unknown", 1.0)]
     assert ({"model_namespace": "b", "model": "m2", "type": "Ready", "status": "False", "reason": "WaitingForPods"}, 1.0) in later
+
+
+def test_the_slo_autoscalers_targets_and_last_decision_at_scrape_time() -> None:
+    slo = {"autoscaling": {"mode": "Active", "ttftMilliseconds": 2000, "tpotMilliseconds": 50,
+                           "prefill": {"maxEngines": 4}, "decode": {"maxEngines": 4}}}  # fmt: skip
+    decided = {"mode": "Active", "decidedAt": "2026-12-04T00:00:00Z",
+               "prefill": {"current": 1, "recommended": 3, "reason": "TTFT"}, "decode": {"current": 2, "recommended": 2, "reason": "on target"},
+               "blocked": "prefill: 1 engine(s) cannot be scheduled", "measured": {"requests": 40, "ttftSeconds": 9.0, "prefillLegSeconds": 8.5},
+               "estimates": {"prefill_tokens_per_s": 26666.7}}  # fmt: skip
+    scaled = dm(slo, name="m1", namespace="a")
+    scaled["status"] = {"autoscaling": decided}
+    cache = MemoryCache([scaled, dm(slo, name="m2", namespace="a"), _model("a", "plain", None)])
+    metrics = OperatorMetrics(workers=1)
+    controller = Controller(Reconciler(cache, None, RenderDefaults(), metrics), workers=1)  # type: ignore[arg-type]
+    controller.start()
+    try:
+        def family(name: str) -> dict[tuple[str, ...], float]:
+            return {(labels.pop("model_namespace"), labels.pop("model"), *labels.values()): value
+                    for labels, value in _samples(metrics, name)}
+
+        engines, targets = family("disagg_operator_autoscaler_engines"), family("disagg_operator_autoscaler_target_seconds")
+        measured, estimates = family("disagg_operator_autoscaler_measured_seconds"), family("disagg_operator_autoscaler_estimate")
+        blocked = family("disagg_operator_autoscaler_blocked")
+    finally:
+        controller.stop()
+    # model_namespace, model, then the family's own labels
+    assert engines == {("a", "m1", "prefill", "current"): 1, ("a", "m1", "prefill", "decided"): 3,
+                       ("a", "m1", "decode", "current"): 2, ("a", "m1", "decode", "decided"): 2}  # fmt: skip
+    assert targets == {("a", m, slo): v for m in ("m1", "m2") for slo, v in (("ttft", 2.0), ("tpot", 0.05))}, "no decision yet: the targets"
+    assert measured == {("a", "m1", "ttft"): 9.0, ("a", "m1", "prefill_leg"): 8.5}, "no TPOT measured: no series"
+    assert estimates == {("a", "m1", "prefill_tokens_per_s"): 26666.7} and blocked == {("a", "m1"): 1.0}
