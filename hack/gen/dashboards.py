@@ -315,7 +315,8 @@ def model_dashboard() -> gd.Dashboard:
                             query(f"max by (role, size) (disagg_operator_autoscaler_engines{{{MODEL}}})", "{{role}} {{size}}"),
                             query(f"max(disagg_operator_autoscaler_blocked{{{MODEL}}})", "blocked"), width=8))
     d = d.with_panel(series("TTFT and TPOT against the targets", "The targets' percentile the routers measured over the "
-                            "autoscaler's last interval (the prefill leg: queue and compute on prefill), and the targets.", "s",
+                            "autoscaler's last interval (prefill_leg: queue and compute on prefill; local_ttft: the prompts decode "
+                            "prefilled itself), and the targets.", "s",
                             query(f"max by (slo) (disagg_operator_autoscaler_measured_seconds{{{MODEL}}})", "{{slo}}"),
                             query(f"max by (slo) (disagg_operator_autoscaler_target_seconds{{{MODEL}}})", "{{slo}} target"),
                             width=8))  # fmt: skip

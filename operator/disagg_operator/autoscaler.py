@@ -22,7 +22,8 @@ scheduled, are not capacity (dynamo#12430, #14251).
   headroom; the demand is the larger of now and the trend over the last minutes projected one warm-up ahead
   (predictive, for scale-up only);
 - *reactive*: a role whose own signal misses its target (prefill: TTFT over target while the prefill leg takes
-  most of it, or requests waiting on prefill; decode: TPOT over target, or KV nearly full) grows by a step
+  most of it, or requests waiting on prefill; decode: TPOT over target, KV nearly full, or the TTFT of the
+  prompts it prefills itself over target) grows by a step
   proportional to the miss, whatever the model says.
 A role shrinks only by one engine per interval, only when its signal is well under target and the remaining
 engines would still run below the headroom (consolidation-aware, dynamo#9294), and only once every
@@ -123,6 +124,8 @@ class Observation:
     prefill_leg_s: float | None = None  # the same percentile of the prefill leg (queue + compute)
     prefill_tokens: float = 0.0  # uncached prompt tokens sent to prefill in the interval
     rolling_out: bool = False
+    local_ttft_s: float | None = None  # the percentile of TTFT of prompts decode prefilled itself (below the
+    # router's disaggregation threshold): decode's work, which more prefill engines would not speed up
 
     def role(self, role: str) -> RoleObservation:
         return self.prefill if role == "prefill" else self.decode
@@ -247,14 +250,23 @@ def _decode_need(policy: Policy, obs: Observation, cap: Capacity, demand: float)
     model = _engines_for(demand, per_engine)
     tpot_miss = obs.tpot_s is not None and obs.tpot_s > policy.tpot_s
     kv_full = d.kv_capacity > 0 and d.warm > 0 and d.kv_tokens >= KV_FULL * d.kv_capacity * d.warm
-    if tpot_miss or kv_full:
-        miss = max(obs.tpot_s / policy.tpot_s if tpot_miss else 1.0, d.kv_tokens / (KV_FULL * d.kv_capacity * d.warm) if kv_full else 1.0)  # type: ignore[operator]
+    local_miss = obs.local_ttft_s is not None and obs.local_ttft_s > policy.ttft_s
+    if tpot_miss or kv_full or local_miss:
+        misses = []  # (how far off, why)
+        if tpot_miss:
+            misses.append((obs.tpot_s / policy.tpot_s, f"TPOT p {obs.tpot_s:.3f}s over the {policy.tpot_s:.3f}s target"))  # type: ignore[operator]
+        if kv_full:
+            misses.append((d.kv_tokens / (KV_FULL * d.kv_capacity * d.warm), "KV nearly full"))
+        if local_miss:
+            misses.append((obs.local_ttft_s / policy.ttft_s, f"TTFT p {obs.local_ttft_s:.2f}s of the prompts decode "  # type: ignore[operator]
+                           f"prefills itself over the {policy.ttft_s:.2f}s target"))  # fmt: skip
+        miss, why = max(misses)
         grown = d.current + min(policy.max_step, max(1, math.ceil(d.current * min(miss - 1, 1.0))))
-        why = f"TPOT p {obs.tpot_s:.3f}s over the {policy.tpot_s:.3f}s target" if tpot_miss else "KV nearly full"
         return max(grown, model), why
     if model > d.current:
         return model, f"{demand:.0f} KV tokens need {model} engines at {per_engine:.0f} each within the TPOT target"
-    if (obs.tpot_s is None or obs.tpot_s < SHRINK_BELOW * policy.tpot_s) and d.current > 1:
+    local_calm = obs.local_ttft_s is None or obs.local_ttft_s < SHRINK_BELOW * policy.ttft_s
+    if (obs.tpot_s is None or obs.tpot_s < SHRINK_BELOW * policy.tpot_s) and local_calm and d.current > 1:
         if per_engine and demand <= (d.current - 1) * per_engine * HEADROOM:
             return d.current - 1, f"TPOT well under target and {d.current - 1} engines hold {demand:.0f} KV tokens"
         if not per_engine and obs.requests == 0 and demand == 0:
@@ -266,7 +278,7 @@ def _pressure(policy: Policy, obs: Observation, role: str) -> float:
     """How far the role misses its own target (measured / target; 0 without a reading)."""
     if role == "prefill":
         return (obs.ttft_s or 0.0) / policy.ttft_s
-    return (obs.tpot_s or 0.0) / policy.tpot_s
+    return max((obs.tpot_s or 0.0) / policy.tpot_s, (obs.local_ttft_s or 0.0) / policy.ttft_s)
 
 
 def within_budget(policy: Policy, obs: Observation, sizes: dict[str, int]) -> tuple[dict[str, int], str | None]:
@@ -442,13 +454,14 @@ def observe(policy: Policy, seen: Seen, measured: Interval, seconds: float, perc
 
     return Observation(at=seen.now, seconds=seconds, prefill=role("prefill"), decode=role("decode"), requests=measured.requests,
                        ttft_s=measured.ttft.quantile(q), tpot_s=measured.tpot.quantile(q), prefill_leg_s=measured.prefill_leg.quantile(q),
-                       prefill_tokens=measured.uncached_prompt_tokens, rolling_out=seen.rolling_out)  # fmt: skip
+                       prefill_tokens=measured.uncached_prompt_tokens, rolling_out=seen.rolling_out,
+                       local_ttft_s=measured.local_ttft.quantile(q))  # fmt: skip
 
 
 def status_of(decision: Decision, obs: Observation, policy: Policy, at: str) -> dict[str, Any]:
     """status.autoscaling: what it decided at `at` and why, with what it measured and estimates."""
     measured = {"requests": obs.requests, "ttftSeconds": obs.ttft_s, "tpotSeconds": obs.tpot_s,
-                "prefillLegSeconds": obs.prefill_leg_s}  # fmt: skip
+                "prefillLegSeconds": obs.prefill_leg_s, "localTtftSeconds": obs.local_ttft_s}  # fmt: skip
     return {
         "mode": "Advisory" if policy.advisory else "Active",
         "decidedAt": at,

@@ -19,8 +19,9 @@ Ours:
   The SLO autoscaler's (spec.autoscaling) targets and last decision, read from the cache at scrape time:
   disagg_operator_autoscaler_engines{model_namespace, model, role, size=current|decided}
   disagg_operator_autoscaler_target_seconds{model_namespace, model, slo=ttft|tpot}
-  disagg_operator_autoscaler_measured_seconds{model_namespace, model, slo=ttft|tpot|prefill_leg}   the targets'
-                                                              percentile over its last interval
+  disagg_operator_autoscaler_measured_seconds{model_namespace, model, slo=ttft|tpot|prefill_leg|local_ttft}   the
+                                                              targets' percentile over its last interval (local_ttft:
+                                                              of the prompts decode prefilled itself)
   disagg_operator_autoscaler_estimate{model_namespace, model, estimate}   demand and learned capacity
                                                               (status.autoscaling.estimates' keys)
   disagg_operator_autoscaler_blocked{model_namespace, model}  1 while a role that should grow cannot be scheduled
@@ -73,7 +74,7 @@ AUTOSCALER_FAMILIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "disagg_operator_autoscaler_blocked": ("1 while a role the SLO autoscaler would grow cannot be scheduled", ()),
 }  # fmt: skip
 # status.autoscaling.measured's keys as the measured family's slo label.
-_MEASURED_SLO = {"ttftSeconds": "ttft", "tpotSeconds": "tpot", "prefillLegSeconds": "prefill_leg"}
+_MEASURED_SLO = {"ttftSeconds": "ttft", "tpotSeconds": "tpot", "prefillLegSeconds": "prefill_leg", "localTtftSeconds": "local_ttft"}
 
 
 class AutoscalerSample(NamedTuple):

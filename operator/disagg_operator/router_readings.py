@@ -1,8 +1,9 @@
 """What the SLO autoscaler reads from a model's routers, and how one interval is cut from two reads. Pure: the
 executor fetches the routers' /metrics text; this parses it and subtracts.
 
-A router's /metrics holds, per revision (`revision` label), the histograms the targets are judged on: time to
-first token (`disagg_router_time_to_first_token_seconds`), the prefill leg, queue and compute on the prefill
+A router's /metrics holds, per revision (`revision` label) and path (`mode`: push, pull, or local for a prompt the
+router had decode prefill itself), the histograms the targets are judged on: time to first token
+(`disagg_router_time_to_first_token_seconds`; the local path's apart too, decode's work), the prefill leg, queue and compute on the prefill
 engine (`disagg_router_prefill_seconds`), and time per output token (`disagg_router_time_per_output_token_seconds`);
 and per prefill backend the prompt tokens it was sent and those the policy expected cached
 (`disagg_router_prefix_prompt_tokens_total`, `disagg_router_prefix_expected_hit_tokens_total`): their difference is
@@ -23,6 +24,7 @@ TTFT = "disagg_router_time_to_first_token_seconds"
 PREFILL_LEG = "disagg_router_prefill_seconds"
 TPOT = "disagg_router_time_per_output_token_seconds"
 HISTOGRAMS = (TTFT, PREFILL_LEG, TPOT)
+LOCAL = "local"  # the `mode` of a request decode prefilled itself (below the disaggregation threshold)
 PROMPT_TOKENS = "disagg_router_prefix_prompt_tokens"
 EXPECTED_HIT_TOKENS = "disagg_router_prefix_expected_hit_tokens"
 
@@ -79,26 +81,24 @@ class Histogram:
 
 @dataclass(frozen=True)
 class RouterReading:
-    """One router's /metrics at one read: the histograms per (name, revision), the prefix counters per backend."""
+    """One router's /metrics at one read: the histograms per (name, revision, mode), the prefix counters per backend."""
 
-    histograms: Mapping[tuple[str, str], Histogram] = field(default_factory=dict)
+    histograms: Mapping[tuple[str, str, str], Histogram] = field(default_factory=dict)
     prompt_tokens: Mapping[str, float] = field(default_factory=dict)  # backend key -> total
     expected_hit_tokens: Mapping[str, float] = field(default_factory=dict)
 
 
 def parse_router_metrics(text: str) -> RouterReading:
     """A router's /metrics text -> :class:`RouterReading` (other series are skipped)."""
-    buckets: dict[tuple[str, str], dict[float, float]] = {}
+    buckets: dict[tuple[str, str, str], dict[float, float]] = {}
     counters: dict[str, dict[str, float]] = {PROMPT_TOKENS: {}, EXPECTED_HIT_TOKENS: {}}
     try:
         for family in text_string_to_metric_families(text):
             if family.name in HISTOGRAMS:
                 for s in family.samples:
                     if s.name.endswith("_bucket"):
-                        key = (family.name, s.labels.get("revision", ""))
-                        le = float(s.labels["le"])
-                        # one revision's series of several transfer modes (the `mode` label) add up
-                        buckets.setdefault(key, {})[le] = buckets.get(key, {}).get(le, 0.0) + s.value
+                        key = (family.name, s.labels.get("revision", ""), s.labels.get("mode", ""))
+                        buckets.setdefault(key, {})[float(s.labels["le"])] = s.value
             elif family.name in counters:
                 for s in family.samples:
                     if s.name.endswith("_total"):
@@ -113,10 +113,11 @@ def parse_router_metrics(text: str) -> RouterReading:
 class Interval:
     """What the routers saw of one revision between two reads."""
 
-    ttft: Histogram = field(default_factory=Histogram)
+    ttft: Histogram = field(default_factory=Histogram)  # every request's
     prefill_leg: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
     uncached_prompt_tokens: float = 0.0
+    local_ttft: Histogram = field(default_factory=Histogram)  # of the requests decode prefilled itself
 
     @property
     def requests(self) -> int:
@@ -124,7 +125,7 @@ class Interval:
 
     def plus(self, other: "Interval") -> "Interval":
         return Interval(self.ttft.plus(other.ttft), self.prefill_leg.plus(other.prefill_leg), self.tpot.plus(other.tpot),
-                        self.uncached_prompt_tokens + other.uncached_prompt_tokens)  # fmt: skip
+                        self.uncached_prompt_tokens + other.uncached_prompt_tokens, self.local_ttft.plus(other.local_ttft))  # fmt: skip
 
 
 def _counter_delta(now: Mapping[str, float], before: Mapping[str, float], keys: Iterable[str]) -> float:
@@ -142,9 +143,15 @@ def interval(before: RouterReading | None, now: RouterReading, revision: str, ba
         return Interval()
     keys = list(backends)
 
-    def hist(name: str) -> Histogram:
-        return now.histograms.get((name, revision), Histogram()).minus(before.histograms.get((name, revision), Histogram()))
+    def hist(name: str, mode: str | None = None) -> Histogram:
+        """The revision's series of `name` over the interval, every path's added up (or only `mode`'s); each
+        series less its own earlier read."""
+        out = Histogram()
+        for key, h in now.histograms.items():
+            if key[:2] == (name, revision) and mode in (None, key[2]):
+                out = out.plus(h.minus(before.histograms.get(key, Histogram())))
+        return out
 
     uncached = _counter_delta(now.prompt_tokens, before.prompt_tokens, keys) - _counter_delta(
         now.expected_hit_tokens, before.expected_hit_tokens, keys)  # fmt: skip
-    return Interval(hist(TTFT), hist(PREFILL_LEG), hist(TPOT), max(uncached, 0.0))
+    return Interval(hist(TTFT), hist(PREFILL_LEG), hist(TPOT), max(uncached, 0.0), hist(TTFT, LOCAL))

@@ -1362,7 +1362,8 @@ class AutoscalingStatus(ApiModel):
     blocked: str | None = Field(default=None, description="A role that cannot grow, and the scheduler's reason.")
     measured: dict[str, float] = Field(
         default_factory=dict, description="What the routers measured over the interval: requests, and the targets' "
-        "percentile of TTFT, TPOT and the prefill leg, in seconds.",
+        "percentile of TTFT, TPOT, the prefill leg and the TTFT of prompts decode prefilled itself, in seconds "
+        "(ttftSeconds, tpotSeconds, prefillLegSeconds, localTtftSeconds).",
     )
     estimates: dict[str, float] = Field(default_factory=dict, description="Demand and learned capacity per role.")
 

@@ -60,6 +60,19 @@ def test_a_ttft_miss_that_is_not_prefills_does_not_grow_prefill() -> None:
     assert decision.sizes["prefill"] == 2
 
 
+def test_slow_prompts_that_decode_prefills_itself_grow_decode_not_prefill() -> None:
+    """Short prompts under the disaggregation threshold are prefilled on decode: their TTFT miss is decode's (its
+    compute and queue), while the disaggregated ones meet the target; once they meet it too decode may shrink."""
+    missing = observation(0.0, role(2), role(2, kv_tokens=10_000.0), requests=100, ttft_s=3.0, prefill_leg_s=0.2,
+                          tpot_s=0.02, prefill_tokens=1_000.0, local_ttft_s=4.0)  # fmt: skip
+    decision, _ = decide(policy(), missing, Memory())
+    assert decision.sizes == {"prefill": 2, "decode": 4} and "decode prefills itself" in decision.reasons["decode"], decision
+    calm = replace(missing, ttft_s=0.3, local_ttft_s=0.5, decode=role(2, kv_tokens=0.0), requests=0, prefill_tokens=0.0)
+    assert decide(policy(scale_down_window_s=0.0), calm, Memory())[0].sizes["decode"] == 1
+    near = replace(calm, local_ttft_s=0.9 * policy().ttft_s)
+    assert decide(policy(scale_down_window_s=0.0), near, Memory())[0].sizes["decode"] == 2, "near its target: no shrink"
+
+
 def test_when_the_budget_binds_the_role_further_off_its_target_gets_the_accelerators() -> None:
     pol = policy(max_accelerators=8, prefill=RoleBounds(1, 8, 2), decode=RoleBounds(1, 8, 1))
     prefill_worse = observation(0.0, role(2, waiting=20.0), role(3, kv_tokens=0.95 * KV_CAPACITY * 3), requests=500,

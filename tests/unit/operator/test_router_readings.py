@@ -72,3 +72,14 @@ def test_quantile_like_histogram_quantile() -> None:
 def test_text_that_is_not_prometheus_is_refused() -> None:
     with pytest.raises(ReadingError):
         parse_router_metrics("disagg_router_time_to_first_token_seconds_bucket{le=\"x\"} one\n")
+
+
+def test_the_ttft_of_prompts_decode_prefilled_itself_is_apart_and_in_the_whole() -> None:
+    m = router()
+    first = parse_router_metrics(text(m))
+    serve(m, "r1", [0.3] * 40)
+    for _ in range(10):  # below the disaggregation threshold: decode prefilled these, slowly
+        m.child(m.ttft, "r1", "local").observe(4.0)
+    got = interval(first, parse_router_metrics(text(m)), "r1", ["p0"])
+    assert got.requests == 50 and got.local_ttft.count == 10 and 2.5 < got.local_ttft.quantile(0.9) <= 5.0
+    assert got.prefill_leg.count == 40 and got.ttft.quantile(0.5) < 0.5
