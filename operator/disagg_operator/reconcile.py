@@ -231,10 +231,7 @@ class Reconciler:
         if first:
             return state.status
         census = observed.census
-        unschedulable = {}
-        for role in autoscaler.ROLES:
-            stuck = [(v.engine.key, p) for v in census.select(role, revision) if (p := status_mod.unschedulable(v.obj)) is not None]
-            unschedulable[role] = (len({k for k, _ in stuck}), stuck[0][1].message if stuck else "")
+        unschedulable = status_mod.unschedulable_engines(census, revision)
         shapes = {r: getattr(desired.model.spec, r).shape.accelerators for r in autoscaler.ROLES}
         policy = autoscaler.policy_of(spec, shapes)
         seen = autoscaler.Seen(revision, census, sizing.targets(desired, observed), routers, unschedulable,

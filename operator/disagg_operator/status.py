@@ -39,7 +39,7 @@ from .api.vocabulary import (
 from .api.models import DisaggregatedModelStatus
 from . import gangs
 from .render import gang
-from .state import ChildProblem, Desired, Obj, Observed, PodView, RouterView, revision_of, role_of
+from .state import Census, ChildProblem, Desired, Obj, Observed, PodView, RouterView, revision_of, role_of
 
 # Scheduler messages count nodes per cause: "0/8 nodes are available: 6 Insufficient vpc.amazonaws.com/efa, ...".
 _INSUFFICIENT = re.compile(r"(\d+) Insufficient ([\w./-]*\w)")
@@ -188,9 +188,14 @@ def scheduler_error(pod: Obj) -> str | None:
     return None
 
 
-def unschedulable(pod: Obj) -> Problem | None:
-    """Why the scheduler cannot place the pod, or None (the SLO autoscaler's AutoscalerBlocked)."""
-    return _unschedulable(pod)
+def unschedulable_engines(census: Census, revision: str) -> dict[str, tuple[int, str]]:
+    """Per engine role, the engines of `revision` with a pod the scheduler cannot place, and the scheduler's words
+    of the first (the SLO autoscaler's AutoscalerBlocked; such engines are no capacity)."""
+    out = {}
+    for role in contract.ENGINE_ROLES:
+        stuck = [(v.engine.key, p) for v in census.select(role, revision) if (p := _unschedulable(v.obj)) is not None]
+        out[role] = (len({k for k, _ in stuck}), stuck[0][1].message if stuck else "")
+    return out
 
 
 def _unschedulable(pod: Obj, missing_claim: str | None = None) -> Problem | None:

@@ -14,6 +14,7 @@ import pytest
 
 from disagg_connector import contract
 from disagg_operator import cache, events, gangs, planner, render
+from disagg_operator import status as status_mod
 from disagg_operator.cli import main
 from disagg_operator.config import RenderDefaults
 from disagg_operator.render import engine, gang
@@ -233,3 +234,13 @@ def test_the_validate_command_says_what_the_gangs_need_and_asks_a_cluster_only_w
     assert main(["validate", "--cluster", "-f", example]) == 2
     err = capsys.readouterr().err
     assert "--cluster needs a kubeconfig" in err and "Traceback" not in err
+
+
+def test_the_slo_autoscaler_counts_a_group_the_scheduler_refuses_as_one_blocked_engine() -> None:
+    """Decode group 1's pods (its leader and its worker) cannot be placed: one engine, not two pods, with the
+    scheduler's words, is what the autoscaler holds growth for and does not count as capacity."""
+    decode = workload(SPANNING, "decode")
+    pods = engine_pods(workload(SPANNING, "prefill"), 1, bound=[0]) + engine_pods(decode, 2, bound=[0], unschedulable=[1])
+    stuck = status_mod.unschedulable_engines(observe(SPANNING, pods).census, SPANNING.revision)
+    assert stuck["prefill"] == (0, "") and stuck["decode"][0] == 1, stuck
+    assert "Insufficient nvidia.com/gpu" in stuck["decode"][1] and f"{decode['metadata']['name']}-1" in stuck["decode"][1]
