@@ -13,9 +13,11 @@ scheduled, are not capacity (dynamo#12430, #14251).
 
 **What it learns** (:class:`Capacity`), online, from warm engines only:
 - prefill: uncached prompt tokens per second one engine computes, from intervals where prefill queued (an
-  engine that never queues says only that it can do at least what it did);
+  engine that never queues says only that it can do at least what it did), the queue's growth taken off what
+  the routers sent;
 - decode: TPOT as a line in KV tokens per engine (least squares over the recent intervals), so the KV tokens one
-  engine may hold at the TPOT target are (target - intercept) / slope, never above the KV it has.
+  engine may hold at the TPOT target are (target - intercept) / slope, never above the KV it has;
+- decode's residence: the KV tokens it holds per prompt token/s sent to prefill (Little's law, on a steady load).
 
 **How it decides**, per role, the larger of:
 - *model*: the demand (prefill tokens/s; decode KV tokens) over what one engine can do at the target, with
@@ -25,10 +27,11 @@ scheduled, are not capacity (dynamo#12430, #14251).
   most of it, or requests waiting on prefill; decode: TPOT over target, KV nearly full, or the TTFT of the
   prompts it prefills itself over target) grows by a step
   proportional to the miss, whatever the model says.
-A role shrinks only by one engine per interval, only when its signal is well under target and the remaining
-engines would still run below the headroom (consolidation-aware, dynamo#9294), and only once every
-recommendation of the scale-down window agreed (hysteresis: no 2<->1 flapping on a steady load). Growth is
-bounded per interval too.
+P and D are decided together: decode's demand includes the prompts prefill takes in times decode's residence, so
+a surge grows decode before its KV fills. A role shrinks only when its signal is well under target, to the fewest
+engines that run the demand below the headroom (consolidation-aware, dynamo#9294), and no lower than any
+recommendation of the scale-down window (hysteresis: no 2<->1 flapping on a steady load). Either way a role
+moves by at most `max_step` engines per interval.
 
 **The budget**: bounds first, then, when the engines' accelerators exceed the budget, the role whose target is
 less missed gives up engines first (its pressure: measured / target), down to its minimum; below the budget's
@@ -67,8 +70,10 @@ PREFILL_SHARE = 0.5
 KV_FULL = 0.9
 # Intervals of (KV tokens per engine, TPOT) kept for the decode line.
 DECODE_POINTS = 32
-# Weight of a new prefill capacity reading.
+# Weight of a new prefill capacity (or decode residence) reading.
 LEARN_RATE = 0.3
+# Seconds in which prefill should work off the prompts waiting on it, on top of the arrivals.
+BACKLOG_DRAIN_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ class Policy:
     max_accelerators: int | None = None
     scale_up_window_s: float = 0.0
     scale_down_window_s: float = 300.0
-    trend_window_s: float = 300.0
+    trend_window_s: float = 120.0
     warmup_s: float = 120.0
     max_step: int = 4  # engines a role may grow by in one interval
     advisory: bool = False
@@ -138,6 +143,9 @@ class Capacity:
     prefill_tokens_per_s: float | None = None  # None: never seen prefill queue
     prefill_floor: float = 0.0  # the most one engine was seen doing without queueing: capacity is at least this
     decode_points: tuple[tuple[float, float], ...] = ()  # (KV tokens per engine, TPOT s), newest last
+    # KV tokens decode holds per prompt token/s sent to prefill (Little's law: how long a prompt's KV stays on
+    # decode, history included): what the prompts prefill takes in now will hold on decode a moment later.
+    decode_residence_s: float | None = None
 
     def decode_line(self) -> tuple[float, float] | None:
         """(intercept, slope) of TPOT against KV tokens per engine, or None until the points spread."""
@@ -162,6 +170,7 @@ class Memory:
     capacity: Capacity = field(default_factory=Capacity)
     recommendations: tuple[tuple[float, int, int], ...] = ()  # (at, prefill, decode) within the longer window
     demand: tuple[tuple[float, float, float], ...] = ()  # (at, prefill tokens/s, decode KV tokens) within the trend window
+    prefill_waiting: float = 0.0  # requests waiting on prefill at the last interval's end
 
 
 @dataclass(frozen=True)
@@ -178,12 +187,24 @@ class Decision:
 # --- learning -----------------------------------------------------------------------------------------
 
 
-def learn(capacity: Capacity, obs: Observation) -> Capacity:
-    """The capacity after this interval: only warm engines' work counts."""
+def _tokens_per_request(obs: Observation) -> float:
+    """Uncached prompt tokens of a request, as this interval's prompts averaged (0 without requests)."""
+    return obs.prefill_tokens / obs.requests if obs.requests else 0.0
+
+
+def learn(capacity: Capacity, obs: Observation, waiting_before: float | None = None, rate_before: float | None = None) -> Capacity:
+    """The capacity after this interval: only warm engines' work counts. `waiting_before`: the requests waiting
+    on prefill at the previous interval's end (None: as many as now); `rate_before`: the prompt tokens/s of the
+    previous interval (None: unknown, and decode's residence is not learned).
+
+    The routers count prompt tokens when they send them, so while a queue grows the engines computed less than
+    was sent: the growth of the queue (in requests, at this interval's tokens per request) is taken off."""
     p, d = obs.prefill, obs.decode
     out = capacity
-    if p.warm and obs.seconds > 0 and obs.prefill_tokens > 0:
-        per_engine = obs.prefill_tokens / obs.seconds / p.warm
+    grew = max(p.waiting - (p.waiting if waiting_before is None else waiting_before), 0.0)
+    computed = obs.prefill_tokens - grew * _tokens_per_request(obs)
+    if p.warm and obs.seconds > 0 and computed > 0:
+        per_engine = computed / obs.seconds / p.warm
         if p.waiting >= p.warm:  # every engine had a queue: what they did is what they can do
             known = out.prefill_tokens_per_s
             out = replace(out, prefill_tokens_per_s=per_engine if known is None else known + LEARN_RATE * (per_engine - known))
@@ -191,6 +212,14 @@ def learn(capacity: Capacity, obs: Observation) -> Capacity:
             out = replace(out, prefill_floor=max(out.prefill_floor, per_engine))
     if d.warm and d.current == d.warm and obs.tpot_s is not None and d.kv_tokens > 0:
         out = replace(out, decode_points=(*out.decode_points, (d.kv_tokens / d.warm, obs.tpot_s))[-DECODE_POINTS:])
+    # Little's law holds on a steady load only: nothing queued on either role, the prompts' rate as before (while
+    # it moves, decode's KV lags it)
+    rate = obs.prefill_tokens / obs.seconds if obs.seconds > 0 else 0.0
+    steady = p.waiting < max(p.warm, 1) and d.waiting < 1 and grew == 0 and rate_before is not None and abs(rate - rate_before) <= 0.2 * rate
+    if steady and d.warm and rate > 0 and d.kv_tokens > 0:
+        residence = d.kv_tokens / rate
+        known = out.decode_residence_s
+        out = replace(out, decode_residence_s=residence if known is None else known + LEARN_RATE * (residence - known))
     return out
 
 
@@ -234,11 +263,11 @@ def _prefill_need(policy: Policy, obs: Observation, cap: Capacity, demand: float
         return model, f"{demand:.0f} prompt tokens/s need {model} engines at {known:.0f} tokens/s each"
     at_least = max(known or 0.0, cap.prefill_floor)
     if (obs.ttft_s is None or obs.ttft_s < SHRINK_BELOW * policy.ttft_s) and p.current > 1 and p.waiting < 1:
-        # consolidation-aware: the others would still run under the headroom without this one
-        if at_least and demand <= (p.current - 1) * at_least * HEADROOM:
-            return p.current - 1, f"TTFT well under target and {p.current - 1} engines hold {demand:.0f} prompt tokens/s"
+        # consolidation-aware: the engines kept would still run under the headroom
+        if at_least and (fewer := max(_engines_for(demand, at_least), 1)) < p.current:
+            return fewer, f"TTFT well under target and {fewer} engines hold {demand:.0f} prompt tokens/s"
         if demand == 0 and obs.requests == 0:
-            return p.current - 1, "no requests"
+            return 1, "no requests"
     return p.current, "on target"
 
 
@@ -267,10 +296,10 @@ def _decode_need(policy: Policy, obs: Observation, cap: Capacity, demand: float)
         return model, f"{demand:.0f} KV tokens need {model} engines at {per_engine:.0f} each within the TPOT target"
     local_calm = obs.local_ttft_s is None or obs.local_ttft_s < SHRINK_BELOW * policy.ttft_s
     if (obs.tpot_s is None or obs.tpot_s < SHRINK_BELOW * policy.tpot_s) and local_calm and d.current > 1:
-        if per_engine and demand <= (d.current - 1) * per_engine * HEADROOM:
-            return d.current - 1, f"TPOT well under target and {d.current - 1} engines hold {demand:.0f} KV tokens"
+        if per_engine and (fewer := max(model, 1)) < d.current:
+            return fewer, f"TPOT well under target and {fewer} engines hold {demand:.0f} KV tokens"
         if not per_engine and obs.requests == 0 and demand == 0:
-            return d.current - 1, "no requests"
+            return 1, "no requests"
     return d.current, "on target"
 
 
@@ -338,16 +367,19 @@ def _stabilised(policy: Policy, memory: Memory, now: float, current: Mapping[str
 
 def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, Memory]:
     """The sizes for the next interval, why, and the memory to pass to the next call."""
-    capacity = learn(memory.capacity, obs)
+    capacity = learn(memory.capacity, obs, memory.prefill_waiting, memory.demand[-1][1] if memory.demand else None)
     rate = obs.prefill_tokens / obs.seconds if obs.seconds > 0 else 0.0
     longest = max(policy.scale_up_window_s, policy.scale_down_window_s)
     demand_pts = tuple(p for p in memory.demand if obs.at - p[0] <= policy.trend_window_s) + ((obs.at, rate, obs.decode.kv_tokens),)
     current = {r: obs.role(r).current for r in ROLES}
     forecast_p = _trend(tuple((t, p) for t, p, _ in demand_pts), policy.warmup_s)
     forecast_d = _trend(tuple((t, d) for t, _, d in demand_pts), policy.warmup_s)
-    demand = {"prefill": max(rate, forecast_p or 0.0), "decode": max(obs.decode.kv_tokens, forecast_d or 0.0)}
+    backlog = obs.prefill.waiting * _tokens_per_request(obs) / BACKLOG_DRAIN_S
+    # P and D together: the prompts prefill takes in now are decode's KV one residence later.
+    coupled = max(rate, forecast_p or 0.0) * capacity.decode_residence_s if capacity.decode_residence_s else 0.0
+    demand = {"prefill": max(rate, forecast_p or 0.0) + backlog, "decode": max(obs.decode.kv_tokens, forecast_d or 0.0, coupled)}
     estimates = {"prefill_tokens_per_s": rate, "prefill_tokens_per_s_forecast": forecast_p or rate,
-                 "decode_kv_tokens": obs.decode.kv_tokens, "decode_kv_tokens_forecast": forecast_d or obs.decode.kv_tokens,
+                 "decode_kv_tokens": obs.decode.kv_tokens, "decode_kv_tokens_forecast": max(forecast_d or obs.decode.kv_tokens, coupled),
                  "prefill_engine_tokens_per_s": capacity.prefill_tokens_per_s or capacity.prefill_floor}  # fmt: skip
     line = capacity.decode_line()
     if line:
@@ -355,14 +387,15 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
 
     if obs.rolling_out:
         frozen = Decision(current, {r: "frozen: a rollout is in progress (scaling waits for it)" for r in ROLES}, None, estimates)
-        return frozen, Memory(capacity, memory.recommendations, demand_pts)
+        return frozen, Memory(capacity, memory.recommendations, demand_pts, obs.prefill.waiting)
 
     needs = {"prefill": _prefill_need(policy, obs, capacity, demand["prefill"]),
              "decode": _decode_need(policy, obs, capacity, demand["decode"])}  # fmt: skip
     wanted, budget_note = within_budget(policy, obs, {r: needs[r][0] for r in ROLES})
     recs = tuple(r for r in memory.recommendations if obs.at - r[0] <= longest) + ((obs.at, wanted["prefill"], wanted["decode"]),)
     sizes = _stabilised(policy, memory, obs.at, current, wanted)
-    sizes = {r: min(sizes[r], current[r] + policy.max_step) for r in ROLES}  # a bounded step per interval
+    # a bounded step per interval, both ways
+    sizes = {r: min(max(sizes[r], current[r] - policy.max_step), current[r] + policy.max_step) for r in ROLES}
     blocked = None
     reasons = {}
     for role in ROLES:
@@ -378,7 +411,7 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
             reason = f"{reason}; waiting out the {'scale-down' if wanted[role] < current[role] else 'scale-up'} window"
         reasons[role] = reason
     final, _ = within_budget(policy, obs, sizes)  # the blocked hold kept within the bounds too
-    return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts)
+    return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts, obs.prefill.waiting)
 
 
 # --- from the model and what a pass saw (still pure) ------------------------------------------------------------

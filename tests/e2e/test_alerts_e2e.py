@@ -106,8 +106,12 @@ def wait_for_targets(prom: PrometheusServer, router_job: str, router_pods: set[s
 def test_kv_transfer_alert_pending_firing_resolved(operator, cluster, api_client, namespace, tmp_path: Path) -> None:
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "alrt"
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
-                                           model_manifest(name, {"router": {"disaggregationThresholdTokens": 0}}))  # fmt: skip
+    # An Advisory SLO autoscaler (targets nothing misses, so it decides no change) for the model dashboard's
+    # "SLO autoscaler" row: its gauges exist only for a model with spec.autoscaling.
+    advisory = {"ttftMilliseconds": 60000, "tpotMilliseconds": 10000, "prefill": {"maxEngines": 1},
+                "decode": {"maxEngines": 1}, "intervalSeconds": 5, "warmupSeconds": 0}
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {
+        "router": {"disaggregationThresholdTokens": 0}, "autoscaling": advisory}))  # fmt: skip
     obj = wait_for("Ready", lambda: (o := custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
                    and condition(o, "Ready").get("status") == "True" and o, 120)  # fmt: skip
     revision, served = obj["status"]["revision"], obj["spec"]["model"]["name"]

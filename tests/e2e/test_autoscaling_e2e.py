@@ -4,18 +4,24 @@ are short, which the router would otherwise prefill on decode). The operator rea
 /health itself and decides every interval. Advisory: status.autoscaling and an Event say that prefill should grow
 because TTFT misses its target on the prefill leg, and no size is written. Active: prefill grows, the new engine
 joins the router's table with every request answered, and once the load stops prefill shrinks back (the leaving
-engine drained, its pod gone)."""
+engine drained, its pod gone). Blocked: on a pool of two whole nodes the second prefill engine cannot be placed;
+the autoscaler holds prefill where it is, says the scheduler's reason in status and an AutoscalerBlocked Event,
+and does not count the pending engine as capacity."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from kubernetes import client
+from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
 from disagg_bench.vllm_sim.harness import FAST
 
-from tests.fixtures.e2e.models import get_model, model_manifest, wait_ready
+from tests.fixtures.e2e.models import get_model, model_manifest, wait_ready, whole_node_pair
+from tests.fixtures.e2e.nodes import Pool
 from tests.fixtures.e2e.serving import Serving
 from tests.fixtures.e2e.traffic import wait_for
 
@@ -32,6 +38,18 @@ def _role_sizes(custom: client.CustomObjectsApi, namespace: str, name: str) -> d
 def _events(core: client.CoreV1Api, namespace: str, name: str, reason: str) -> list[str]:
     found = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name},involvedObject.kind={contract.KIND}")
     return [e.message for e in found.items if e.reason == reason]
+
+
+@contextlib.contextmanager
+def _model_deleted(custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str, name: str) -> Iterator[None]:
+    """On the way out, the model NAME deleted (if it was made) and its pods gone: before its pool's nodes go."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ApiException):
+            custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        selector = f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"
+        wait_for("the model's pods gone", lambda: not core.list_namespaced_pod(namespace, label_selector=selector).items, 120)
 
 
 def test_advisory_autoscaling_reports_a_slow_prefill_and_scales_nothing(operator, cluster, api_client, namespace,
@@ -92,3 +110,40 @@ def test_active_autoscaling_grows_prefill_under_load_and_shrinks_it_when_idle(op
         wait_for("the router's table 1P1D again", lambda: serving.router.table() == {revision: (1, 1)}, 60)
     status = get_model(custom, namespace, name)["status"]
     assert status["prefill"]["targetReplicas"] == 1 and status["autoscaling"]["prefill"]["recommended"] == 1, status
+
+
+def test_active_autoscaling_blocked_by_a_full_pool_holds_the_size_and_says_why(operator, cluster, api_client, namespace,
+                                                                              tmp_path: Path) -> None:  # fmt: skip
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    name = "slo-blocked"
+    with Pool.of(api_client, f"{namespace}-slo", 2) as pool, _model_deleted(custom, core, namespace, name):
+        manifest = whole_node_pair(name, pool.label)  # prefill and decode 8 GPUs each: the pool's two nodes
+        slo = {**SLO, "mode": "Active", "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 1}}
+        manifest["spec"]["autoscaling"] = slo
+        manifest["spec"]["router"] = {**manifest["spec"].get("router", {}), "disaggregationThresholdTokens": 0}
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+        ready = wait_ready(custom, namespace, name, 180)
+        served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
+        slow_prefill = {**FAST, "prefill_us_per_token": 5000.0}
+        with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=slow_prefill) as serving:
+            wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
+            serving.start_client(workers=4)
+            seen: list[dict] = [{}]
+
+            def blocked() -> dict | None:
+                seen[0] = scaling = get_model(custom, namespace, name)["status"].get("autoscaling") or {}
+                return scaling if scaling.get("blocked") else None
+
+            try:
+                scaling = wait_for("a decision blocked on the unschedulable prefill engine", blocked, 120)
+            except AssertionError as error:
+                raise AssertionError(f"{error}; status.autoscaling: {seen[0]}") from None
+            assert scaling["blocked"].startswith("prefill: 1 engine(s) cannot be scheduled") and "nvidia.com/gpu" in scaling["blocked"], scaling
+            assert scaling["prefill"]["recommended"] == scaling["prefill"]["current"] and scaling["prefill"]["reason"].startswith("blocked: ")
+            told = wait_for("an AutoscalerBlocked Event", lambda: _events(core, namespace, name, "AutoscalerBlocked") or None, 30)
+            assert "cannot be scheduled" in told[0], told
+            sizes = _role_sizes(custom, namespace, name)
+            assert sizes[f"{name}-prefill"] == scaling["prefill"]["current"] >= 2, (sizes, scaling)
+            assert serving.router.table() == {revision: (1, 1)}, "the pending engine serves nothing"
+            results = serving.stop_client()
+            assert results and not [r for r in results if not r.ok], "a request failed while the autoscaler was blocked"

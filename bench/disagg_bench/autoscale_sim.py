@@ -1,0 +1,419 @@
+"""The SLO autoscaler against the alternatives a user has today, on a fleet model of engines (issue 32).
+
+    python -m disagg_bench.autoscale_sim                  # 3 seeds x 3 traces x (autoscaler, HPA, static sweep)
+    python -m disagg_bench.autoscale_sim --seeds 1 --trace burst     # quicker
+
+What decides is the product's own code: every interval the SLO autoscaler's pure decision
+(operator/disagg_operator/autoscaler.py, `decide`, with the Policy that `policy_of` makes from a real
+`spec.autoscaling`) gets an Observation built as the operator builds it (the routers' percentiles of the interval,
+the prompt tokens sent to prefill, the engines' waiting and KV gauges, engines younger than the warm-up left out)
+and its sizes are applied as the operator applies them (a new engine serves after its start-up, a retired one
+takes no new request and goes when it is empty). What it decides on is a model of the fleet, not processes:
+thousands of requests over half an hour of traffic do not fit the test bed's processes on 2 cores.
+
+**The fleet** (one GPU per engine; the timing of calibration.json's ``h200-1gpu-fair``: vLLM 0.26.0 on one H200,
+the Qwen3-0.6B shape; a new engine serves START_S after it is created):
+- prefill: each engine computes one prompt at a time, FIFO, ``prefill_base_ms + prefill_us_per_token x
+  uncached tokens``; the router sends each prompt to the engine with the least work queued;
+- KV transfer: ``prompt tokens x kv_bytes_per_token`` over ``link_gbps``, then ``kv_pickup_ms`` before the
+  decode's next step;
+- decode: each engine holds KV_POOL bytes of KV; a request joins when its prompt fits (else it waits, first come
+  first served), holds its prompt plus what it generated, and all running requests get one token per step. The
+  step is ``tpot_ms`` on an empty engine and grows linearly with the KV in use, to twice that on a full engine
+  (ASSUMED: the profile's TPOT was measured at light load; a decode step reads every running request's KV).
+  The router sends each decode leg to the engine with the most free KV.
+
+**The alternatives**: (a) the static P:D of fewest GPUs whose median attainment over the seeds reaches 95 %
+(found by a sweep: per prefill size, the fewest decode engines, by bisection), or the best one if none does; (b) an HPA per role on ``vllm:num_requests_waiting`` averaged over the
+role's ready engines, target HPA_WAITING, as autoscaling/v2 computes it (15 s period, 10 % tolerance, scale-up
+by at most max(100 %, 4 pods) per period, the 300 s scale-down stabilisation), within the same bounds.
+
+**The traces** (seeded; long prompts, short answers, scaled to the fleet so that a peak needs several engines of
+each role): ``sine`` a sinusoidal rate between 1 and 24 requests/s like ai-dynamo/dynamo#10528's (period 10 min),
+``burst`` 2 -> 20 -> 2 requests/s, ``multi-turn`` conversations resending their history (the prefill engines'
+prefix cache assumed to hold it: only the new turn is computed; decode holds it all).
+
+Reported per trace and policy, the median over the seeds: SLO attainment (share of requests that met both the
+TTFT and the TPOT target), goodput (such requests per second) and GPU-hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from disagg_bench.vllm_sim.as_vllm import profile
+from disagg_operator import autoscaler
+from disagg_operator.api.models import ModelAutoscalingSpec
+
+TIMING = profile("h200-1gpu-fair")
+KV_POOL = 30 * 2**30  # bytes of KV per decode engine (the profile's runs: 30 GiB each)
+KV_TOKENS = KV_POOL // int(TIMING["kv_bytes_per_token"])
+START_S = 60.0  # a new engine's pod start, image cached, weights loaded, until Ready
+HPA_WAITING = 2.0  # requests waiting per ready engine: the HPA's target average value
+HPA_PERIOD_S = 15.0
+TICK_S = 0.05
+TTFT_TARGET_MS, TPOT_TARGET_MS = 2000, 30
+BOUNDS = {"prefill": (1, 8), "decode": (1, 16)}
+ATTAINMENT_GOAL = 0.95
+
+
+# --- traces ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    at: float
+    prompt: int  # tokens the decode holds (the whole prompt)
+    uncached: int  # tokens prefill computes
+    output: int
+
+
+def _poisson(rng: random.Random, rate: Callable[[float], float], seconds: float, peak: float) -> Iterator[float]:
+    """Arrival times of a Poisson process of rate RATE(t) <= PEAK (thinning)."""
+    t = 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= seconds:
+            return
+        if rng.random() < rate(t) / peak:
+            yield t
+
+
+def _one_shot(rng: random.Random, at: float) -> Request:
+    prompt = rng.randint(8_000, 24_000)
+    return Request(at, prompt, prompt, rng.randint(128, 384))
+
+
+def sine(rng: random.Random) -> list[Request]:
+    rate = lambda t: 1 + 23 * (1 - math.cos(2 * math.pi * t / 600)) / 2  # noqa: E731
+    return [_one_shot(rng, t) for t in _poisson(rng, rate, 1800, 24)]
+
+
+def burst(rng: random.Random) -> list[Request]:
+    rate = lambda t: 20.0 if 300 <= t < 600 else 2.0  # noqa: E731
+    return [_one_shot(rng, t) for t in _poisson(rng, rate, 1200, 20)]
+
+
+def multi_turn(rng: random.Random) -> list[Request]:
+    """Conversations (1.2 a second for 20 min): a 4k-token system prompt, 6 turns of 1-3k new tokens, answers of
+    128-384 tokens, 5-20 s of thought between an answer's likely end and the next turn."""
+    out = []
+    for start in _poisson(rng, lambda t: 1.2, 1200, 1.2):
+        history, at = 4_000, start
+        for _ in range(6):
+            new, answer = rng.randint(1_000, 3_000), rng.randint(128, 384)
+            out.append(Request(at, history + new, new if history > 4_000 else history + new, answer))
+            history += new + answer
+            at += answer * TIMING["tpot_ms"] / 1000 + rng.uniform(5, 20)
+    return sorted(out, key=lambda r: r.at)
+
+
+TRACES: dict[str, Callable[[random.Random], list[Request]]] = {"sine": sine, "burst": burst, "multi-turn": multi_turn}
+
+
+# --- the fleet -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Flight:
+    request: Request
+    prefilled: float = 0.0  # when prefill finished
+    first: float = 0.0  # first token
+    done: float = 0.0
+
+
+@dataclass(eq=False)
+class Prefill:
+    ready_at: float
+    created: float
+    free_at: float = 0.0  # when the prompt it computes now (or the last one queued) finishes
+    queue: deque = field(default_factory=deque)  # (finish time, Flight), FIFO
+    retiring: bool = False
+    gone: float | None = None
+
+    def waiting(self, now: float) -> int:
+        return sum(1 for finish, f in self.queue if finish - _prefill_s(f.request) > now)
+
+
+@dataclass(eq=False)
+class Decode:
+    ready_at: float
+    created: float
+    clock: float = 0.0  # tokens each running request got since this engine started
+    running: list = field(default_factory=list)  # heap of (clock at which it finishes, id, Flight, clock it joined)
+    held: float = 0.0  # KV tokens of running prompts
+    joined_sum: float = 0.0  # the sum of the running requests' join clocks
+    pending: deque = field(default_factory=deque)  # (KV ready at, Flight) waiting to join
+    retiring: bool = False
+    gone: float | None = None
+
+    def kv(self) -> float:
+        return self.held + len(self.running) * self.clock - self.joined_sum
+
+    def step_s(self) -> float:
+        return TIMING["tpot_ms"] / 1000 * (1 + self.kv() / KV_TOKENS)
+
+
+def _prefill_s(r: Request) -> float:
+    return (TIMING["prefill_base_ms"] + TIMING["prefill_us_per_token"] * r.uncached / 1000) / 1000
+
+
+def _transfer_s(r: Request) -> float:
+    return r.prompt * TIMING["kv_bytes_per_token"] * 8 / (TIMING["link_gbps"] * 1e9) + TIMING["kv_pickup_ms"] / 1000
+
+
+class Fleet:
+    def __init__(self, prefill: int, decode: int):
+        self.now = 0.0
+        self.prefills = [Prefill(0.0, 0.0) for _ in range(prefill)]
+        self.decodes = [Decode(0.0, 0.0) for _ in range(decode)]
+        # What the routers see, in the order it happens: arrivals, prefill legs done, first tokens, ends.
+        self.arrived: list[Flight] = []
+        self.prefilled: list[Flight] = []
+        self.started: list[Flight] = []
+        self.finished: list[Flight] = []
+        self.in_decode: list[tuple[float, int, Flight]] = []  # (KV ready, id, Flight): prefill done, not yet placed
+        self._ids = 0
+
+    def serving(self, engines: list) -> list:
+        return [e for e in engines if e.ready_at <= self.now and not e.retiring and e.gone is None]
+
+    def arrive(self, r: Request) -> None:
+        live = self.serving(self.prefills) or [e for e in self.prefills if e.gone is None and not e.retiring]
+        engine = min(live, key=lambda e: max(e.free_at, e.ready_at, self.now))
+        start = max(engine.free_at, engine.ready_at, self.now)
+        engine.free_at = start + _prefill_s(r)
+        flight = Flight(r, prefilled=engine.free_at)
+        engine.queue.append((engine.free_at, flight))
+        self.arrived.append(flight)
+
+    def advance(self, until: float) -> None:
+        while self.now < until:
+            dt = min(TICK_S, until - self.now)
+            self.now += dt
+            for p in self.prefills:
+                while p.queue and p.queue[0][0] <= self.now:
+                    _, flight = p.queue.popleft()
+                    self.prefilled.append(flight)
+                    self._ids += 1
+                    heapq.heappush(self.in_decode, (flight.prefilled + _transfer_s(flight.request), self._ids, flight))
+                if p.retiring and not p.queue and p.gone is None:
+                    p.gone = self.now
+            while self.in_decode and self.in_decode[0][0] <= self.now:
+                ready, _, flight = heapq.heappop(self.in_decode)
+                live = self.serving(self.decodes) or [d for d in self.decodes if d.gone is None]
+                target = max(live, key=lambda d: KV_TOKENS - d.kv() - sum(f.request.prompt for _, f in d.pending))
+                target.pending.append((ready, flight))
+            for d in self.decodes:
+                self._step(d, dt)
+
+    def _step(self, d: Decode, dt: float) -> None:
+        if d.ready_at > self.now:
+            return
+        tokens = dt / d.step_s()
+        while d.pending and d.kv() + d.pending[0][1].request.prompt <= KV_TOKENS:
+            ready, flight = d.pending.popleft()
+            flight.first = max(ready, self.now) + d.step_s()
+            self.started.append(flight)
+            d.held += flight.request.prompt
+            d.joined_sum += d.clock
+            self._ids += 1
+            heapq.heappush(d.running, (d.clock + flight.request.output, self._ids, flight, d.clock))
+        d.clock += tokens
+        while d.running and d.running[0][0] <= d.clock:
+            _, _, flight, joined = heapq.heappop(d.running)
+            d.held -= flight.request.prompt
+            d.joined_sum -= joined
+            flight.done = self.now
+            self.finished.append(flight)
+        if d.retiring and not d.running and not d.pending and d.gone is None:
+            d.gone = self.now
+
+    def size(self, role: str) -> int:
+        return sum(1 for e in self._role(role) if e.gone is None and not e.retiring)
+
+    def _role(self, role: str) -> list:
+        return self.prefills if role == "prefill" else self.decodes
+
+    def resize(self, role: str, size: int) -> None:
+        engines = self._role(role)
+        for _ in range(size - self.size(role)):
+            engines.append((Prefill if role == "prefill" else Decode)(self.now + START_S, self.now))
+        for _ in range(self.size(role) - size):  # the least busy goes, as retirement picks
+            live = [e for e in engines if e.gone is None and not e.retiring]
+            least = min(live, key=lambda e: (len(e.queue) if role == "prefill" else e.kv() + len(e.pending)))
+            least.retiring = True
+
+    def gpu_hours(self) -> float:
+        return sum(((e.gone if e.gone is not None else self.now) - e.created) for e in self.prefills + self.decodes) / 3600
+
+
+def _tpot(f: Flight) -> float:
+    return (f.done - f.first) / max(f.request.output - 1, 1)
+
+
+def _p(values: list[float], percentile: int) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, math.ceil(percentile / 100 * len(values)) - 1)]
+
+
+# --- the deciders ----------------------------------------------------------------------------------------------
+
+
+def slo_spec() -> ModelAutoscalingSpec:
+    """spec.autoscaling as a user would write it for this fleet: the targets and the bounds, the rest defaults."""
+    return ModelAutoscalingSpec.model_validate({
+        "mode": "Active", "ttftMilliseconds": TTFT_TARGET_MS, "tpotMilliseconds": TPOT_TARGET_MS,
+        "prefill": {"minEngines": BOUNDS["prefill"][0], "maxEngines": BOUNDS["prefill"][1]},
+        "decode": {"minEngines": BOUNDS["decode"][0], "maxEngines": BOUNDS["decode"][1]},
+    })  # fmt: skip
+
+
+class SloAutoscaler:
+    def __init__(self) -> None:
+        spec = slo_spec()
+        self.interval = float(spec.interval_seconds)
+        self.percentile = spec.percentile
+        self.policy = autoscaler.policy_of(spec, {"prefill": 1, "decode": 1})
+        self.memory = autoscaler.Memory()
+
+    def __call__(self, fleet: Fleet, since: float) -> dict[str, int]:
+        now = fleet.now
+
+        def within(log: list[Flight], at: Callable[[Flight], float]) -> list[Flight]:
+            return [f for f in reversed(log[-5000:]) if since < at(f) <= now]
+
+        firsts = within(fleet.started, lambda f: f.first)
+        done = within(fleet.finished, lambda f: f.done)
+        prefilled = within(fleet.prefilled, lambda f: f.prefilled)
+        sent = [f.request for f in within(fleet.arrived, lambda f: f.request.at)]
+
+        def role(name: str) -> autoscaler.RoleObservation:
+            engines = [e for e in fleet._role(name) if e.gone is None and not e.retiring]
+            warm = sum(1 for e in engines if now - e.ready_at >= self.policy.warmup_s)
+            if name == "prefill":
+                return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(e.waiting(now) for e in engines)))
+            return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(len(e.pending) for e in engines)),
+                                              kv_tokens=sum(e.kv() for e in engines if e.ready_at <= now), kv_capacity=float(KV_TOKENS))  # fmt: skip
+
+        obs = autoscaler.Observation(
+            at=now, seconds=now - since, prefill=role("prefill"), decode=role("decode"), requests=len(firsts),
+            ttft_s=_p([f.first - f.request.at for f in firsts], self.percentile),
+            tpot_s=_p([_tpot(f) for f in done], self.percentile),
+            prefill_leg_s=_p([f.prefilled - f.request.at for f in prefilled], self.percentile),
+            prefill_tokens=float(sum(r.uncached for r in sent)),
+        )  # fmt: skip
+        decision, self.memory = autoscaler.decide(self.policy, obs, self.memory)
+        return dict(decision.sizes)
+
+
+class Hpa:
+    """autoscaling/v2's algorithm on one metric per role: average requests waiting per ready engine."""
+
+    interval = HPA_PERIOD_S
+
+    def __init__(self) -> None:
+        self.history: dict[str, list[tuple[float, int]]] = {"prefill": [], "decode": []}
+
+    def __call__(self, fleet: Fleet, since: float) -> dict[str, int]:
+        out = {}
+        for role in ("prefill", "decode"):
+            current = fleet.size(role)
+            ready = [e for e in fleet.serving(fleet._role(role))]
+            waiting = [e.waiting(fleet.now) if role == "prefill" else len(e.pending) for e in ready]
+            ratio = (sum(waiting) / len(ready)) / HPA_WAITING if ready else 1.0
+            desired = current if abs(ratio - 1) <= 0.1 else math.ceil(current * ratio)
+            desired = min(desired, max(2 * current, current + 4))
+            low, high = BOUNDS[role]
+            desired = min(max(desired, low), high)
+            self.history[role] = [(t, d) for t, d in self.history[role] if fleet.now - t < 300] + [(fleet.now, desired)]
+            out[role] = desired if desired >= current else max(d for _, d in self.history[role])
+        return out
+
+
+# --- a run ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    attainment: float
+    goodput: float
+    gpu_hours: float
+    requests: int
+
+
+def run(trace: list[Request], prefill: int, decode: int, decider: Callable[[Fleet, float], dict[str, int]] | None = None,
+        interval: float = 15.0) -> Outcome:  # fmt: skip
+    fleet = Fleet(prefill, decode)
+    end = trace[-1].at
+    last = 0.0
+    for r in trace:
+        if decider is not None:
+            while last + interval <= r.at:
+                fleet.advance(last + interval)
+                for role, size in decider(fleet, last).items():
+                    fleet.resize(role, size)
+                last += interval
+        fleet.advance(r.at)
+        fleet.arrive(r)
+    while len(fleet.finished) < len(trace):
+        fleet.advance(fleet.now + 1.0)
+    ok = [f for f in fleet.finished if f.first - f.request.at <= TTFT_TARGET_MS / 1000 and _tpot(f) <= TPOT_TARGET_MS / 1000]
+    return Outcome(len(ok) / len(trace), len(ok) / end, fleet.gpu_hours(), len(trace))
+
+
+def cheapest_static(traces: list[list[Request]]) -> tuple[int, int]:
+    """The static P:D of fewest GPUs whose median attainment over TRACES reaches ATTAINMENT_GOAL (per prefill size,
+    the fewest decode engines that do, by bisection: attainment grows with engines), else the one of best
+    median attainment."""
+    seen: dict[tuple[int, int], float] = {}
+
+    def attains(p: int, d: int) -> float:
+        if (p, d) not in seen:
+            seen[p, d] = statistics.median(run(t, p, d).attainment for t in traces)
+        return seen[p, d]
+
+    for p in range(BOUNDS["prefill"][0], BOUNDS["prefill"][1] + 1):
+        low, high = BOUNDS["decode"]
+        if attains(p, high) < ATTAINMENT_GOAL:
+            continue
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if attains(p, mid) >= ATTAINMENT_GOAL else (mid + 1, high)
+    reaching = [(sum(k), k) for k, a in seen.items() if a >= ATTAINMENT_GOAL]
+    return min(reaching)[1] if reaching else max(seen, key=lambda k: seen[k])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m disagg_bench.autoscale_sim", description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--trace", choices=sorted(TRACES), action="append", help="default: every trace")
+    args = parser.parse_args(argv)
+    print(f"targets: TTFT {TTFT_TARGET_MS} ms and TPOT {TPOT_TARGET_MS} ms (p90 for the autoscaler; attainment: both, per "
+          f"request); bounds {BOUNDS}; an engine starts in {START_S:.0f} s; {args.seeds} seeds, medians")  # fmt: skip
+    print("| trace | policy | P:D (start; static) | attainment | goodput req/s | GPU-hours |")
+    print("|---|---|---|---:|---:|---:|")
+    for name in args.trace or list(TRACES):
+        traces = [TRACES[name](random.Random(seed)) for seed in range(args.seeds)]
+        p, d = cheapest_static(traces)
+        rows = {
+            f"static, the cheapest at >= {ATTAINMENT_GOAL:.0%} (sweep)": (f"{p}:{d}", [run(t, p, d) for t in traces]),
+            "HPA on requests waiting": ("1:1", [run(t, 1, 1, Hpa(), HPA_PERIOD_S) for t in traces]),
+            "SLO autoscaler (Active)": ("1:1", [run(t, 1, 1, (a := SloAutoscaler()), a.interval) for t in traces]),
+        }
+        for policy, (shape, outcomes) in rows.items():
+            med = {k: statistics.median(getattr(o, k) for o in outcomes) for k in ("attainment", "goodput", "gpu_hours")}
+            print(f"| {name} | {policy} | {shape} | {med['attainment']:.1%} | {med['goodput']:.2f} | {med['gpu_hours']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The fleet model of bench/disagg_bench/autoscale_sim.py fails the way engines fail: prefill queues past what its
+engines compute, decode waits for KV room and slows as its KV fills, a retired engine finishes what it holds
+before it goes, a new engine serves only after its start; the HPA follows autoscaling/v2's rules; and the SLO
+autoscaler it drives is the product's decision."""
+
+from __future__ import annotations
+
+import statistics
+
+from disagg_bench import autoscale_sim as sim
+from disagg_bench.autoscale_sim import Fleet, Flight, Hpa, Request, SloAutoscaler, run
+
+
+def steady(rate: float, seconds: float, prompt: int = 16_000, output: int = 256) -> list[Request]:
+    """Evenly spaced requests: RATE a second for SECONDS."""
+    return [Request(i / rate, prompt, prompt, output) for i in range(int(rate * seconds))]
+
+
+def played(fleet: Fleet, trace: list[Request]) -> Fleet:
+    for r in trace:
+        fleet.advance(r.at)
+        fleet.arrive(r)
+    while len(fleet.finished) < len(trace):
+        fleet.advance(fleet.now + 1.0)
+    return fleet
+
+
+def ttft_p50(fleet: Fleet) -> float:
+    return statistics.median(f.first - f.request.at for f in fleet.finished)
+
+
+def test_prefill_queues_past_what_its_engines_compute() -> None:
+    """16k-token prompts take ~172 ms each on one engine: 8 a second overload one engine and not three."""
+    trace = steady(8.0, 60)
+    one, three = played(Fleet(1, 8), trace), played(Fleet(3, 8), trace)
+    assert ttft_p50(one) > 5.0 > 1.0 > ttft_p50(three)
+
+
+def test_decode_slows_as_its_kv_fills_and_admits_only_what_fits() -> None:
+    """The same load on fewer decode engines: more KV each, a longer step; past their KV, requests wait to join."""
+    trace = steady(6.0, 60)
+    roomy, tight = played(Fleet(4, 8), trace), played(Fleet(4, 2), trace)
+    tpot = lambda fleet: statistics.median(sim._tpot(f) for f in fleet.finished)  # noqa: E731
+    assert tpot(tight) > tpot(roomy) >= sim.TIMING["tpot_ms"] / 1000
+    assert max(d.kv() for d in tight.decodes) <= sim.KV_TOKENS
+    assert ttft_p50(tight) > ttft_p50(roomy), "requests waited for KV room"
+
+
+def test_a_retired_engine_finishes_what_it_holds_and_a_new_one_serves_after_its_start() -> None:
+    fleet = Fleet(2, 2)
+    for r in steady(4.0, 10):
+        fleet.advance(r.at)
+        fleet.arrive(r)
+    fleet.resize("decode", 1)
+    retired = next(d for d in fleet.decodes if d.retiring)
+    held = len(retired.running) + len(retired.pending)
+    fleet.resize("prefill", 3)
+    new = fleet.prefills[-1]
+    assert held and new.ready_at == fleet.now + sim.START_S
+    fleet.advance(fleet.now + 30)
+    assert retired.gone is not None and not retired.running, "it went once empty"
+    assert len(fleet.finished) == 40, "nothing it held was dropped"
+    assert not new.queue and fleet.size("prefill") == 3
+
+
+def test_the_hpa_grows_at_once_and_shrinks_after_five_minutes() -> None:
+    hpa, fleet = Hpa(), Fleet(1, 1)
+    for p in fleet.prefills:
+        p.queue.extend((1e9, Flight(Request(0.0, 16_000, 16_000, 256))) for _ in range(10))  # 5x the target of 2
+    grown = hpa(fleet, 0.0)
+    assert grown["prefill"] == 5 and grown["decode"] == 1
+    fleet.resize("prefill", 5)
+    fleet.prefills[0].queue.clear()
+    fleet.now = sim.START_S + 1  # every engine ready, nothing waiting
+    assert hpa(fleet, 0.0)["prefill"] == 5, "the scale-down stabilisation keeps the highest recommendation"
+    fleet.now += 300
+    assert hpa(fleet, 0.0)["prefill"] == 1
+
+
+def test_the_slo_autoscaler_grows_both_roles_on_a_burst_and_meets_the_targets_it_was_given() -> None:
+    trace = steady(2.0, 120) + [Request(120 + i / 12.0, 16_000, 16_000, 256) for i in range(12 * 240)]
+    autoscaler = SloAutoscaler()
+    sizes: list[dict[str, int]] = []
+
+    def recorded(fleet: Fleet, since: float) -> dict[str, int]:
+        sizes.append(autoscaler(fleet, since))
+        return sizes[-1]
+
+    outcome = run(trace, 1, 1, recorded, autoscaler.interval)
+    assert max(s["prefill"] for s in sizes) >= 2 and max(s["decode"] for s in sizes) >= 4, sizes
+    static = run(trace, 1, 1)
+    assert outcome.attainment > static.attainment
