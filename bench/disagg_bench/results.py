@@ -249,6 +249,9 @@ NOT_REGENERABLE_SUMMARIES: tuple[Summary, ...] = (
     Summary("router-bench.txt", (), NOT_REGENERABLE, "`python -m disagg_bench.router_bench` (timed run); no raw data committed"),
     Summary("migration-gap-sim.md", (), NOT_REGENERABLE,
             "`python -m disagg_bench.migration_bench` (timed run of simulated engines, H200 profile); no raw data committed"),
+    Summary("autoscale-sim.md", (), NOT_REGENERABLE,
+            "`python -m disagg_bench.autoscale_sim` (fleet model, seeded: the same figures each run, ~3 min) and the page's "
+            "before/after snippet; no raw data committed"),
     Summary("router-bench-cpu.txt", (), NOT_REGENERABLE,
             "`python -m disagg_bench.router_bench --only-cpu ...` (the file's header); no raw data committed"),
     Summary("router-bench-short.txt", (), NOT_REGENERABLE,
