@@ -6,7 +6,8 @@ because TTFT misses its target on the prefill leg, and no size is written. Activ
 joins the router's table with every request answered, and once the load stops prefill shrinks back (the leaving
 engine drained, its pod gone). Blocked: on a pool of two whole nodes the second prefill engine cannot be placed;
 the autoscaler holds prefill where it is, says the scheduler's reason in status and an AutoscalerBlocked Event,
-and does not count the pending engine as capacity."""
+and does not count the pending engine as capacity. Frozen: while a rollout is in progress the sizes stay, and
+scaling resumes once it completes."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from kubernetes.client.exceptions import ApiException
 from disagg_connector import contract
 from disagg_bench.vllm_sim.harness import FAST
 
-from tests.fixtures.e2e.models import get_model, model_manifest, wait_ready, whole_node_pair
+from tests.fixtures.e2e.models import get_model, model_manifest, rolled_out, wait_ready, whole_node_pair
 from tests.fixtures.e2e.nodes import Pool
 from tests.fixtures.e2e.serving import Serving
 from tests.fixtures.e2e.traffic import wait_for
+from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 SLO = {"ttftMilliseconds": 50, "tpotMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 3},
@@ -147,3 +149,43 @@ def test_active_autoscaling_blocked_by_a_full_pool_holds_the_size_and_says_why(o
             assert serving.router.table() == {revision: (1, 1)}, "the pending engine serves nothing"
             results = serving.stop_client()
             assert results and not [r for r in results if not r.ok], "a request failed while the autoscaler was blocked"
+
+
+def test_active_autoscaling_waits_out_a_rollout_then_scales(operator, cluster, api_client, namespace, tmp_path: Path) -> None:
+    """A release change on a pool with no room for its surge pod: the rollout stays in progress, and the autoscaler,
+    its prefill missing the TTFT target, holds both sizes and says it is frozen, decision after decision. Nodes
+    come, the rollout completes, and then prefill grows; every request answered throughout."""
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    name = "slo-frozen"
+    with Pool.of(api_client, f"{namespace}-frz", 2) as pool, _model_deleted(custom, core, namespace, name):
+        manifest = whole_node_pair(name, pool.label)
+        manifest["spec"]["autoscaling"] = {**SLO, "mode": "Active", "prefill": {"maxEngines": 2}, "decode": {"maxEngines": 1}}
+        manifest["spec"]["router"] = {**manifest["spec"].get("router", {}), "disaggregationThresholdTokens": 0}
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+        ready = wait_ready(custom, namespace, name, 180)
+        served, first = ready["spec"]["model"]["name"], ready["status"]["revision"]
+        slow_prefill = {**FAST, "prefill_us_per_token": 5000.0}
+        with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=slow_prefill) as serving:
+            wait_for("the router's table 1P1D", lambda: serving.router.table() == {first: (1, 1)}, 60)
+            serving.start_client(workers=4)
+            custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"engine": {
+                "image": "registry.example/vllm-runtime:0.34.0-efa", "vllmVersion": "0.34.0"}}})  # fmt: skip
+
+            frozen_at: set[str] = set()
+
+            def frozen_twice() -> bool:
+                scaling = get_model(custom, namespace, name)["status"].get("autoscaling") or {}
+                if scaling.get("prefill", {}).get("reason", "").startswith("frozen"):
+                    assert scaling["prefill"]["recommended"] == 1 and scaling["decode"]["recommended"] == 1, scaling
+                    frozen_at.add(scaling["decidedAt"])
+                return len(frozen_at) >= 2
+
+            wait_for("two decisions frozen by the rollout", frozen_twice, 60)
+            assert _role_sizes(custom, namespace, name) == {f"{name}-prefill": 1, f"{name}-decode": 1}
+            assert condition(get_model(custom, namespace, name), "Progressing").get("reason") != "Complete", "the rollout is still going"
+
+            pool.add(3)  # room for the surge pods, then for a second prefill engine
+            wait_for("the rollout complete", lambda: rolled_out(custom, namespace, name, first), 180)
+            wait_for("prefill grown to 2 engines after the rollout", lambda: _role_sizes(custom, namespace, name)[f"{name}-prefill"] == 2 or None, 90)
+            results = serving.stop_client()
+            assert results and not [r for r in results if not r.ok], "a request failed through the frozen rollout"
