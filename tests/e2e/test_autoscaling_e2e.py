@@ -4,7 +4,8 @@ are short, which the router would otherwise prefill on decode). The operator rea
 /health itself and decides every interval. Advisory: status.autoscaling and an Event say that prefill should grow
 because TTFT misses its target on the prefill leg, and no size is written. Active: prefill grows, the new engine
 joins the router's table with every request answered, and once the load stops prefill shrinks back (the leaving
-engine drained, its pod gone). Blocked: on a pool of two whole nodes the second prefill engine cannot be placed;
+engine drained, its pod gone); with decode's step over the TPOT target too, both roles grow on their own signals
+and come back. Blocked: on a pool of two whole nodes the second prefill engine cannot be placed;
 the autoscaler holds prefill where it is, says the scheduler's reason in status and an AutoscalerBlocked Event,
 and does not count the pending engine as capacity. Frozen: while a rollout is in progress the sizes stay, and
 scaling resumes once it completes."""
@@ -112,6 +113,39 @@ def test_active_autoscaling_grows_prefill_under_load_and_shrinks_it_when_idle(op
         wait_for("the router's table 1P1D again", lambda: serving.router.table() == {revision: (1, 1)}, 60)
     status = get_model(custom, namespace, name)["status"]
     assert status["prefill"]["targetReplicas"] == 1 and status["autoscaling"]["prefill"]["recommended"] == 1, status
+
+
+def test_active_autoscaling_grows_both_roles_on_their_own_signals_and_shrinks_them_back(operator, cluster, api_client,
+                                                                                        namespace, tmp_path: Path) -> None:  # fmt: skip
+    """Prefill slow (the TTFT target missed on the prefill leg) and decode slow (a 5 ms step against a 3 ms TPOT
+    target): each role grows on its own signal, the new engines join the router's table with every request
+    answered, and both come back to one engine once idle."""
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    name = "slo-both"
+    slo = {**SLO, "mode": "Active", "tpotMilliseconds": 3, "prefill": {"maxEngines": 2}, "decode": {"maxEngines": 2},
+           "scaleDownStabilizationSeconds": 0}  # fmt: skip
+    with _model_deleted(custom, core, namespace, name):
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {
+            "autoscaling": slo, "router": {"disaggregationThresholdTokens": 0}}))  # fmt: skip
+        ready = wait_ready(custom, namespace, name, 180)
+        served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
+        slow_both = {**FAST, "prefill_us_per_token": 5000.0, "tpot_ms": 5.0, "step_ms": 5.0}
+        both = {f"{name}-prefill": 2, f"{name}-decode": 2}
+        with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=slow_both) as serving:
+            wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
+            serving.start_client(workers=4)
+            wait_for("both roles grown to 2 engines", lambda: _role_sizes(custom, namespace, name) == both or None, 120)
+            wait_for("the new engines in the router's table", lambda: serving.router.table() == {revision: (2, 2)}, 90)
+            scaling = get_model(custom, namespace, name)["status"]["autoscaling"]
+            assert scaling["measured"]["tpotSeconds"] > 0.003, scaling
+            grew = lambda: (t := _events(core, namespace, name, "AutoscalerScaled")) and all(  # noqa: E731
+                any(f"{role} 1 -> 2" in note for note in t) for role in ("prefill", "decode")) and t
+            wait_for("AutoscalerScaled Events of both roles growing", grew, 30)
+            results = serving.stop_client()
+            assert results and not [r for r in results if not r.ok], "a request failed while the roles grew"
+            one_each = {f"{name}-prefill": 1, f"{name}-decode": 1}
+            wait_for("both roles back to 1 engine once idle", lambda: _role_sizes(custom, namespace, name) == one_each or None, 90)
+            wait_for("the router's table 1P1D again", lambda: serving.router.table() == {revision: (1, 1)}, 120)
 
 
 def test_active_autoscaling_blocked_by_a_full_pool_holds_the_size_and_says_why(operator, cluster, api_client, namespace,
