@@ -31,6 +31,10 @@ from tests.fixtures.e2e.waiting import condition
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
 SLO = {"ttftMilliseconds": 50, "tpotMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 3},
        "intervalSeconds": 5, "warmupSeconds": 0}  # fmt: skip
+# Every prompt disaggregated (the client's are short), and retries: kwok makes a pod Ready the moment it is bound,
+# so the router can try a new engine before its simulator listens (a real engine turns Ready only once it serves).
+ROUTER = {"disaggregationThresholdTokens": 0, "maxRetries": 3}
+SLOW_PREFILL = {**FAST, "prefill_us_per_token": 5000.0}  # the simulated engines' timing: TTFT misses on the prefill leg
 
 
 def _role_sizes(custom: client.CustomObjectsApi, namespace: str, name: str) -> dict[str, int]:
@@ -41,6 +45,17 @@ def _role_sizes(custom: client.CustomObjectsApi, namespace: str, name: str) -> d
 def _events(core: client.CoreV1Api, namespace: str, name: str, reason: str) -> list[str]:
     found = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name},involvedObject.kind={contract.KIND}")
     return [e.message for e in found.items if e.reason == reason]
+
+
+def _active_on_pool(custom: client.CustomObjectsApi, namespace: str, name: str, pool_label: str, prefill_max: int) -> tuple[str, str]:
+    """A whole-node pair (prefill and decode 8 GPUs each) on POOL_LABEL's nodes, the SLO autoscaler Active on it
+    (prefill up to PREFILL_MAX engines, decode 1) and every prompt disaggregated; once Ready: (served name, revision)."""
+    manifest = whole_node_pair(name, pool_label)
+    manifest["spec"]["autoscaling"] = {**SLO, "mode": "Active", "prefill": {"maxEngines": prefill_max}, "decode": {"maxEngines": 1}}
+    manifest["spec"]["router"] = {**manifest["spec"].get("router", {}), **ROUTER}
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+    ready = wait_ready(custom, namespace, name, 180)
+    return ready["spec"]["model"]["name"], ready["status"]["revision"]
 
 
 @contextlib.contextmanager
@@ -59,10 +74,10 @@ def test_advisory_autoscaling_reports_a_slow_prefill_and_scales_nothing(operator
                                                                        tmp_path: Path) -> None:  # fmt: skip
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "slo"
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {"autoscaling": SLO, "router": {"disaggregationThresholdTokens": 0}}))
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {"autoscaling": SLO, "router": ROUTER}))
     ready = wait_ready(custom, namespace, name, 180)
     served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
-    with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing={**FAST, "prefill_us_per_token": 5000.0}) as serving:
+    with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=SLOW_PREFILL) as serving:
         wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
         serving.start_client(workers=4)
 
@@ -91,12 +106,12 @@ def test_active_autoscaling_grows_prefill_under_load_and_shrinks_it_when_idle(op
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "slo-active"
     slo = {**SLO, "mode": "Active", "prefill": {"maxEngines": 2}, "decode": {"maxEngines": 1}, "scaleDownStabilizationSeconds": 0}
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {"autoscaling": slo, "router": {"disaggregationThresholdTokens": 0}}))
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {"autoscaling": slo, "router": ROUTER}))
     ready = wait_ready(custom, namespace, name, 180)
     served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
     prefill_pods = lambda: [p.metadata.name for p in core.list_namespaced_pod(  # noqa: E731
         namespace, label_selector=f"{contract.LABEL_MODEL}={contract.model_label_value(name)},{contract.LABEL_ROLE}=prefill").items]
-    with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing={**FAST, "prefill_us_per_token": 5000.0}) as serving:
+    with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=SLOW_PREFILL) as serving:
         wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
         serving.start_client(workers=4)
         wait_for("prefill grown to 2 engines", lambda: _role_sizes(custom, namespace, name)[f"{name}-prefill"] == 2 or None, 90)
@@ -126,10 +141,10 @@ def test_active_autoscaling_grows_both_roles_on_their_own_signals_and_shrinks_th
            "scaleDownStabilizationSeconds": 0}  # fmt: skip
     with _model_deleted(custom, core, namespace, name):
         custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {
-            "autoscaling": slo, "router": {"disaggregationThresholdTokens": 0}}))  # fmt: skip
+            "autoscaling": slo, "router": ROUTER}))  # fmt: skip
         ready = wait_ready(custom, namespace, name, 180)
         served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
-        slow_both = {**FAST, "prefill_us_per_token": 5000.0, "tpot_ms": 5.0, "step_ms": 5.0}
+        slow_both = {**SLOW_PREFILL, "tpot_ms": 5.0, "step_ms": 5.0}
         both = {f"{name}-prefill": 2, f"{name}-decode": 2}
         with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=slow_both) as serving:
             wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
@@ -153,15 +168,8 @@ def test_active_autoscaling_blocked_by_a_full_pool_holds_the_size_and_says_why(o
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "slo-blocked"
     with Pool.of(api_client, f"{namespace}-slo", 2) as pool, _model_deleted(custom, core, namespace, name):
-        manifest = whole_node_pair(name, pool.label)  # prefill and decode 8 GPUs each: the pool's two nodes
-        slo = {**SLO, "mode": "Active", "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 1}}
-        manifest["spec"]["autoscaling"] = slo
-        manifest["spec"]["router"] = {**manifest["spec"].get("router", {}), "disaggregationThresholdTokens": 0}
-        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
-        ready = wait_ready(custom, namespace, name, 180)
-        served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
-        slow_prefill = {**FAST, "prefill_us_per_token": 5000.0}
-        with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=slow_prefill) as serving:
+        served, revision = _active_on_pool(custom, namespace, name, pool.label, prefill_max=3)
+        with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=SLOW_PREFILL) as serving:
             wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
             serving.start_client(workers=4)
             seen: list[dict] = [{}]
@@ -188,18 +196,12 @@ def test_active_autoscaling_blocked_by_a_full_pool_holds_the_size_and_says_why(o
 def test_active_autoscaling_waits_out_a_rollout_then_scales(operator, cluster, api_client, namespace, tmp_path: Path) -> None:
     """A release change on a pool with no room for its surge pod: the rollout stays in progress, and the autoscaler,
     its prefill missing the TTFT target, holds both sizes and says it is frozen, decision after decision. Nodes
-    come, the rollout completes, and then prefill grows; every request answered throughout."""
+    come, the rollout completes, and then prefill grows; every request answered."""
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     name = "slo-frozen"
     with Pool.of(api_client, f"{namespace}-frz", 2) as pool, _model_deleted(custom, core, namespace, name):
-        manifest = whole_node_pair(name, pool.label)
-        manifest["spec"]["autoscaling"] = {**SLO, "mode": "Active", "prefill": {"maxEngines": 2}, "decode": {"maxEngines": 1}}
-        manifest["spec"]["router"] = {**manifest["spec"].get("router", {}), "disaggregationThresholdTokens": 0}
-        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
-        ready = wait_ready(custom, namespace, name, 180)
-        served, first = ready["spec"]["model"]["name"], ready["status"]["revision"]
-        slow_prefill = {**FAST, "prefill_us_per_token": 5000.0}
-        with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=slow_prefill) as serving:
+        served, first = _active_on_pool(custom, namespace, name, pool.label, prefill_max=2)
+        with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=SLOW_PREFILL) as serving:
             wait_for("the router's table 1P1D", lambda: serving.router.table() == {first: (1, 1)}, 60)
             serving.start_client(workers=4)
             custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"engine": {
@@ -218,8 +220,15 @@ def test_active_autoscaling_waits_out_a_rollout_then_scales(operator, cluster, a
             assert _role_sizes(custom, namespace, name) == {f"{name}-prefill": 1, f"{name}-decode": 1}
             assert condition(get_model(custom, namespace, name), "Progressing").get("reason") != "Complete", "the rollout is still going"
 
+            results = serving.stop_client()
+            assert results and not [r for r in results if not r.ok], "a request failed while the rollout was held"
+
+            # The client pauses while the new revision comes: its one pair would be its only one, and kwok makes a
+            # pod Ready before its simulator listens (retries need another pair of the revision).
             pool.add(3)  # room for the surge pods, then for a second prefill engine
-            wait_for("the rollout complete", lambda: rolled_out(custom, namespace, name, first), 180)
+            second = wait_for("the rollout complete", lambda: rolled_out(custom, namespace, name, first), 180)["status"]["revision"]
+            wait_for("the router's table 1P1D of the new revision", lambda: serving.router.table() == {second: (1, 1)}, 60)
+            serving.start_client(workers=4)
             wait_for("prefill grown to 2 engines after the rollout", lambda: _role_sizes(custom, namespace, name)[f"{name}-prefill"] == 2 or None, 90)
             results = serving.stop_client()
-            assert results and not [r for r in results if not r.ok], "a request failed through the frozen rollout"
+            assert results and not [r for r in results if not r.ok], "a request failed while prefill grew after the rollout"
