@@ -26,7 +26,9 @@ the Qwen3-0.6B shape; a new engine serves START_S after it is created):
 **The alternatives**: (a) the static P:D of fewest GPUs whose median attainment over the seeds reaches 95 %
 (found by a sweep: per prefill size, the fewest decode engines, by bisection), or the best one if none does; (b) an HPA per role on ``vllm:num_requests_waiting`` averaged over the
 role's ready engines, target HPA_WAITING, as autoscaling/v2 computes it (15 s period, 10 % tolerance, scale-up
-by at most max(100 %, 4 pods) per period, the 300 s scale-down stabilisation), within the same bounds.
+by at most max(100 %, 4 pods) per period, the 300 s scale-down stabilisation), within the same bounds; (c) on the
+burst, a bound (:class:`BurstBound`): the most a reaction to the step can attain from the fleet the SLO autoscaler
+holds before it.
 
 **The traces** (seeded; long prompts, short answers, scaled to the fleet so that a peak needs several engines of
 each role): ``sine`` a sinusoidal rate between 1 and 24 requests/s like ai-dynamo/dynamo#10528's (period 10 min),
@@ -45,7 +47,7 @@ import math
 import random
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Iterator
 
 from disagg_bench.vllm_sim.as_vllm import profile
@@ -91,14 +93,20 @@ def _one_shot(rng: random.Random, at: float) -> Request:
     return Request(at, prompt, prompt, rng.randint(128, 384))
 
 
+def sine_rate(t: float) -> float:
+    return 1 + 23 * (1 - math.cos(2 * math.pi * t / 600)) / 2
+
+
+def burst_rate(t: float) -> float:
+    return 20.0 if 300 <= t < 600 else 2.0
+
+
 def sine(rng: random.Random) -> list[Request]:
-    rate = lambda t: 1 + 23 * (1 - math.cos(2 * math.pi * t / 600)) / 2  # noqa: E731
-    return [_one_shot(rng, t) for t in _poisson(rng, rate, 1800, 24)]
+    return [_one_shot(rng, t) for t in _poisson(rng, sine_rate, 1800, 24)]
 
 
 def burst(rng: random.Random) -> list[Request]:
-    rate = lambda t: 20.0 if 300 <= t < 600 else 2.0  # noqa: E731
-    return [_one_shot(rng, t) for t in _poisson(rng, rate, 1200, 20)]
+    return [_one_shot(rng, t) for t in _poisson(rng, burst_rate, 1200, 20)]
 
 
 def multi_turn(rng: random.Random) -> list[Request]:
@@ -279,11 +287,12 @@ def slo_spec() -> ModelAutoscalingSpec:
 
 
 class SloAutoscaler:
-    def __init__(self) -> None:
+    def __init__(self, changes: dict[str, float] | None = None) -> None:
+        """CHANGES: fields of the Policy set over what the spec makes (a variant: `--set max_step=8`)."""
         spec = slo_spec()
         self.interval = float(spec.interval_seconds)
         self.percentile = spec.percentile
-        self.policy = autoscaler.policy_of(spec, {"prefill": 1, "decode": 1})
+        self.policy = replace(autoscaler.policy_of(spec, {"prefill": 1, "decode": 1}), **(changes or {}))
         self.memory = autoscaler.Memory()
 
     def __call__(self, fleet: Fleet, since: float) -> dict[str, int]:
@@ -340,6 +349,21 @@ class Hpa:
         return out
 
 
+class BurstBound:
+    """A bound on the burst, not a policy: the SLO autoscaler until the step, then, from the instant the rate steps
+    up (no measuring, no step limit), the bounds' maximum until it steps down. Its engines still serve START_S
+    after it asks. Starting from the fleet the autoscaler holds before the step, no reaction to the step attains
+    more: it could ask no sooner and for no more."""
+
+    def __init__(self, changes: dict[str, float] | None = None) -> None:
+        self.inner = SloAutoscaler(changes)
+        self.interval = self.inner.interval
+
+    def __call__(self, fleet: Fleet, since: float) -> dict[str, int]:
+        sizes = self.inner(fleet, since)
+        return {role: BOUNDS[role][1] for role in sizes} if burst_rate(fleet.now) > burst_rate(0.0) else sizes
+
+
 # --- a run ------------------------------------------------------------------------------------------------------
 
 
@@ -393,23 +417,44 @@ def cheapest_static(traces: list[list[Request]]) -> tuple[int, int]:
     return min(reaching)[1] if reaching else max(seen, key=lambda k: seen[k])
 
 
+def _policy_changes(parser: argparse.ArgumentParser, pairs: list[str]) -> dict[str, float]:
+    known = {f.name for f in fields(autoscaler.Policy) if f.type in ("int", "float", "int | None")}
+    changes: dict[str, float] = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if name not in known or not value:
+            parser.error(f"--set {pair}: say FIELD=VALUE with FIELD one of the Policy's: {', '.join(sorted(known))}")
+        try:
+            changes[name] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            parser.error(f"--set {pair}: the value must be a number")
+    return changes
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m disagg_bench.autoscale_sim", description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--trace", choices=sorted(TRACES), action="append", help="default: every trace")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a field of the autoscaler's Policy, e.g. max_step=8 (the results page's variants)")
+    parser.add_argument("--autoscaler-only", action="store_true", help="skip the static sweep and the HPA")
     args = parser.parse_args(argv)
+    changes = _policy_changes(parser, args.set)
     print(f"targets: TTFT {TTFT_TARGET_MS} ms and TPOT {TPOT_TARGET_MS} ms (p90 for the autoscaler; attainment: both, per "
           f"request); bounds {BOUNDS}; an engine starts in {START_S:.0f} s; {args.seeds} seeds, medians")  # fmt: skip
     print("| trace | policy | P:D (start; static) | attainment | goodput req/s | GPU-hours |")
     print("|---|---|---|---:|---:|---:|")
     for name in args.trace or list(TRACES):
         traces = [TRACES[name](random.Random(seed)) for seed in range(args.seeds)]
-        p, d = cheapest_static(traces)
-        rows = {
-            f"static, the cheapest at >= {ATTAINMENT_GOAL:.0%} (sweep)": (f"{p}:{d}", [run(t, p, d) for t in traces]),
-            "HPA on requests waiting": ("1:1", [run(t, 1, 1, Hpa(), HPA_PERIOD_S) for t in traces]),
-            "SLO autoscaler (Active)": ("1:1", [run(t, 1, 1, (a := SloAutoscaler()), a.interval) for t in traces]),
-        }
+        rows = {}
+        if not args.autoscaler_only:
+            p, d = cheapest_static(traces)
+            rows[f"static, the cheapest at >= {ATTAINMENT_GOAL:.0%} (sweep)"] = (f"{p}:{d}", [run(t, p, d) for t in traces])
+            rows["HPA on requests waiting"] = ("1:1", [run(t, 1, 1, Hpa(), HPA_PERIOD_S) for t in traces])
+        label = "SLO autoscaler (Active)" + "".join(f", {c}" for c in args.set)
+        rows[label] = ("1:1", [run(t, 1, 1, (a := SloAutoscaler(changes)), a.interval) for t in traces])
+        if name == "burst":
+            rows["bound: the maximum asked at the step's instant"] = ("1:1", [run(t, 1, 1, (b := BurstBound(changes)), b.interval) for t in traces])
         for policy, (shape, outcomes) in rows.items():
             med = {k: statistics.median(getattr(o, k) for o in outcomes) for k in ("attainment", "goodput", "gpu_hours")}
             print(f"| {name} | {policy} | {shape} | {med['attainment']:.1%} | {med['goodput']:.2f} | {med['gpu_hours']:.2f} |", flush=True)

@@ -22,7 +22,8 @@ scheduled, are not capacity (dynamo#12430, #14251).
 **How it decides**, per role, the larger of:
 - *model*: the demand (prefill tokens/s; decode KV tokens) over what one engine can do at the target, with
   headroom; the demand is the larger of now and the trend over the last minutes projected one warm-up ahead
-  (predictive, for scale-up only);
+  (predictive, for scale-up only; the higher of a line over the trend window and one over its last
+  RECENT_TREND_S, so an accelerating ramp is followed);
 - *reactive*: a role whose own signal misses its target (prefill: TTFT over target while the prefill leg takes
   most of it, or requests waiting on prefill; decode: TPOT over target, KV nearly full, or the TTFT of the
   prompts it prefills itself over target) grows by a step
@@ -74,6 +75,9 @@ DECODE_POINTS = 32
 LEARN_RATE = 0.3
 # Seconds in which prefill should work off the prompts waiting on it, on top of the arrivals.
 BACKLOG_DRAIN_S = 60.0
+# The trend of the last this many seconds counts too: a ramp that accelerates (a sinusoid leaving its trough)
+# outruns a line fitted over the whole trend window (bench/results/autoscale-sim.md).
+RECENT_TREND_S = 45.0
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ class Policy:
     scale_down_window_s: float = 300.0
     trend_window_s: float = 120.0
     warmup_s: float = 120.0
-    max_step: int = 4  # engines a role may grow by in one interval
+    max_step: int = 4  # engines a role may grow or shrink by in one interval
     advisory: bool = False
 
     def bounds(self, role: str) -> RoleBounds:
@@ -221,6 +225,13 @@ def learn(capacity: Capacity, obs: Observation, waiting_before: float | None = N
         known = out.decode_residence_s
         out = replace(out, decode_residence_s=residence if known is None else known + LEARN_RATE * (residence - known))
     return out
+
+
+def _forecast(points: tuple[tuple[float, float], ...], ahead: float) -> float | None:
+    """The larger of the trend over all POINTS and over the last RECENT_TREND_S of them, `ahead` past the last."""
+    recent = tuple(p for p in points if points[-1][0] - p[0] <= RECENT_TREND_S)
+    found = [f for f in (_trend(points, ahead), _trend(recent, ahead)) if f is not None]
+    return max(found) if found else None
 
 
 def _trend(points: tuple[tuple[float, float], ...], ahead: float) -> float | None:
@@ -372,8 +383,8 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
     longest = max(policy.scale_up_window_s, policy.scale_down_window_s)
     demand_pts = tuple(p for p in memory.demand if obs.at - p[0] <= policy.trend_window_s) + ((obs.at, rate, obs.decode.kv_tokens),)
     current = {r: obs.role(r).current for r in ROLES}
-    forecast_p = _trend(tuple((t, p) for t, p, _ in demand_pts), policy.warmup_s)
-    forecast_d = _trend(tuple((t, d) for t, _, d in demand_pts), policy.warmup_s)
+    forecast_p = _forecast(tuple((t, p) for t, p, _ in demand_pts), policy.warmup_s)
+    forecast_d = _forecast(tuple((t, d) for t, _, d in demand_pts), policy.warmup_s)
     backlog = obs.prefill.waiting * _tokens_per_request(obs) / BACKLOG_DRAIN_S
     # P and D together: the prompts prefill takes in now are decode's KV one residence later.
     coupled = max(rate, forecast_p or 0.0) * capacity.decode_residence_s if capacity.decode_residence_s else 0.0
@@ -425,7 +436,7 @@ def policy_of(spec: "ModelAutoscalingSpec", accelerators: Mapping[str, int]) -> 
         prefill=bounds["prefill"], decode=bounds["decode"],
         min_accelerators=spec.accelerators.min, max_accelerators=spec.accelerators.max,
         scale_up_window_s=spec.scale_up_stabilization_seconds, scale_down_window_s=spec.scale_down_stabilization_seconds,
-        warmup_s=spec.warmup_seconds, advisory=spec.mode == "Advisory",
+        warmup_s=spec.warmup_seconds, max_step=spec.max_step_engines, advisory=spec.mode == "Advisory",
     )  # fmt: skip
 
 

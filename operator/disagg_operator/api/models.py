@@ -665,6 +665,9 @@ class ModelAutoscalingSpec(ApiModel):
     warmup_seconds: Annotated[int, Field(ge=0, le=3600)] = Field(
         default=120, description="An engine Ready for less than this is not counted as capacity and teaches nothing."
     )
+    max_step_engines: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=4, description="Engines a role may grow or shrink by in one decision."
+    )
 
 
 class KVCacheSpec(ApiModel):

@@ -1,11 +1,13 @@
 """The fleet model of bench/disagg_bench/autoscale_sim.py fails the way engines fail: prefill queues past what its
 engines compute, decode waits for KV room and slows as its KV fills, a retired engine finishes what it holds
-before it goes, a new engine serves only after its start; the HPA follows autoscaling/v2's rules; and the SLO
-autoscaler it drives is the product's decision."""
+before it goes, a new engine serves only after its start; the HPA follows autoscaling/v2's rules; the SLO
+autoscaler it drives is the product's decision; and the burst's bound reacts at the step's instant."""
 
 from __future__ import annotations
 
 import statistics
+
+import pytest
 
 from disagg_bench import autoscale_sim as sim
 from disagg_bench.autoscale_sim import Fleet, Flight, Hpa, Request, SloAutoscaler, run
@@ -90,3 +92,20 @@ def test_the_slo_autoscaler_grows_both_roles_on_a_burst_and_meets_the_targets_it
     assert max(s["prefill"] for s in sizes) >= 2 and max(s["decode"] for s in sizes) >= 4, sizes
     static = run(trace, 1, 1)
     assert outcome.attainment > static.attainment
+
+
+def test_the_burst_bound_asks_for_the_maximum_from_the_instant_of_the_step_and_not_before() -> None:
+    bound, fleet = sim.BurstBound(), Fleet(1, 1)
+    fleet.now = 285.0
+    assert bound(fleet, 270.0) == {"prefill": 1, "decode": 1}, "before the step: what the autoscaler asks of an idle fleet"
+    fleet.now = 300.0
+    assert bound(fleet, 285.0) == {role: high for role, (_, high) in sim.BOUNDS.items()}
+
+
+def test_a_variant_names_a_numeric_field_of_the_policy_or_is_refused_with_the_fields_it_may_name(capsys) -> None:
+    assert SloAutoscaler({"max_step": 8}).policy.max_step == 8
+    for bad in ("maxStep=8", "prefill=3", "max_step=eight", "max_step"):
+        with pytest.raises(SystemExit) as exited:
+            sim.main(["--set", bad, "--trace", "burst", "--seeds", "1", "--autoscaler-only"])
+        assert exited.value.code == 2
+        assert f"--set {bad}:" in capsys.readouterr().err

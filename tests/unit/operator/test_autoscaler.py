@@ -9,7 +9,8 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg_operator.autoscaler import ROLES, Capacity, Memory, RoleBounds, decide, learn
+from disagg_operator.api.models import ModelAutoscalingSpec
+from disagg_operator.autoscaler import ROLES, Capacity, Memory, RoleBounds, decide, learn, policy_of
 
 from tests.fixtures.autoscaling import (INTERVAL, KV_CAPACITY, PREFILL_ENGINE_TOKENS_PER_S, TPOT_AT_EMPTY, TPOT_PER_KV_TOKEN,
                                         observation, observations, plant, policies, policy, role, run)  # fmt: skip
@@ -103,6 +104,20 @@ def test_idle_shrinks_to_the_minimum_once_the_scale_down_window_passed_by_a_boun
     assert stepped[3:] == [(4, 4), (3, 3), (2, 2), (1, 1), (1, 1)], stepped
 
 
+def test_the_specs_max_step_bounds_how_far_a_role_grows_in_one_decision() -> None:
+    """80k prompt tokens/s on one prefill engine (still warming: it teaches nothing) of a learned 10k: ten engines
+    are needed; it grows by the spec's step."""
+    spec = {"ttftMilliseconds": 2000, "tpotMilliseconds": 50, "prefill": {"maxEngines": 16}, "decode": {"maxEngines": 16}}
+    memory = Memory(capacity=Capacity(prefill_tokens_per_s=PREFILL_ENGINE_TOKENS_PER_S))
+    obs = observation(0.0, role(1, warm=0, waiting=50.0), role(4), requests=600, ttft_s=9.0, prefill_leg_s=8.5, tpot_s=0.03,
+                      prefill_tokens=80_000.0 * INTERVAL)  # fmt: skip
+    grown = {}
+    for step in (None, 8):
+        pol = policy_of(ModelAutoscalingSpec.model_validate(spec | ({"maxStepEngines": step} if step else {})), {"prefill": 1, "decode": 1})
+        grown[step] = decide(pol, obs, memory)[0].sizes["prefill"]
+    assert grown == {None: 1 + 4, 8: 1 + 8}
+
+
 def test_a_rollout_freezes_the_sizes() -> None:
     obs = observation(0.0, role(2, waiting=40.0), role(2), ttft_s=9.0, prefill_leg_s=8.0, rolling_out=True)
     decision, memory = decide(policy(), obs, Memory())
@@ -168,6 +183,22 @@ def test_a_rising_load_is_met_ahead_of_the_miss() -> None:
     now_needs = math.ceil(rate / (PREFILL_ENGINE_TOKENS_PER_S * 0.8))
     assert decision.estimates["prefill_tokens_per_s_forecast"] > rate
     assert decision.sizes["prefill"] >= now_needs
+
+
+def test_an_accelerating_ramp_is_followed_by_its_recent_trend() -> None:
+    """Prompts grow ever faster (10k + 100 i^2 tokens/s at interval i), as a sinusoid leaving its trough: a line
+    over the whole trend window lags it (19.8k a warm-up ahead), the last RECENT_TREND_S's line does not."""
+    pol = policy(warmup_s=120.0)
+    memory = Memory(capacity=Capacity(prefill_tokens_per_s=PREFILL_ENGINE_TOKENS_PER_S))
+    decision = None
+    for i in range(8):
+        rate = 10_000.0 + 100.0 * i * i
+        obs = observation(i * INTERVAL, role(4), role(2), requests=100, ttft_s=0.5, prefill_leg_s=0.4, tpot_s=0.03,
+                          prefill_tokens=rate * INTERVAL)  # fmt: skip
+        decision, memory = decide(pol, obs, memory)
+    assert decision is not None
+    assert decision.estimates["prefill_tokens_per_s_forecast"] >= 22_000
+    assert decision.sizes["prefill"] >= math.ceil(22_000 / (PREFILL_ENGINE_TOKENS_PER_S * 0.8))
 
 
 @settings(max_examples=300, deadline=None)
