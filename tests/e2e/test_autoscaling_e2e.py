@@ -25,7 +25,7 @@ from disagg_bench.vllm_sim.harness import FAST
 from tests.fixtures.e2e.models import get_model, model_manifest, rolled_out, wait_ready, whole_node_pair
 from tests.fixtures.e2e.nodes import Pool
 from tests.fixtures.e2e.serving import Serving
-from tests.fixtures.e2e.traffic import wait_for
+from tests.fixtures.e2e.traffic import Timed, arrivals, replay, wait_for
 from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
@@ -231,3 +231,84 @@ def test_active_autoscaling_waits_out_a_rollout_then_scales(operator, cluster, a
             wait_for("prefill grown to 2 engines after the rollout", lambda: _role_sizes(custom, namespace, name)[f"{name}-prefill"] == 2 or None, 90)
             results = serving.stop_client()
             assert results and not [r for r in results if not r.ok], "a request failed while prefill grew after the rollout"
+
+
+# A burst replayed open loop (issue 32's trace replay, compressed to the simulator): 2 requests/s, then 8 for 100 s,
+# then 2 again. One prefill engine computes a prompt in 150 ms (6.7 a second): the burst overloads one, not two.
+BURST_S, BURST = 200.0, (lambda t: 8.0 if 40.0 <= t < 140.0 else 2.0)
+BURST_TIMING = {**FAST, "prefill_base_ms": 150.0}
+REPLAY_TARGETS_S = (1.0, 1.0)  # TTFT and TPOT a request must meet to count as attained
+# Production-like request bounds: a queued prompt may wait past FAST_DRAIN's 2 s, and its KV must outlive that.
+REPLAY_ROUTER = {**ROUTER, "requestDeadlineSeconds": 60}
+REPLAY_KV = {"leaseSeconds": 120}
+
+
+class EngineSeconds:
+    """Samples, every second until stopped, how many engine pods of a model exist (a draining one still costs
+    its GPUs), per role: engine-seconds and the most engines seen."""
+
+    def __init__(self, core: client.CoreV1Api, namespace: str, model: str) -> None:
+        import threading
+
+        self.core, self.namespace, self.model = core, namespace, model
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+        self.most = {"prefill": 0, "decode": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-seconds", daemon=True)
+
+    def _run(self) -> None:
+        import time
+
+        last = time.monotonic()
+        while not self._stop.wait(1.0):
+            pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"{contract.LABEL_MODEL}={contract.model_label_value(self.model)}").items
+            now = time.monotonic()
+            for role in self.seconds:
+                n = sum(1 for p in pods if (p.metadata.labels or {}).get(contract.LABEL_ROLE) == role)
+                self.seconds[role] += n * (now - last)
+                self.most[role] = max(self.most[role], n)
+            last = now
+
+    def __enter__(self) -> "EngineSeconds":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def test_a_replayed_burst_through_the_router_and_the_operator_against_a_static_pair(operator, cluster, api_client, namespace,
+                                                                                      tmp_path: Path) -> None:  # fmt: skip
+    """The same seeded burst, sent open loop through the real router, to a static 1P1D and to the SLO autoscaler
+    (Active, from 1P1D): the autoscaler grows prefill during the burst and meets both targets on more requests;
+    every request of both is answered. The figures are printed (attainment, engine-seconds), not asserted."""
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    times = arrivals(BURST, BURST_S, 8.0, seed=7)
+    slo = {**SLO, "mode": "Active", "ttftMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 1},
+           "scaleDownStabilizationSeconds": 30}  # fmt: skip
+    outcomes: dict[str, tuple[list[Timed], EngineSeconds]] = {}
+    for policy, patch in (("static 1P1D", {}), ("SLO autoscaler", {"autoscaling": slo})):
+        name = "burst-static" if not patch else "burst-slo"
+        with _model_deleted(custom, core, namespace, name):
+            custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {
+                **patch, "router": REPLAY_ROUTER, "kvTransfer": REPLAY_KV}))  # fmt: skip
+            ready = wait_ready(custom, namespace, name, 180)
+            served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
+            (logs := tmp_path / name).mkdir()
+            with Serving(cluster, namespace, name, served, logs, listening=(1, 1), timing=BURST_TIMING) as serving:
+                wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
+                with EngineSeconds(core, namespace, name) as engines:
+                    results = replay(serving.router.url, served, times)
+                outcomes[policy] = (results, engines)
+    print(f"\nburst replay: {len(times)} requests over {BURST_S:.0f} s; targets TTFT {REPLAY_TARGETS_S[0]} s, TPOT {REPLAY_TARGETS_S[1]} s")
+    print("| policy | attainment | most engines (P:D) | engine-seconds |")
+    for policy, (results, engines) in outcomes.items():
+        met = sum(r.meets(*REPLAY_TARGETS_S) for r in results) / len(results)
+        print(f"| {policy} | {met:.1%} | {engines.most['prefill']}:{engines.most['decode']} | {sum(engines.seconds.values()):.0f} |")
+    for policy, (results, _) in outcomes.items():
+        failed = [r for r in results if not r.ok]
+        assert not failed, f"{policy}: {len(failed)} requests failed, e.g. {failed[0].detail}"
+    static, scaled = ([r.meets(*REPLAY_TARGETS_S) for r in outcomes[p][0]] for p in ("static 1P1D", "SLO autoscaler"))
+    assert outcomes["SLO autoscaler"][1].most["prefill"] >= 2, "prefill grew during the burst"
+    assert sum(scaled) > sum(static), (sum(scaled), sum(static))
