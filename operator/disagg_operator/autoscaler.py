@@ -12,8 +12,8 @@ waiting on prefill, KV tokens in use on decode. Engines younger than the warm-up
 scheduled, are not capacity (dynamo#12430, #14251).
 
 **What it learns** (:class:`Capacity`), online, from warm engines only:
-- prefill: uncached prompt tokens per second one engine computes, from intervals where prefill queued (an
-  engine that never queues says only that it can do at least what it did), the queue's growth taken off what
+- prefill: uncached prompt tokens per second one engine computes, from intervals where every engine had a queue
+  at both ends (an engine that never queues says only that it can do at least what it did), the queue's growth taken off what
   the routers sent;
 - decode: TPOT as a line in KV tokens per engine (least squares over the recent intervals), so the KV tokens one
   engine may hold at the TPOT target are (target - intercept) / slope, never above the KV it has;
@@ -209,7 +209,9 @@ def learn(capacity: Capacity, obs: Observation, waiting_before: float | None = N
     computed = obs.prefill_tokens - grew * _tokens_per_request(obs)
     if p.warm and obs.seconds > 0 and computed > 0:
         per_engine = computed / obs.seconds / p.warm
-        if p.waiting >= p.warm:  # every engine had a queue: what they did is what they can do
+        # Every engine had a queue at both ends of the interval: what they did is what they can do. (One end is
+        # chance: a prompt that arrived just before the gauge was read says nothing of the engine's limit.)
+        if min(p.waiting, p.waiting if waiting_before is None else waiting_before) >= p.warm:
             known = out.prefill_tokens_per_s
             out = replace(out, prefill_tokens_per_s=per_engine if known is None else known + LEARN_RATE * (per_engine - known))
         else:

@@ -151,6 +151,15 @@ def test_a_growing_queue_is_not_taken_for_capacity() -> None:
     assert learn(Capacity(), queued).prefill_tokens_per_s == 30_000.0, "a queue that did not grow: what was sent was computed"
 
 
+def test_a_queue_at_one_end_of_the_interval_is_chance_not_the_engines_limit() -> None:
+    """A prompt waiting as the gauge is read, after an interval that began with none: what the engine did is what
+    it was sent (a floor), not what it can do. Queued at both ends, it is."""
+    light = observation(0.0, role(1, waiting=1.0), role(2), requests=30, ttft_s=0.3, prefill_leg_s=0.2, prefill_tokens=60_000.0)
+    chance = learn(Capacity(), light, waiting_before=0.0)
+    assert chance.prefill_tokens_per_s is None and chance.prefill_floor == 58_000.0 / 15, "the queue's growth taken off"
+    assert learn(Capacity(), light, waiting_before=1.0).prefill_tokens_per_s == 4_000.0
+
+
 def test_decode_grows_with_the_prompts_prefill_takes_in_before_its_kv_fills() -> None:
     """P and D decided together: decode has held 10 s of the prompts (Little's law, learned on a steady load); the
     prompts triple and decode is sized for the KV they will hold while its KV and TPOT still look calm."""
