@@ -119,6 +119,7 @@ class RoleObservation:
     waiting: float = 0.0  # requests waiting on the role's engines at the routers' last read, summed over engines
     kv_tokens: float = 0.0  # KV tokens in use on the role's engines (decode)
     kv_capacity: float = 0.0  # KV tokens one engine holds (decode)
+    kv_engines: int = 0  # the engines whose KV kv_tokens sums (serving, warm or not; 0: as many as are warm)
 
 
 @dataclass(frozen=True)
@@ -291,14 +292,16 @@ def _decode_need(policy: Policy, obs: Observation, cap: Capacity, demand: float)
     per_engine = min((policy.tpot_s - line[0]) / line[1], ceiling) if line else (ceiling if ceiling < math.inf else None)
     model = _engines_for(demand, per_engine)
     tpot_miss = obs.tpot_s is not None and obs.tpot_s > policy.tpot_s
-    kv_full = d.kv_capacity > 0 and d.warm > 0 and d.kv_tokens >= KV_FULL * d.kv_capacity * d.warm
+    # Full against the engines that hold the KV: new engines serve (and fill) before they are warm.
+    holders = d.kv_engines or d.warm
+    kv_full = d.kv_capacity > 0 and holders > 0 and d.kv_tokens >= KV_FULL * d.kv_capacity * holders
     local_miss = obs.local_ttft_s is not None and obs.local_ttft_s > policy.ttft_s
     if tpot_miss or kv_full or local_miss:
         misses = []  # (how far off, why)
         if tpot_miss:
             misses.append((obs.tpot_s / policy.tpot_s, f"TPOT p {obs.tpot_s:.3f}s over the {policy.tpot_s:.3f}s target"))  # type: ignore[operator]
         if kv_full:
-            misses.append((d.kv_tokens / (KV_FULL * d.kv_capacity * d.warm), "KV nearly full"))
+            misses.append((d.kv_tokens / (KV_FULL * d.kv_capacity * holders), "KV nearly full"))
         if local_miss:
             misses.append((obs.local_ttft_s / policy.ttft_s, f"TTFT p {obs.local_ttft_s:.2f}s of the prompts decode "  # type: ignore[operator]
                            f"prefills itself over the {policy.ttft_s:.2f}s target"))  # fmt: skip
@@ -496,7 +499,8 @@ def observe(policy: Policy, seen: Seen, measured: Interval, seconds: float, perc
         count, reason = seen.unschedulable.get(name, (0, ""))
         return RoleObservation(current=seen.targets[name], warm=warm(name), unschedulable=count, unschedulable_reason=reason,
                                waiting=waiting[name], kv_tokens=kv_tokens if name == "decode" else 0.0,
-                               kv_capacity=kv_capacity if name == "decode" else 0.0)  # fmt: skip
+                               kv_capacity=kv_capacity if name == "decode" else 0.0,
+                               kv_engines=len(decode) if name == "decode" else 0)  # fmt: skip
 
     return Observation(at=seen.now, seconds=seconds, prefill=role("prefill"), decode=role("decode"), requests=measured.requests,
                        ttft_s=measured.ttft.quantile(q), tpot_s=measured.tpot.quantile(q), prefill_leg_s=measured.prefill_leg.quantile(q),

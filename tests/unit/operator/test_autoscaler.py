@@ -40,6 +40,17 @@ def test_decode_kv_pressure_grows_decode_only() -> None:
     assert history[-1][1].sizes["decode"] >= math.ceil(kv / (0.9 * KV_CAPACITY * 0.8)) - 1
 
 
+def test_kv_on_engines_still_warming_counts_against_their_own_room() -> None:
+    """Four decode engines serve, one of them warm: the KV of all four (1.5 engines' worth) is not a full warm one.
+    Held by the one warm engine alone, it is."""
+    pol, kv = policy(tpot_s=1.0), 1.5 * KV_CAPACITY
+    decided = {holders: decide(pol, observation(0.0, role(2), role(4, warm=1, kv_tokens=kv, kv_engines=holders),
+                                                requests=30, ttft_s=0.3, prefill_leg_s=0.2, tpot_s=0.03), Memory())[0]
+               for holders in (4, 1)}  # fmt: skip
+    assert decided[4].reasons["decode"] != "KV nearly full" and decided[4].sizes["decode"] == 4, decided[4]
+    assert decided[1].reasons["decode"] == "KV nearly full" and decided[1].sizes["decode"] > 4, decided[1]
+
+
 def test_tpot_over_target_grows_decode_to_what_the_learned_line_says() -> None:
     """TPOT grows with the KV each decode engine holds; the load ramps, so the line is learned from the spread."""
     target = 0.05
