@@ -12,9 +12,9 @@ waiting on prefill, KV tokens in use on decode. Engines younger than the warm-up
 scheduled, are not capacity (dynamo#12430, #14251).
 
 **What it learns** (:class:`Capacity`), online, from warm engines only:
-- prefill: uncached prompt tokens per second one engine computes, from intervals where every engine had a queue
-  at both ends (an engine that never queues says only that it can do at least what it did), the queue's growth taken off what
-  the routers sent;
+- prefill: uncached prompt tokens per second one engine computes, from intervals where every engine had a
+  queue at both ends (an engine that never queues says only that it can do at least what it did), the queue's
+  growth taken off what the routers sent;
 - decode: TPOT as a line in KV tokens per engine (least squares over the recent intervals), so the KV tokens one
   engine may hold at the TPOT target are (target - intercept) / slope, never above the KV it has;
 - decode's residence: the KV tokens it holds per prompt token/s sent to prefill (Little's law, on a steady load).
