@@ -51,6 +51,28 @@ def test_kv_on_engines_still_warming_counts_against_their_own_room() -> None:
     assert decided[1].reasons["decode"] == "KV nearly full" and decided[1].sizes["decode"] > 4, decided[1]
 
 
+def test_the_observation_counts_the_decode_engines_whose_kv_it_sums() -> None:
+    """Three decode engines in the routers' reads (two of them new, not in the census yet): their KV is summed and
+    they are its holders, however many the census counts warm."""
+    from disagg_connector.contract.health import BackendHealth, BackendRouting, RouterHealth
+
+    from disagg_operator.autoscaler import Seen, observe
+    from disagg_operator.router_readings import Interval
+    from disagg_operator.state import RouterView
+
+    from tests.fixtures.world import desired, steady
+
+    world = desired()
+    revision = world.revision
+    backends = tuple(BackendHealth(f"d-{i}", f"d-{i}", "decode", revision, "Push", 0, False, False,
+                                   BackendRouting(1.0, 0.5, kv_usage=0.5, kv_capacity_tokens=200_000)) for i in range(3))  # fmt: skip
+    seen = Seen(revision, steady(world).census, {"prefill": 1, "decode": 3}, RouterView((RouterHealth("ok", True, "Push", 60.0, backends, {}),), ("r-0",)),
+                {}, False, 1.8e9)  # fmt: skip
+    obs = observe(policy(warmup_s=0.0), seen, Interval(), 15.0, 90)
+    assert obs.decode.kv_engines == 3 and obs.decode.kv_tokens == 300_000 and obs.decode.kv_capacity == 200_000
+    assert obs.decode.current == 3 and obs.decode.warm <= 1, "the census has one decode pod"
+
+
 def test_tpot_over_target_grows_decode_to_what_the_learned_line_says() -> None:
     """TPOT grows with the KV each decode engine holds; the load ramps, so the line is learned from the spread."""
     target = 0.05
