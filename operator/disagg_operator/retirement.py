@@ -20,7 +20,10 @@ here, and a ready pod only once no request is left on it:
    its ReplicaSet would replace it at once. Why two passes: the ReplicaSet controller must see the cost
    before it picks.)
 
-A pod marked draining that no longer has to go (the target rose again) is unmarked.
+A pod marked draining that no longer has to go (the target rose again) is unmarked, unless its controller is
+removing it already: the workload was shrunk past it and the pod is not terminating yet (`_removed_now`). Unmarked
+then, a router would send it new requests in the moment before it goes, and a ReplicaSet that had not picked yet
+would pick by deletion cost among pods that no longer carry it.
 
 **Engines that span pods** (a LeaderWorkerSet, one group per engine) leave a group at a time, and the LWS
 controller always removes the groups of highest index (it cannot be told which): so the groups at and above
@@ -74,12 +77,24 @@ def _newest_first(pods: Iterable[Obj]) -> list[Obj]:
                   reverse=True)  # fmt: skip
 
 
+def _name(pod: Obj) -> str:
+    return pod["metadata"]["name"]
+
+
+def _removed_now(active: list[Obj], live_replicas: int) -> set[str]:
+    """The drained pods a ReplicaSet is removing now: its Deployment was shrunk to `live_replicas` past them (their
+    lowest deletion cost picks them) and they are not terminating yet."""
+    costed = [p for p in active if annotations(p).get(DELETION_COST) == LEAVING_COST]
+    return {_name(p) for p in costed[: max(0, len(active) - live_replicas)]}
+
+
 def retire(pods: Iterable[Obj], live_replicas: int, want: int, routers: RouterView | None, now: str, bound_s: float) -> Retirement:
     """How far a Deployment of `live_replicas` can shrink toward `want` now, and what to do to get further.
     `routers` None: not asked this pass (a pod is then drained only at the bound)."""
     active = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
     if want >= live_replicas:
-        return Retirement(replicas=want, unmark=tuple(p for p in active if marked(p)))
+        going = _removed_now(active, live_replicas)
+        return Retirement(replicas=want, unmark=tuple(p for p in active if marked(p) and _name(p) not in going))
     ready = [p for p in active if contract.pod_serving(p)]
     excess = live_replicas - want
     free = min(excess, live_replicas - len(ready))  # not ready, or not even created
@@ -125,8 +140,8 @@ def retire_groups(pods: Iterable[Obj], live_replicas: int, want: int, routers: R
     """How far a LeaderWorkerSet of `live_replicas` groups can shrink toward `want` now: the groups of index
     `want` and above leave, from the top, each once all its serving pods are drained."""
     active = [p for p in pods if not p.get("metadata", {}).get("deletionTimestamp")]
-    if want >= live_replicas:
-        return Retirement(replicas=want, unmark=tuple(p for p in active if marked(p)))
+    if want >= live_replicas:  # the groups at and above `live_replicas` are the LWS controller's to remove now
+        return Retirement(replicas=want, unmark=tuple(p for p in active if marked(p) and _group_index(p) < live_replicas))
 
     def holding(pod: Obj) -> str | None:
         return "the routers not asked yet" if routers is None else routers.holding(pod["metadata"]["name"])

@@ -157,6 +157,7 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
         wait_for("the router offers two engines", lambda: router.table().get(revision) == (8, 4), 60, retry_on=NOT_YET)
         third = [f"{lws_name}-2", f"{lws_name}-2-1"]  # the group LWS removed (the highest index): leader, worker
         wait_for("the third group's engines stopped", lambda: all(e.final is not None for e in sims.all() if e.pod in third), 60)
+        wait_for("the watch saw the third group go", lambda: set(third) <= set(marks.deleted), 30)
         assert_drained_before_deleted(sims, marks, third)
 
         # --- 3. an image rollout, in engines ------------------------------------------------------------------
@@ -190,16 +191,18 @@ def test_engines_that_span_nodes_serve_recreate_and_roll_out_in_engines(operator
 
 def assert_drained_before_deleted(sims: PodEngines, marks: Marks, pods: list[str]) -> None:
     """The group (`pods`, its leader first) was drained before it went: every pod of it was marked draining before
-    its leader was deleted (the group goes with its leader: LWS's garbage collector takes the workers), the leader
-    bore the mark then, and each pod's engine was idle with nothing in flight at its own deletion (the simulator's
-    stats as the pod got its deletionTimestamp, read before its preStop ran)."""
+    its leader was deleted (the group goes with its leader: LWS's garbage collector takes the workers), each pod
+    still bore the mark at its own deletion (a group the LWS was shrunk past keeps its marks: retirement.py), and
+    each pod's engine was idle with nothing in flight at its own deletion (the simulator's stats as the pod got its
+    deletionTimestamp, read before its preStop ran)."""
     leader = pods[0]
     assert leader in marks.deleted, f"{leader} was not deleted: {sorted(marks.deleted)}"
-    went, bore_mark = marks.deleted[leader]
-    assert bore_mark, f"{leader} was deleted without the draining mark: first marked {marks.marked.get(leader)}"
+    went = marks.deleted[leader][0]
     for pod in pods:
         assert pod in marks.marked and marks.marked[pod][0] < went, \
             f"{pod} was not marked draining before its group went at {went}: marked {marks.marked.get(pod)}"
+        assert pod in marks.deleted and marks.deleted[pod][1], \
+            f"{pod} was deleted without the draining mark: first marked {marks.marked.get(pod)}, deleted {marks.deleted.get(pod)}"
         (engine,) = [e for e in sims.all() if e.pod == pod]
         hook = engine.pre_stop
         assert hook is not None and hook.stats_at_start is not None, f"{pod}: no preStop ran, or its engine was not listening"

@@ -274,6 +274,28 @@ def test_scale_in_drains_the_pod_that_leaves_first() -> None:
     assert plan.requeue_after is not None and plan.draining == (f"d-{two.revision}-1",)
 
 
+def test_a_drained_pod_its_replicaset_is_removing_keeps_its_mark_and_cost() -> None:
+    """The Deployment was shrunk past the drained pod and the ReplicaSet has not deleted it yet: the next pass
+    leaves its mark and cost (unmarked, routers would send it new requests and the ReplicaSet could pick another
+    pod). The size rising again grows the Deployment first; once the Deployment has room for it, it is unmarked."""
+    one = desired({"decode": {"replicas": 1}})
+    pods = serving_pods(one.revision, decode=2)
+    leaving = f"d-{one.revision}-1"
+    pods = tuple({**p, "metadata": {**p["metadata"], "annotations": dict(COSTED)}} if p["metadata"]["name"] == leaving else p
+                 for p in pods)  # fmt: skip
+    shrunk = with_role_status(Observed(children(one), pods), one.revision)
+    assert deployment_of(shrunk, "decode")["spec"]["replicas"] == 1
+    plan = planner.plan(one, shrunk, NOW)
+    assert not [a for a in plan.actions if isinstance(a, planner.Annotate)], act(plan)
+
+    two = desired({"decode": {"replicas": 2}})
+    growing = planner.plan(two, shrunk, NOW)
+    assert not [x for x in act(growing) if x[0] == "Annotate"]
+    assert [a.obj["spec"]["replicas"] for a in growing.applies if a.obj["kind"] == "Deployment"] == [2]
+    grown = with_role_status(Observed(children(two), pods), two.revision)
+    assert [(x[2], x[3]) for x in act(planner.plan(two, grown, NOW)) if x[0] == "Annotate"] == [(leaving, "stays")]
+
+
 def test_a_role_deleted_after_kubectl_scale_comes_back_at_its_recorded_size() -> None:
     """scale to 3, delete the DisaggregatedRole: it is recreated at 3 (the status's targetReplicas), and no serving
     decode is drained; a spec changed since (another generation) is asked for its own size instead."""

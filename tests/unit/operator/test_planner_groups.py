@@ -98,6 +98,13 @@ def test_a_marked_group_that_stays_after_all_is_unmarked() -> None:
         (f"{contract.engine_deployment_name('m', 'decode', TWO.revision)}-1-1", "stays")]
 
 
+def test_a_group_the_lws_is_removing_keeps_its_marks() -> None:
+    """The LWS was shrunk past group 1 and its controller has not deleted the group's pods yet: they keep their
+    marks until they go (unmarked, a router would send them new requests in that moment)."""
+    plan = planner.plan(ONE, world(ONE, groups(ONE.revision, 2, marked=(1,))), NOW)
+    assert not [a for a in plan.actions if isinstance(a, planner.Annotate)], [a.why for a in plan.actions]
+
+
 def test_a_rollout_surges_in_engines_and_keeps_a_ready_pair() -> None:
     """Image change of a 2-engine multi-pod role: the new LWS gets one group (surge 1 engine, 2 pods), the old
     keeps both groups until the new group is whole and ready."""
