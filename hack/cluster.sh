@@ -8,7 +8,9 @@
 #                            lwepp and lwepp-ask (asks it as a gateway does:
 #                            tests/e2e/test_gateway.py), cyclonus (evaluates the rendered
 #                            NetworkPolicies: this cluster runs no CNI that enforces them;
-#                            tests/e2e/test_router_kv_events_e2e.py). hack/setup.sh (and so
+#                            tests/e2e/test_router_kv_events_e2e.py), BuildKit's buildkitd
+#                            and buildctl (hack/images.sh: the images/ Dockerfiles built
+#                            without Docker; tests/images). hack/setup.sh (and so
 #                            hack/test.sh) runs it.
 #   hack/cluster.sh build-cluster
 #                            build only what `up` runs and installs (CLUSTER_COMPONENTS: etcd,
@@ -110,6 +112,9 @@ COMPONENTS=(
   # SIG Network's policy-assistant grew out of cyclonus; its own module (cmd/policy-assistant) is not one the
   # Go module proxy can serve (its go.mod names a path its directory does not match), cyclonus's is.
   "cyclonus v0.5.6 - github.com/mattfenwick/cyclonus/cmd/cyclonus"
+  # BuildKit's daemon and client: hack/images.sh builds the images/ Dockerfiles with them (tests/images).
+  "buildkitd v0.34.2 buildkit github.com/moby/buildkit/cmd/buildkitd"
+  "buildctl v0.34.2 buildkit github.com/moby/buildkit/cmd/buildctl"
 )
 # What `up` runs (RUN_ORDER) and drives (kubectl): all that `build-cluster` builds. The other components are
 # the tests' tools, built by `build` only.
@@ -181,6 +186,9 @@ ldflags_for() {
       # like LWS's Makefile (GitCommit stays its placeholder: a module has no git checkout)
       flags+=" -X sigs.k8s.io/lws/pkg/version.GitVersion=$ver -X sigs.k8s.io/lws/pkg/version.BuildDate=1970-01-01T00:00:00Z"
       ;;
+    buildkitd|buildctl)
+      flags+=" -X github.com/moby/buildkit/version.Version=$ver -X github.com/moby/buildkit/version.Revision=$ver"
+      ;;
     helm)
       # Like helm's Makefile: its version, and the Kubernetes version `helm template`/`lint` assume
       # (unstamped it is v1.20, which charts with kubeVersion >=1.29 refuse).
@@ -219,6 +227,7 @@ postbuild() { # name version dir
 tags_for() {
   case "$1" in
     prometheus|promtool) echo "netgo,remove_all_sd,enable_kubernetes_sd" ;;
+    buildkitd) echo "netgo,osusergo" ;;  # like BuildKit's own static build
   esac
 }
 

@@ -4,10 +4,14 @@
 #   $DISAGG_CACHE/vllm-*-cpu    vLLM 0.34.0, 0.33.0 and 0.26.0 on CPU (one per pin file), whose argument parsers judge our command lines
 #   $DISAGG_CACHE/bin/...       every component of `hack/cluster.sh build`, built from Go modules: the control plane
 #                               (kube-apiserver & co., etcd, kwok, the LWS controller, kubectl) and the tests' tools
-#                               (helm, kstatus, prometheus, promtool, promql, lwepp, lwepp-ask, cyclonus)
+#                               (helm, kstatus, prometheus, promtool, promql, lwepp, lwepp-ask, cyclonus,
+#                               buildkitd, buildctl)
+#   apt: runc, mmdebstrap, umoci  what hack/images.sh builds and tests/integration/images run the images with
+#                               (BuildKit's runc worker; the local Debian base; unpacking an OCI image), when missing
 # The vLLM environments install in the background while the Go builds run (their log is printed if they fail).
 # A second run takes seconds. Set DISAGG_SKIP_VLLM=1 or DISAGG_SKIP_CLUSTER=1 to leave a part out (hack/demo.sh
-# sets both: `hack/cluster.sh up` builds only what the control plane runs).
+# sets both: `hack/cluster.sh up` builds only what the control plane runs; DISAGG_SKIP_CLUSTER also leaves the
+# apt packages out).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -53,11 +57,26 @@ if [ "${DISAGG_SKIP_VLLM:-0}" != 1 ]; then
   vllm_envs >"$vllm_log" 2>&1 &
   vllm_pid=$!
 fi
+image_tools() { # Debian's packages, as the tested recipe (images/README.md) uses them
+  local pkgs=() tool
+  for tool in runc mmdebstrap umoci; do command -v "$tool" >/dev/null || pkgs+=("$tool"); done
+  [ ${#pkgs[@]} -gt 0 ] || return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    log "ERROR: the image builds need ${pkgs[*]}: install them (Debian/Ubuntu: apt-get install ${pkgs[*]}) or set DISAGG_SKIP_CLUSTER=1"
+    return 1
+  fi
+  log "installing ${pkgs[*]} with apt-get"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${pkgs[@]}" >/dev/null
+}
 cluster_rc=0
 if [ "${DISAGG_SKIP_CLUSTER:-0}" != 1 ]; then
+  image_tools || cluster_rc=$?
   # every component: the control plane and the tests' tools (hack/demo.sh builds only the former)
-  bash hack/cluster.sh build || cluster_rc=$?
-  [ "$cluster_rc" -eq 0 ] || log "ERROR: hack/cluster.sh build failed (exit $cluster_rc)"
+  if [ "$cluster_rc" -eq 0 ]; then
+    bash hack/cluster.sh build || cluster_rc=$?
+    [ "$cluster_rc" -eq 0 ] || log "ERROR: hack/cluster.sh build failed (exit $cluster_rc)"
+  fi
 fi
 vllm_rc=0
 if [ -n "$vllm_pid" ]; then

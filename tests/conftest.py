@@ -29,15 +29,18 @@ def example(request: pytest.FixtureRequest) -> dict[str, Any]:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist (hack/test.sh: -n 2) the e2e tests are one unit of work: one worker runs them all, in
     order, against one cluster and one operator (two operators would fight over the same models), while the
-    other workers take the unit and integration tests one by one beside them. Not xdist_group marks with
+    other workers take the unit and integration tests one by one beside them. The built images' tests are one
+    unit of work too (one BuildKit build for all of them). Not xdist_group marks with
     --dist loadgroup: xdist 3.8 marks a group by rewriting item._nodeid, which pytest 9.2's nodes no longer read."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class E2EOnOneWorker(LoadScopeScheduling):
+    class OneWorkerScopes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return E2E_SCOPE if nodeid.startswith(E2E_SCOPE + "/") else nodeid
+            return next((scope for scope in ONE_WORKER_SCOPES if nodeid.startswith(scope + "/")), nodeid)
 
-    return E2EOnOneWorker(config, log)
+    return OneWorkerScopes(config, log)
 
 
 E2E_SCOPE = "tests/e2e"
+# Each is one unit of work, for one worker: the e2e tests (one cluster) and the built images' tests (one build).
+ONE_WORKER_SCOPES = (E2E_SCOPE, "tests/integration/images")

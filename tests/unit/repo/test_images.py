@@ -1,6 +1,7 @@
 """The Dockerfiles under images/, read by the official BuildKit parser (PyPI `dockerfile`).
 
-Docker cannot build here, so the checks are static: pinned bases, sources that exist, entry points that exist,
+Static checks of every Dockerfile, the vLLM runtimes' too (tests/integration/images builds and runs the operator's
+and the router's): pinned bases, sources that exist, entry points that exist,
 the package installed, who the image runs as, labels, no secrets, and build commands that match the chart.
 """
 
