@@ -10,7 +10,7 @@
 #                            NetworkPolicies: this cluster runs no CNI that enforces them;
 #                            tests/e2e/test_router_kv_events_e2e.py), BuildKit's buildkitd
 #                            and buildctl (hack/images.sh: the images/ Dockerfiles built
-#                            without Docker; tests/images). hack/setup.sh (and so
+#                            without Docker; tests/integration/images). hack/setup.sh (and so
 #                            hack/test.sh) runs it.
 #   hack/cluster.sh build-cluster
 #                            build only what `up` runs and installs (CLUSTER_COMPONENTS: etcd,
