@@ -10,13 +10,15 @@
 #                            NetworkPolicies: this cluster runs no CNI that enforces them;
 #                            tests/e2e/test_router_kv_events_e2e.py), BuildKit's buildkitd
 #                            and buildctl (hack/images.sh: the images/ Dockerfiles built
-#                            without Docker; tests/integration/images). hack/setup.sh (and so
+#                            without Docker; tests/integration/containers). hack/setup.sh (and so
 #                            hack/test.sh) runs it.
 #   hack/cluster.sh build-cluster
 #                            build only what `up` runs and installs (CLUSTER_COMPONENTS: etcd,
 #                            kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
 #                            kwok, lws with its CRDs, and the CRD_BUNDLES); `up` and so
 #                            hack/demo.sh build no more than this
+#   DISAGG_REAL_NODE=1 hack/cluster.sh build-node
+#                            build only the real node's kubelet (hack/node/README.md; hack/setup.sh runs it)
 #   hack/cluster.sh up       build-cluster if needed, start etcd, kube-apiserver,
 #                            kube-controller-manager, kube-scheduler (with the Workload
 #                            API and gang scheduling: GenericWorkload), kwok and the
@@ -49,6 +51,11 @@
 #                  apiserver=BASE, etcd client=BASE+1, etcd peer=BASE+2,
 #                  controller-manager=BASE+3, scheduler=BASE+4, kwok=BASE+5,
 #                  lws webhook=BASE+6, lws metrics=BASE+7, lws health=BASE+8
+#                  (DISAGG_REAL_NODE=1: kubelet=BASE+9 on the node IP, its healthz=BASE+10)
+#   DISAGG_REAL_NODE=1  opt-in (hack/node/README.md; tests/integration/containers): `build-node` builds
+#                  the kubelet; `up` also starts one real node (containerd + kubelet, labelled and tainted
+#                  disagg.dev/real-node) beside the kwok nodes; `down` removes it. Unset, nothing of it is
+#                  built, started or touched.
 #   DISAGG_POD_NET      second octet of the pod IPs, 127.<N>.x.y (default 0 for the default
 #                  port base, else derived from it): two clusters on one machine, each
 #                  with simulated engines bound to its pods' IPs, do not collide
@@ -120,6 +127,14 @@ COMPONENTS=(
 # the tests' tools, built by `build` only.
 # helm: hack/demo.sh installs the chart's cluster-wide gang admission policy with it, as users do.
 CLUSTER_COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok lws kubectl helm)
+# Opt-in real node (DISAGG_REAL_NODE=1; hack/node/README.md): a kubelet, from k8s.io/kubernetes at the API server's
+# version, built from a tools module of its own (hack/node/kubelet-tools: the shared one does not pin cmd/kubelet).
+# Off, nothing here changes: `build`, `build-cluster`, `up` and `down` neither build nor start it.
+REAL_NODE="${DISAGG_REAL_NODE:-0}"
+if [ "$REAL_NODE" = 1 ]; then
+  COMPONENTS+=("kubelet $K8S_VERSION ../node/kubelet-tools k8s.io/kubernetes/cmd/kubelet")
+  CLUSTER_COMPONENTS+=(kubelet)
+fi
 
 # CRDs of kinds the operator renders whose controllers are not run here (spec.gateway's InferencePool and
 # HTTPRoute, and the Gateway an HTTPRoute names): name, version, Go module, files in it. Copied from the module at
@@ -166,7 +181,7 @@ bin_path() { echo "$(bin_dir "$1")/$1"; }
 ldflags_for() {
   local name=$1 ver=$2 flags="-s -w"
   case "$name" in
-    kube-*|kubectl)
+    kube-*|kubectl|kubelet)
       local major minor pkg
       major="${ver#v}"; major="${major%%.*}"
       minor="${ver#v*.}"; minor="${minor%%.*}"
@@ -561,6 +576,12 @@ component_args() { # component -> prints args one per line
       --config="$STATE/lws-config.yaml" \
       --zap-log-level=info ;;
   esac
+  # DISAGG_REAL_NODE=1 (hack/node/node.sh): logs/exec reach the real kubelet at its node IP (its Hostname address,
+  # the node name, resolves nowhere) with a client certificate its x509 authentication accepts. Only then.
+  if [ "$1" = kube-apiserver ] && [ "$REAL_NODE" = 1 ]; then printf '%s\n' \
+    --kubelet-preferred-address-types=InternalIP,Hostname \
+    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" --kubelet-client-key="$PKI/apiserver-kubelet-client.key"
+  fi
 }
 
 component_port() {
@@ -764,6 +785,7 @@ cmd_up() {
     install_upstream_crds  # a cluster made before they were added gets them too
     wait_until "Gateway API and inference extension CRDs Established" 60 kube-apiserver upstream_crds_established
     log "up: cluster already up and healthy ($STATE)"
+    if [ "$REAL_NODE" = 1 ]; then bash "$ROOT/hack/node/node.sh" up 9>&-; fi
     cmd_env
     return 0
   fi
@@ -774,6 +796,7 @@ cmd_up() {
   touch "$MARKER"
   gen_pki
   gen_lws_pki
+  if [ "$REAL_NODE" = 1 ]; then bash "$ROOT/hack/node/node.sh" pki; fi
   write_audit_policy
   write_lws_config
   write_kubeconfig "$KUBECONFIG_PATH" admin
@@ -807,6 +830,7 @@ cmd_up() {
   wait_until "lws /healthz" 120 lws lws_healthy
   wait_until "lws admission webhooks (dry-run create of a LeaderWorkerSet)" 120 lws lws_webhook_ready
   log "up: cluster ready in $((SECONDS - start))s; kubeconfig $KUBECONFIG_PATH, audit log $AUDIT_LOG"
+  if [ "$REAL_NODE" = 1 ]; then bash "$ROOT/hack/node/node.sh" up 9>&-; fi
   cmd_env
 }
 
@@ -837,12 +861,18 @@ stop_components() { # names...: SIGTERM them together, wait up to 20s, then SIGK
 }
 
 cmd_down() {
+  # a real node (hack/node/node.sh) first, while the apiserver can still delete its pods; also when
+  # DISAGG_REAL_NODE is unset now but a node was started (its mounts are under $STATE)
+  local node_failed=0
+  if [ "$REAL_NODE" = 1 ] || [ -d "$STATE/node" ]; then bash "$ROOT/hack/node/node.sh" down 9>&- || node_failed=1; fi
   # clients first (in parallel), then the apiserver, then etcd
   stop_components kwok kube-scheduler kube-controller-manager lws
   stop_components kube-apiserver
   stop_components etcd
   if [ -d "$STATE" ]; then
-    if [ -f "$MARKER" ]; then
+    if [ "$node_failed" = 1 ]; then
+      log "down: removing the real node failed (above); not removing $STATE (mounts may be under it)"
+    elif [ -f "$MARKER" ]; then
       rm -rf -- "$STATE"
       log "down: removed $STATE"
     else
@@ -908,6 +938,14 @@ take_lock() {
 case "${1:-}" in
   build) take_lock; cmd_build ;;
   build-cluster) take_lock; cmd_build cluster ;;
+  # DISAGG_REAL_NODE=1 only: the kubelet alone (minutes of compiling), under a lock of its own so that a long
+  # build does not hold up other sessions' `up` (build_one builds aside and renames: never half a binary)
+  build-node)
+    [ "$REAL_NODE" = 1 ] || die "build-node: set DISAGG_REAL_NODE=1"
+    mkdir -p "$BIN_ROOT"
+    if command -v flock >/dev/null; then exec 8>"$CACHE/.kubelet-build.lock"; flock 8; fi
+    # shellcheck disable=SC2046
+    build_one $(component_line kubelet) ;;
   up) take_lock; cmd_up ;;
   down) take_lock; cmd_down ;;
   p5en) cmd_p5en "${2:?usage: hack/cluster.sh p5en N}" ;;

@@ -6,8 +6,10 @@
 #                               (kube-apiserver & co., etcd, kwok, the LWS controller, kubectl) and the tests' tools
 #                               (helm, kstatus, prometheus, promtool, promql, lwepp, lwepp-ask, cyclonus,
 #                               buildkitd, buildctl)
-#   apt: runc, mmdebstrap, umoci  what hack/images.sh builds and tests/integration/images run the images with
-#                               (BuildKit's runc worker; the local Debian base; unpacking an OCI image), when missing
+#                               and, apart (`DISAGG_REAL_NODE=1 hack/cluster.sh build-node`), the real node's kubelet
+#   apt, when missing: runc, mmdebstrap, umoci (hack/images.sh: BuildKit's runc worker, the local Debian base;
+#                               the tests unpack the images with umoci), containerd and containernetworking-plugins
+#                               (the real node, hack/node/node.sh): what tests/integration/containers needs
 # The vLLM environments install in the background while the Go builds run (their log is printed if they fail).
 # A second run takes seconds. Set DISAGG_SKIP_VLLM=1 or DISAGG_SKIP_CLUSTER=1 to leave a part out (hack/demo.sh
 # sets both: `hack/cluster.sh up` builds only what the control plane runs; DISAGG_SKIP_CLUSTER also leaves the
@@ -57,12 +59,13 @@ if [ "${DISAGG_SKIP_VLLM:-0}" != 1 ]; then
   vllm_envs >"$vllm_log" 2>&1 &
   vllm_pid=$!
 fi
-image_tools() { # Debian's packages, as the tested recipe (images/README.md) uses them
+container_tools() { # Debian's packages, as the tested recipes (images/README.md, hack/node/README.md) use them
   local pkgs=() tool
-  for tool in runc mmdebstrap umoci; do command -v "$tool" >/dev/null || pkgs+=("$tool"); done
+  for tool in runc mmdebstrap umoci containerd gcc; do command -v "$tool" >/dev/null || pkgs+=("$tool"); done
+  [ -x /usr/lib/cni/bridge ] || pkgs+=(containernetworking-plugins)
   [ ${#pkgs[@]} -gt 0 ] || return 0
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    log "ERROR: the image builds need ${pkgs[*]}: install them (Debian/Ubuntu: apt-get install ${pkgs[*]}) or set DISAGG_SKIP_CLUSTER=1"
+    log "ERROR: the image builds and the real node need ${pkgs[*]}: install them (Debian/Ubuntu: apt-get install ${pkgs[*]}) or set DISAGG_SKIP_CLUSTER=1"
     return 1
   fi
   log "installing ${pkgs[*]} with apt-get"
@@ -71,10 +74,11 @@ image_tools() { # Debian's packages, as the tested recipe (images/README.md) use
 }
 cluster_rc=0
 if [ "${DISAGG_SKIP_CLUSTER:-0}" != 1 ]; then
-  image_tools || cluster_rc=$?
-  # every component: the control plane and the tests' tools (hack/demo.sh builds only the former)
+  container_tools || cluster_rc=$?
+  # every component: the control plane and the tests' tools (hack/demo.sh builds only the former), then the
+  # real node's kubelet (tests/integration/containers)
   if [ "$cluster_rc" -eq 0 ]; then
-    bash hack/cluster.sh build || cluster_rc=$?
+    bash hack/cluster.sh build && DISAGG_REAL_NODE=1 bash hack/cluster.sh build-node || cluster_rc=$?
     [ "$cluster_rc" -eq 0 ] || log "ERROR: hack/cluster.sh build failed (exit $cluster_rc)"
   fi
 fi

@@ -29,8 +29,9 @@ def example(request: pytest.FixtureRequest) -> dict[str, Any]:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist (hack/test.sh: -n 2) the e2e tests are one unit of work: one worker runs them all, in
     order, against one cluster and one operator (two operators would fight over the same models), while the
-    other workers take the unit and integration tests one by one beside them. The built images' tests are one
-    unit of work too (one BuildKit build for all of them). Not xdist_group marks with
+    other workers take the unit and integration tests one by one beside them. The containers' tests are one unit
+    of work too: one BuildKit build for the images' tests, and the real node's test compares the host before and
+    after, so no runc or buildkitd of theirs may run beside it. Not xdist_group marks with
     --dist loadgroup: xdist 3.8 marks a group by rewriting item._nodeid, which pytest 9.2's nodes no longer read."""
     from xdist.scheduler import LoadScopeScheduling
 
@@ -42,5 +43,5 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 E2E_SCOPE = "tests/e2e"
-# Each is one unit of work, for one worker: the e2e tests (one cluster) and the built images' tests (one build).
-ONE_WORKER_SCOPES = (E2E_SCOPE, "tests/integration/images")
+# Each is one unit of work, for one worker: the e2e tests (one cluster), the built images and the real node.
+ONE_WORKER_SCOPES = (E2E_SCOPE, "tests/integration/containers")

@@ -1,6 +1,6 @@
 """The Dockerfiles under images/, read by the official BuildKit parser (PyPI `dockerfile`).
 
-Static checks of every Dockerfile, the vLLM runtimes' too (tests/integration/images builds and runs the operator's
+Static checks of every Dockerfile, the vLLM runtimes' too (tests/integration/containers builds and runs the operator's
 and the router's): pinned bases, sources that exist, entry points that exist,
 the package installed, who the image runs as, labels, no secrets, and build commands that match the chart.
 """
