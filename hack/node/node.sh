@@ -11,8 +11,8 @@
 #                                remove the cgroups, the bridge and what the kubelet wrote outside $STATE
 #   hack/node/node.sh status
 #
-# Environment: DISAGG_STATE, DISAGG_PORT_BASE, DISAGG_CACHE as hack/cluster.sh; DISAGG_NODE_IP (default: eth0's
-# IPv4 address: the kubelet refuses a loopback node IP); DISAGG_NODE_NAME (default disagg-real-node).
+# Environment: DISAGG_STATE, DISAGG_PORT_BASE, DISAGG_CACHE as hack/cluster.sh; DISAGG_NODE_IP (default: the IPv4
+# address of the default route's interface: the kubelet refuses a loopback node IP); DISAGG_NODE_NAME (default disagg-real-node).
 # The node is labelled disagg.dev/real-node=true and tainted disagg.dev/real-node=true:NoSchedule: a pod for it
 # needs both a nodeSelector and a toleration; kwok's pods never land there.
 #
@@ -48,9 +48,11 @@ die() { log "ERROR: $*"; exit 1; }
 kc() { "$(bash "$ROOT/hack/cluster.sh" path kubectl)" --kubeconfig="$STATE/kubeconfig" "$@"; }
 ctr_() { ctr -a "$SOCK" -n k8s.io "$@"; }
 
-node_ip() {
+node_ip() { # DISAGG_NODE_IP, else the address of the default route's interface (the kubelet refuses loopback)
   [ -n "${DISAGG_NODE_IP:-}" ] && { echo "$DISAGG_NODE_IP"; return; }
-  ip -4 -o addr show dev eth0 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | head -1
+  local dev
+  dev="$(ip -4 route show default 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}')"
+  ip -4 -o addr show dev "${dev:-eth0}" 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | head -1
 }
 
 alive() { # pidfile -> pid if alive
@@ -342,7 +344,7 @@ cmd_up() {
   grep -q -- '--kubelet-client-certificate' "$STATE/logs/kube-apiserver.log" 2>/dev/null \
     || die "the API server at $STATE was started without DISAGG_REAL_NODE=1 (no kubelet client certificate): down and up with it"
   local start=$SECONDS ip pause
-  ip="$(node_ip)"; [ -n "$ip" ] || die "no IPv4 address on eth0: set DISAGG_NODE_IP"
+  ip="$(node_ip)"; [ -n "$ip" ] || die "no IPv4 address on the default route's interface: set DISAGG_NODE_IP"
   ensure_packages
   mkdir -p "$N"
   if [ ! -f "$N/host-paths.before" ]; then  # what existed before the first up (down removes only the rest)
