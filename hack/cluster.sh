@@ -119,7 +119,7 @@ COMPONENTS=(
   # SIG Network's policy-assistant grew out of cyclonus; its own module (cmd/policy-assistant) is not one the
   # Go module proxy can serve (its go.mod names a path its directory does not match), cyclonus's is.
   "cyclonus v0.5.6 - github.com/mattfenwick/cyclonus/cmd/cyclonus"
-  # BuildKit's daemon and client: hack/images.sh builds the images/ Dockerfiles with them (tests/images).
+  # BuildKit's daemon and client: hack/images.sh builds the images/ Dockerfiles with them (tests/integration/containers).
   "buildkitd v0.34.2 buildkit github.com/moby/buildkit/cmd/buildkitd"
   "buildctl v0.34.2 buildkit github.com/moby/buildkit/cmd/buildctl"
 )

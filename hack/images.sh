@@ -11,7 +11,7 @@
 #                     mmdebstrap from Debian's packages and given to the build as the named context
 #                     `python:3.12.12-slim-trixie` (BuildKit's --opt context:...). It is NOT that image:
 #                     Python 3.13 at /usr/bin, and it trusts this machine's CA bundle (so pip works
-#                     behind a TLS-intercepting proxy). For tests (tests/images), never for publishing.
+#                     behind a TLS-intercepting proxy). For tests (tests/integration/containers), never for publishing.
 #   --out DIR         where <IMAGE>.tar goes (default $DISAGG_CACHE/images/out), named
 #                     ghcr.io/disagg-dev/disagg-<IMAGE>:$VERSION inside.
 #

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from disagg_operator import config
-from tests.fixtures.images import BuiltImage, build_images
+from tests.fixtures.images import BuiltImage, unpack_images
 
 REPO = Path(__file__).resolve().parents[3]
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -30,8 +30,8 @@ NON_ROOT = "65532:65532"
 
 
 @pytest.fixture(scope="module")
-def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, BuiltImage]:
-    return build_images(tmp_path_factory.mktemp("images"), ("operator", "router"))
+def images(image_tars: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, BuiltImage]:
+    return unpack_images(image_tars, tmp_path_factory.mktemp("bundles"))
 
 
 @pytest.mark.parametrize("name", ["operator", "router"])

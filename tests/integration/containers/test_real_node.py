@@ -11,26 +11,18 @@ import json
 from pathlib import Path
 from urllib.request import urlopen
 
-import pytest
-
 from tests.fixtures.e2e.waiting import wait_for
-from tests.fixtures.images import build_image_tars
 from tests.fixtures.real_node import NAMESPACE, NODE_LABEL, NODE_NAME, RealNodeCluster, host_state
 
 
-@pytest.fixture(scope="module")
-def router_tar(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_image_tars(tmp_path_factory.mktemp("images"), ("router",))["router"]
-
-
 def test_a_real_node_runs_the_router_image_as_the_chart_does_and_down_leaves_the_host_as_it_was(
-    router_tar: Path, tmp_path: Path
+    image_tars: dict[str, Path], tmp_path: Path
 ) -> None:
     """One test, in order: the host before, up, what runs on the node, down, the host after."""
     before = host_state()
     cluster = RealNodeCluster.start()
     try:
-        cluster.import_image(router_tar)
+        cluster.import_image(image_tars["router"])
         _the_node_is_ready_labelled_and_tainted_and_kwok_pods_stay_off_it(cluster)
         _the_router_image_runs_on_the_node_as_the_chart_runs_it(cluster, tmp_path / "hook")
         during = host_state()
