@@ -1491,9 +1491,8 @@ def build_parser() -> argparse.ArgumentParser:
 async def serve(a: argparse.Namespace) -> int:
     engine = Engine(a)
     engine.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
-    main = web.AppRunner(engine.http_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1)
-    await main.setup()
-    await web.TCPSite(main, a.host, a.port, reuse_address=True, backlog=1024).start()
+    # As vLLM starts: the engine core (its NIXL side channel, KV event publishers, loop) is up before the API
+    # server listens (serve_http follows build_async_engine_client), so an engine that answers HTTP takes pushes.
     for rank in engine.ranks:
         r = web.AppRunner(engine.side_app(rank), access_log=None, shutdown_timeout=1)
         await r.setup()
@@ -1502,6 +1501,9 @@ async def serve(a: argparse.Namespace) -> int:
     if a.kv_events_config is not None and a.kv_events_config.publishes:
         engine.publishers = {rank: KVEventPublisher(a.kv_events_config, rank, a.kv_events_host) for rank in engine.ranks}
     loop_task = asyncio.create_task(engine.loop())
+    main = web.AppRunner(engine.http_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1)
+    await main.setup()
+    await web.TCPSite(main, a.host, a.port, reuse_address=True, backlog=1024).start()
     if a.group_leader:
         engine.group_task = asyncio.create_task(engine.group_watch())
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -41,10 +41,11 @@ a non-streaming decode leg is bounded by ``request_timeout``. ``leg_timeout`` st
 prefill leg is cancelled first, then the decode leg (closing a connection is vLLM's abort; a decode aborted
 while its prefill still runs is where a late push would write into freed blocks, vLLM #48633 C1). While
 nothing has reached the client, the request is retried, at most ``max_retries`` times, with fresh ids on a
-pair that avoids every backend blamed for an earlier attempt (no retry ever goes back into the decode that
-just failed or timed out); when no such pair exists the request fails at once with the failure it has. A push
-decode that failed before its first token implicates its prefill too (``push_failure``): the retry takes
-another prefill where one pairs.
+pair that avoids every backend blamed for an earlier attempt (no retry ever goes back into an engine that
+failed or timed out on its own); when no such pair exists the request fails at once with the failure it has. A
+push decode that failed before its first token, while its prefill's own leg did not fail, may have failed for
+its prefill (D's KV comes from P): both are implicated (``push_failure``), and the retry avoids both where a
+pair does, else the prefill, else the decode, never the pair again (``_avoidance``).
 Statuses: 503 when no pair is ready; 502 when an engine fails before the decode's first byte; 504 when a leg
 or the KV wait passes its deadline; engine 4xx answers passed through as they are; after the first byte, the
 stream is continued on another pair (``_continue``, :mod:`migration`), or ends with an SSE error event and no
@@ -144,6 +145,7 @@ class RequestContext:
     auth: str | None = None
     excluded: set[str] = field(default_factory=set)  # keys of backends blamed for an earlier attempt
     avoided: set[str] = field(default_factory=set)  # keys of backends implicated: used only when nothing else pairs
+    avoided_decodes: set[str] = field(default_factory=set)  # the decode engines' keys among ``avoided``
     revision: str = ""  # of the current (last) attempt
     flow: str = ""  # of the current attempt: "push" | "pull" | "local"
     tokens: int = 0  # the prompt's estimated length
@@ -168,14 +170,16 @@ def push_failure(f: LegFailure, p_task: asyncio.Task[Any], p: Backend, d: Backen
     """Who a failed push attempt's retry avoids. D's KV comes from P, so a decode that failed before its
     first token may have failed for P (its registration with P's side channel, P's write): when P's own leg
     failed too, that failure is the account (a prefill that refuses connections fails D's handshake as
-    well); otherwise P is implicated, and the retry takes another prefill where there is one."""
+    well); otherwise either may be at fault, and both are implicated rather than blamed. Blaming D alone
+    failed requests that another prefill would have served: with one decode engine, a prefill pod listed
+    before its side channel listened left no pair that avoided D (CI, the autoscaler's burst e2e)."""
     if f.cause == "protocol_mismatch":
         f.blamed = (p, d)  # the pair speaks another protocol than its revision announces
     elif f.blamed == (d,):
         own = p_task.exception() if p_task.done() and not p_task.cancelled() else None
         if isinstance(own, LegFailure):
             return own
-        f.implicated = (p,)
+        f.blamed, f.implicated = (), (p, d)
     return f
 
 
@@ -260,7 +264,25 @@ class Dispatcher:
         """What the request's later attempts avoid after ``f``: every backend of each engine it blamed or implicated
         (an engine that spans pods fails whole)."""
         ctx.excluded.update(k for b in f.blamed for k in self.table.engine_keys(b.key))
-        ctx.avoided.update(k for b in f.implicated for k in self.table.engine_keys(b.key))
+        for b in f.implicated:
+            keys = self.table.engine_keys(b.key)
+            ctx.avoided.update(keys)
+            if b.role == "decode":
+                ctx.avoided_decodes.update(keys)
+
+    @staticmethod
+    def _avoidance(ctx: RequestContext) -> list[set[str]]:
+        """The backends an attempt avoids, most first, until a pair is left: the blamed ones always, with every
+        implicated engine; with the implicated prefills (D's KV comes from P: the likelier cause); with the
+        implicated decodes. While both roles are implicated, never with neither: no implicated pair is tried again."""
+        prefills, decodes = ctx.avoided - ctx.avoided_decodes, ctx.avoided_decodes
+        if not ctx.avoided:
+            tiers = [set()]
+        elif prefills and decodes:
+            tiers = [ctx.avoided, prefills, decodes]
+        else:
+            tiers = [ctx.avoided, set()]
+        return [ctx.excluded | t for t in tiers]
 
     # --- stream migration ---------------------------------------------------------------------------
     def _migration(self, ctx: RequestContext) -> Migration | None:
@@ -286,6 +308,7 @@ class Dispatcher:
         # a completions request on token ids (the body asks for token ids itself), sharing what the request avoids
         cont = RequestContext(
             ctx.request, "completions", "/v1/completions", body, True, ctx.t0, ctx.auth, ctx.excluded, ctx.avoided,
+            ctx.avoided_decodes,
         )  # fmt: skip
         cont.tokens = estimate_prompt_tokens("completions", body)  # token ids: exact
         threshold = self.cfg.disaggregation_threshold_tokens
@@ -360,9 +383,11 @@ class Dispatcher:
 
     async def _attempt(self, ctx: RequestContext, local: bool, retry: bool, held: contextlib.ExitStack) -> Opened:
         snap = self.table.snapshot()
-        chosen = self.balancer.pick(snap, ctx.excluded | ctx.avoided) if ctx.avoided else None
-        if chosen is None:  # nothing pairs without the implicated backends: they may serve after all
-            chosen = self.balancer.pick(snap, ctx.excluded)
+        chosen = None
+        for avoid in self._avoidance(ctx):  # fewer implicated engines avoided while nothing pairs: they may serve
+            chosen = self.balancer.pick(snap, avoid)
+            if chosen is not None:
+                break
         if chosen is None and len(self.balancer.ejections):  # nor without the ejected ones (panic routing)
             chosen = self.balancer.pick(snap, ctx.excluded, despite_ejections=True)
         if chosen is None:

@@ -335,48 +335,59 @@ def test_one_pair_fails_fast_with_the_failure_it_has(log_dir):
 
 def test_a_push_decode_failing_before_its_first_token_moves_the_retry_off_its_prefill_too(log_dir):
     """D's registration with P is refused (a stale engine id for P: P restarted), so D answers 500 while P's
-    own leg is fine. The retry takes another decode *and* another prefill, though this prefill is the least
-    loaded one (the other is busy with traffic the router did not send): a new engine with an empty queue
-    draws every load-aware pick, so going back to it burned both attempts (CI, a prefill pod listed before
-    its engine listened). With no other prefill, the retry uses the same one with the other decode."""
+    own leg is fine: either may be at fault. The retry takes another decode *and* another prefill, though this
+    prefill is the least loaded one (the other is busy with traffic the router did not send): a new engine with
+    an empty queue draws every load-aware pick, so going back to it burned both attempts (CI, a prefill pod
+    listed before its engine listened). With one decode engine, the retry takes the other prefill with that
+    decode (blaming the decode alone failed the request: CI, the autoscaler's burst e2e). With no other
+    prefill, the retry uses the same one with the other decode."""
     stale = h.launch_sim(log_dir, "prefill", "push", name="p-stale")
     busy = h.launch_sim(log_dir, "prefill", "push", name="p-busy")
     D1, D2 = (h.launch_sim(log_dir, "decode", "push", name=f"d-{i}") for i in (1, 2))
     scrape = ("--load-scrape-interval-seconds", "0.1")
-    both, alone = log_dir / "implicated.json", log_dir / "implicated-alone.json"
+    both, one_decode, alone = (log_dir / f"implicated{s}.json" for s in ("", "-one-decode", "-alone"))
     h.write_static(both, [stale.static_entry(uid="stale-incarnation"), busy.static_entry(), D1.static_entry(), D2.static_entry()])
+    h.write_static(one_decode, [stale.static_entry(uid="stale-incarnation"), busy.static_entry(), D1.static_entry()])
     h.write_static(alone, [stale.static_entry(uid="stale-incarnation"), D1.static_entry(), D2.static_entry()])
     R = h.launch_router(log_dir, both, "push", max_retries=1, extra=scrape, name="router-implicated")
+    R_one = h.launch_router(log_dir, one_decode, "push", max_retries=1, extra=scrape, name="router-implicated-one-decode")
     R_alone = h.launch_router(log_dir, alone, "push", max_retries=1, extra=scrape, name="router-implicated-alone")
 
-    def load(name: str) -> float:
-        return next(b for b in R.health()["backends"] if b["pod"] == name)["routing"]["load"] or 0.0
+    def load(router: h.Router, name: str) -> float:
+        return next(b for b in router.health()["backends"] if b["pod"] == name)["routing"]["load"] or 0.0
 
-    async def while_busy() -> h.Reply:
+    async def while_busy() -> tuple[h.Reply, h.Reply]:
         prompt = lambda i: " ".join(f"bg{i}-{j}" for j in range(2000))  # noqa: E731
         background = [asyncio.create_task(h.post(busy.url + "/v1/completions", {**h.completion(max_tokens=1), "prompt": prompt(i)})) for i in range(8)]
         try:
-            await asyncio.to_thread(h.wait_until, lambda: load(busy.name) >= 4, 10.0, 0.05, "the busy prefill's queue read")
-            return await h.post(R.url + "/v1/completions", h.completion(max_tokens=2))
+            for router in (R, R_one):
+                await asyncio.to_thread(h.wait_until, lambda: load(router, busy.name) >= 4, 10.0, 0.05, "the busy prefill's queue read")
+            first = await h.post(R.url + "/v1/completions", h.completion(max_tokens=2))
+            return first, await h.post(R_one.url + "/v1/completions", h.completion(max_tokens=2))
         finally:
             await asyncio.gather(*background)
 
     try:
-        h.wait_ready(stale, busy, D1, D2, R, R_alone)
-        reply = asyncio.run(while_busy())
+        h.wait_ready(stale, busy, D1, D2, R, R_one, R_alone)
+        reply, reply_one = asyncio.run(while_busy())
         assert reply.status == 200, reply.body
-        assert stale.counter("handshake_failures") == 1  # the first attempt, and only that one
-        assert reply.xid in [e["xid"] for e in busy.events("leg_received")]
-        assert sorted(len(d.events("leg_received")) for d in (D1, D2)) == [1, 1]  # the retry took the other decode
+        assert reply_one.status == 200, reply_one.body
+        assert stale.counter("handshake_failures") == 2  # each router's first attempt, and only that one
+        assert {reply.xid, reply_one.xid} <= {e["xid"] for e in busy.events("leg_received")}
+        assert reply_one.xid in [e["xid"] for e in D1.events("leg_received")]
+        # R_one's two attempts both on D1, R's on one decode each: R's retry took the other decode
+        assert [len(d.events("leg_received")) for d in (D1, D2)] == [3, 1]
         assert _failures(R) == {"decode_failed": 1}
+        assert _failures(R_one) == {"decode_failed": 1}
 
+        before = [len(d.events("leg_received")) for d in (D1, D2)]
         err = _error(asyncio.run(h.post(R_alone.url + "/v1/completions", h.completion())), 502)
         assert "decode" in err["message"]
-        assert stale.counter("handshake_failures") == 3  # both attempts went to the only prefill
-        assert sorted(len(d.events("leg_received")) for d in (D1, D2)) == [2, 2]
+        assert stale.counter("handshake_failures") == 4  # both attempts went to the only prefill
+        assert [len(d.events("leg_received")) - b for d, b in zip((D1, D2), before)] == [1, 1]  # on both decodes
         assert _failures(R_alone) == {"decode_failed": 2}
     finally:
-        h.stop_all(R, R_alone, stale, busy, D1, D2)
+        h.stop_all(R, R_one, R_alone, stale, busy, D1, D2)
 
 
 def test_no_pair_is_503(log_dir):
