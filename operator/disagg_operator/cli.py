@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import getpass
+import os
 import socket
 import sys
 import urllib.parse
@@ -269,6 +271,20 @@ def _check_liveness(url: str) -> None:
         raise StartError(f"cannot serve the liveness endpoint on {where}: {error.strerror or error}; {change}") from None
 
 
+def peer_identity(environ: dict[str, str] | os._Environ[str], uid: int, hostname: str, pid: int) -> str | None:
+    """The operator's identity among kopf peers, where kopf's own cannot be made (None: kopf's). kopf takes
+    $POD_ID (the chart sets it to the pod's name), else ``<user>@<host>/...`` from getpass.getuser(), which
+    raises in a container whose numeric user has no /etc/passwd entry (the image's 65532): then the uid
+    stands in for the user name."""
+    if "POD_ID" in environ:
+        return None
+    try:
+        getpass.getuser()
+    except (OSError, KeyError):  # Python 3.13: OSError; older: pwd's KeyError
+        return f"uid{uid}@{hostname}/{pid}"
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the operator (kopf) against the cluster of the kubeconfig or the pod's service account."""
     # Ports first, before kopf and any cluster access: a taken port exits here at once, not as kopf's
@@ -300,6 +316,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         peering_name=None if args.standalone else args.peering,
         priority=args.priority,
         memo=handlers.OperatorMemo(options),
+        identity=peer_identity(os.environ, os.getuid(), socket.gethostname(), os.getpid()),  # type: ignore[arg-type]
     )
     return 0
 

@@ -2,7 +2,9 @@
 `DISAGG_REAL_NODE=1 hack/cluster.sh up`): it registers Ready, labelled and tainted so that only pods meant for it
 land there; the router image built from its Dockerfile runs there as the chart runs it (non-root, read-only root,
 its ServiceAccount token, pod discovery through the API server), `kubectl logs` and `exec` reach it through the
-kubelet, a preStop hook runs before SIGTERM; and `hack/cluster.sh down` leaves the host as it found it.
+kubelet, a preStop hook runs before SIGTERM; `helm install` of the chart runs the operator image there (the
+chart's securityContext and probes), which reconciles a model whose engines land on kwok nodes and, its pod
+deleted, comes back and goes on reconciling; and `hack/cluster.sh down` leaves the host as it found it.
 """
 
 from __future__ import annotations
@@ -11,11 +13,17 @@ import json
 from pathlib import Path
 from urllib.request import urlopen
 
-from tests.fixtures.e2e.waiting import wait_for
+from disagg_connector import contract
+
+from tests.fixtures.e2e.waiting import condition, wait_for
+from tests.fixtures.helm import CHART, helm, values_args
+from tests.fixtures.models import REPO, load_example
 from tests.fixtures.real_node import NAMESPACE, NODE_LABEL, NODE_NAME, RealNodeCluster, host_state
 
+OPERATOR_NAMESPACE, MODELS_NAMESPACE = "disagg-system", "real-node-models"
 
-def test_a_real_node_runs_the_router_image_as_the_chart_does_and_down_leaves_the_host_as_it_was(
+
+def test_a_real_node_runs_the_router_and_operator_images_as_the_chart_does_and_down_leaves_the_host_as_it_was(
     image_tars: dict[str, Path], tmp_path: Path
 ) -> None:
     """One test, in order: the host before, up, what runs on the node, down, the host after."""
@@ -23,8 +31,10 @@ def test_a_real_node_runs_the_router_image_as_the_chart_does_and_down_leaves_the
     cluster = RealNodeCluster.start()
     try:
         cluster.import_image(image_tars["router"])
+        cluster.import_image(image_tars["operator"])
         _the_node_is_ready_labelled_and_tainted_and_kwok_pods_stay_off_it(cluster)
         _the_router_image_runs_on_the_node_as_the_chart_runs_it(cluster, tmp_path / "hook")
+        _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster, tmp_path)
         during = host_state()
     finally:
         cluster.stop()
@@ -72,3 +82,76 @@ def _the_router_image_runs_on_the_node_as_the_chart_runs_it(cluster: RealNodeClu
     start, end, sigterm = (float((hook_dir / name).read_text()) for name in ("prestop-start", "prestop-end", "sigterm"))
     assert start + 3 <= end <= sigterm
     cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=120s")
+
+
+def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster: RealNodeCluster, tmp_path: Path) -> None:
+    """The chart as a user installs it, with the image built here (the chart's default name, never pulled) and
+    what this control plane needs: the real node's selector and toleration, and the node's network (no
+    kube-proxy routes the kubernetes Service; the API server listens on loopback) on ports of this cluster's
+    block."""
+    values = {
+        "image": {"pullPolicy": "Never"},
+        "nodeSelector": {NODE_LABEL: "true"},
+        "tolerations": [{"key": NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
+        "hostNetwork": True,
+        "healthPort": cluster.operator_ports[0],
+        "metricsPort": cluster.operator_ports[1],
+        "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+                     {"name": "KUBERNETES_SERVICE_PORT", "value": str(cluster.port_base)}],
+    }  # fmt: skip
+    kubeconfig = str(cluster.state / "kubeconfig")
+    helm("install", "disagg", str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "--wait",
+         "--timeout", "180s", *values_args(values, tmp_path), kubeconfig=kubeconfig)  # fmt: skip
+    first = _operator_pod(cluster)
+    assert first["spec"]["nodeName"] == NODE_NAME
+    # the chart's securityContext, enforced by the runtime: uid 65532, a root filesystem it cannot write
+    assert _operator_exec(cluster, first, "id", "-u").strip() == "65532"
+    denied = cluster.kubectl("-n", OPERATOR_NAMESPACE, "exec", first["metadata"]["name"], "--", "touch", "/written",
+                             check=False, stderr=True)  # fmt: skip
+    assert "Read-only file system" in denied, denied
+
+    cluster.kubectl("create", "namespace", MODELS_NAMESPACE)
+    model = load_example(REPO / "examples" / "minimal.yaml")
+    name = model["metadata"]["name"]
+    cluster.kubectl("-n", MODELS_NAMESPACE, "apply", "-f", "-", stdin=json.dumps(model))
+    _wait_model_ready(cluster, name, decode_pods=1)
+
+    # its pod deleted, the Deployment's next one starts on the node and the operator goes on reconciling
+    cluster.kubectl("-n", OPERATOR_NAMESPACE, "delete", "pod", first["metadata"]["name"], "--wait=true")
+    wait_for("the operator's next pod Ready", lambda: _operator_pod(cluster, not_uid=first["metadata"]["uid"]),
+             timeout=180)  # fmt: skip
+    cluster.kubectl("-n", MODELS_NAMESPACE, "patch", contract.KIND.lower(), name, "--type=merge",
+                    "-p", json.dumps({"spec": {"decode": {"replicas": 2}}}))  # fmt: skip
+    _wait_model_ready(cluster, name, decode_pods=2)
+    for pod in _pods(cluster, MODELS_NAMESPACE, f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"):
+        assert pod["spec"]["nodeName"] != NODE_NAME  # the engines and the router stay on kwok nodes
+
+    cluster.kubectl("-n", MODELS_NAMESPACE, "delete", contract.KIND.lower(), name, "--wait=true", "--timeout=120s")
+    helm("uninstall", "disagg", "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=kubeconfig)
+
+
+def _pods(cluster: RealNodeCluster, namespace: str, selector: str) -> list[dict]:
+    return json.loads(cluster.kubectl("-n", namespace, "get", "pods", "-l", selector, "-o", "json"))["items"]
+
+
+def _operator_pod(cluster: RealNodeCluster, not_uid: str = "") -> dict | None:
+    """The operator's one Ready pod (not the one of uid NOT_UID), or None."""
+    ready = [p for p in _pods(cluster, OPERATOR_NAMESPACE, "app.kubernetes.io/name=disagg-operator")
+             if p["metadata"]["uid"] != not_uid and "deletionTimestamp" not in p["metadata"]
+             and {c["type"]: c["status"] for c in p["status"].get("conditions", [])}.get("Ready") == "True"]  # fmt: skip
+    assert len(ready) <= 1, [p["metadata"]["name"] for p in ready]
+    return ready[0] if ready else None
+
+
+def _operator_exec(cluster: RealNodeCluster, pod: dict, *command: str) -> str:
+    return cluster.kubectl("-n", OPERATOR_NAMESPACE, "exec", pod["metadata"]["name"], "--", *command)
+
+
+def _wait_model_ready(cluster: RealNodeCluster, name: str, decode_pods: int) -> None:
+    def ready() -> bool:
+        model = json.loads(cluster.kubectl("-n", MODELS_NAMESPACE, "get", contract.KIND.lower(), name, "-o", "json"))
+        decode = _pods(cluster, MODELS_NAMESPACE, f"{contract.LABEL_MODEL}={contract.model_label_value(name)},"
+                                                  f"{contract.LABEL_ROLE}=decode")  # fmt: skip
+        return condition(model, "Ready").get("status") == "True" and len(decode) == decode_pods
+
+    wait_for(f"model {name} Ready with {decode_pods} decode pods, reconciled by the operator pod", ready, timeout=180)

@@ -49,6 +49,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "routerImage": "registry.example.com/ml/disagg-router@sha256:" + "cd" * 32,
         },
         "healthPort": 9090,
+        "hostNetwork": True,
         "verbose": True,
         "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": 2, "memory": "2Gi"}},
         "nodeSelector": {"node-role.kubernetes.io/control": "true"},
@@ -223,11 +224,25 @@ def test_deployment_is_locked_down(value_set, tmp_path: Path) -> None:
     assert container["args"][container["args"].index("--metrics-port") + 1] == str(values.get("metricsPort", 8081))
     assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    # the pod network unless asked; on the node's, DNS still resolves cluster names
+    on_host = values.get("hostNetwork", False)
+    assert pod.get("hostNetwork", False) is on_host
+    assert pod.get("dnsPolicy") == ("ClusterFirstWithHostNet" if on_host else None)
+
+
+def test_the_operator_is_known_to_its_peers_by_its_pod_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """kopf reads its peer identity from POD_ID; without it, from the user name, which the image's uid lacks."""
+    from kopf._core.engines.peering import detect_own_id
+
+    env = operator_container(render({}, tmp_path))["env"]
+    assert {"name": "POD_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in env
+    monkeypatch.setenv("POD_ID", "disagg-operator-7d9f-x2x4k")
+    assert detect_own_id(manual=False) == "disagg-operator-7d9f-x2x4k"
 
 
 def test_model_defaults_come_from_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def env(docs: list[dict[str, Any]]) -> dict[str, str]:
-        return {e["name"]: e.get("value") for e in operator_container(docs)["env"]}
+        return {e["name"]: e["value"] for e in operator_container(docs)["env"] if "value" in e}
 
     # The chart's defaults are the operator's built-in ones (config.py), so both read the same.
     assert env(render({}, tmp_path)) == {
