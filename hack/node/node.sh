@@ -14,7 +14,9 @@
 # Environment: DISAGG_STATE, DISAGG_PORT_BASE, DISAGG_CACHE as hack/cluster.sh; DISAGG_NODE_IP (default: the IPv4
 # address of the default route's interface: the kubelet refuses a loopback node IP); DISAGG_NODE_NAME (default disagg-real-node).
 # The node is labelled disagg.dev/real-node=true and tainted disagg.dev/real-node=true:NoSchedule: a pod for it
-# needs both a nodeSelector and a toleration; kwok's pods never land there.
+# needs both a nodeSelector and a toleration; kwok's pods never land there. Like a cloud node it has a region and
+# a zone of its own (topology.kubernetes.io/region=local, zone=local-real-node): an engine pair's pods must share
+# a zone (the operator's pod affinity), so a pair placed here needs the label.
 #
 # Needs root, containerd and runc (Debian's containerd 1.6: installed with apt when missing, with
 # containernetworking-plugins), gcc (the pause image), umoci. Host-wide state it must not change and does not:
@@ -40,6 +42,7 @@ BRIDGE="dnode$PORT_BASE"
 POD_SUBNET="10.244.$((PORT_BASE % 250)).0/24"
 SOCK="$N/containerd/containerd.sock"
 LABEL=disagg.dev/real-node
+ZONE_LABELS=topology.kubernetes.io/region=local,topology.kubernetes.io/zone=local-real-node
 # paths the kubelet/containerd hard-code outside $STATE (removed by `down` when `up` did not find them)
 HOST_PATHS=(/var/lib/kubelet /var/log/containers /run/containerd /var/lib/cni /opt/containerd)
 
@@ -329,7 +332,7 @@ start_kubelet() { # ip
       mount --bind "$s/root_maxbytes" /proc/sys/kernel/keys/root_maxbytes
       exec "$@"' sh "$k/sysctl" "$kubelet" --config="$k/config.yaml" --kubeconfig="$k/kubeconfig" \
         --root-dir="$k/root" --cert-dir="$k/pki" --hostname-override="$NAME" --node-ip="$ip" \
-        --node-labels="$LABEL=true" >> "$k/log" 2>&1 < /dev/null 9>&- 8>&- &
+        --node-labels="$LABEL=true,$ZONE_LABELS" >> "$k/log" 2>&1 < /dev/null 9>&- 8>&- &
     echo $! > "$k/pid" )
   log "kubelet started (pid $(cat "$k/pid"), port $ip:$KUBELET_PORT, log $k/log)"
 }
@@ -386,8 +389,11 @@ cmd_down() {
     kc delete node "$NAME" --wait=false >/dev/null 2>&1 || true
   fi
   stop_pid kubelet "$N/kubelet/pid"
-  # 2. whatever containers are left (a kubelet that died first), then containerd and its shims
+  # 2. whatever containers are left (a kubelet that died first), then containerd and its shims. Their ids name
+  # the CNI results a sandbox torn down without CNI DEL leaves (a pod made while the kubelet stopped)
+  local containers=""
   if alive "$N/containerd/pid" >/dev/null; then
+    containers="$(ctr_ containers ls -q 2>/dev/null || true)"
     local t
     for t in $(ctr_ tasks ls -q 2>/dev/null); do ctr_ tasks kill -s KILL "$t" >/dev/null 2>&1 || true; done
     sleep 1
@@ -420,7 +426,9 @@ cmd_down() {
     case "$p" in
       /var/lib/kubelet) rm -f /var/lib/kubelet/device-plugins/kubelet.sock /var/lib/kubelet/device-plugins/kubelet_internal_checkpoint ;;
       /var/log/containers) find /var/log/containers -maxdepth 1 -type l -lname "$N/*" -delete ;;
-      /var/lib/cni) find /var/lib/cni -type f -path '*/results/disagg-real-node-*' -delete ;;
+      /var/lib/cni)
+        find /var/lib/cni -type f -path '*/results/disagg-real-node-*' -delete
+        local id; for id in $containers; do rm -f /var/lib/cni/results/*-"$id"-*; done ;;
     esac
     find "$p" -depth -type d -empty -delete 2>/dev/null || true
     [ -e "$p" ] && log "left $p (not empty: $(find "$p" | head -5 | tr '\n' ' '))"

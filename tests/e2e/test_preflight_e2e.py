@@ -1,4 +1,7 @@
-"""A failed fabric preflight on the local control plane: kwok plays the kubelet that reports it.
+"""A failed fabric preflight on the local control plane: kwok plays the kubelet that reports it. (A real kubelet
+runs the rendered preflight from an image in tests/integration/containers/test_real_node.py; there the init
+container restarts in back-off, its last message in lastState, and the message ends in a newline: the operator
+reads both states and strips it.)
 
 hack/kwok/stages.yaml has a stage, pod-preflight-failed, for pods annotated
 ``disagg.dev/simulate-preflight-failure: "<Reason>: <text>"`` (the preflight's own termination-message

@@ -4,7 +4,9 @@ land there; the router image built from its Dockerfile runs there as the chart r
 its ServiceAccount token, pod discovery through the API server), `kubectl logs` and `exec` reach it through the
 kubelet, a preStop hook runs before SIGTERM; `helm install` of the chart runs the operator image there (the
 chart's securityContext and probes), which reconciles a model whose engines land on kwok nodes and, its pod
-deleted, comes back and goes on reconciling; and `hack/cluster.sh down` leaves the host as it found it.
+deleted, comes back and goes on reconciling; an engine pod placed there runs the preflight init container the
+operator rendered, under the kubelet, and its termination message becomes the model's condition; and
+`hack/cluster.sh down` leaves the host as it found it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from urllib.request import urlopen
 
 from disagg_connector import contract
+from disagg_connector.contract.preflight import PreflightReason, parse_termination_message
 
 from tests.fixtures.e2e.waiting import condition, wait_for
 from tests.fixtures.helm import CHART, helm, values_args
@@ -21,6 +24,7 @@ from tests.fixtures.models import REPO, load_example
 from tests.fixtures.real_node import NAMESPACE, NODE_LABEL, NODE_NAME, RealNodeCluster, host_state
 
 OPERATOR_NAMESPACE, MODELS_NAMESPACE = "disagg-system", "real-node-models"
+ROUTER_IMAGE = "ghcr.io/disagg-dev/disagg-router:0.1.0"  # hack/images.sh's name, the chart's default
 
 
 def test_a_real_node_runs_the_router_and_operator_images_as_the_chart_does_and_down_leaves_the_host_as_it_was(
@@ -35,6 +39,8 @@ def test_a_real_node_runs_the_router_and_operator_images_as_the_chart_does_and_d
         _the_node_is_ready_labelled_and_tainted_and_kwok_pods_stay_off_it(cluster)
         _the_router_image_runs_on_the_node_as_the_chart_runs_it(cluster, tmp_path / "hook")
         _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster, tmp_path)
+        _an_engine_pods_preflight_runs_under_the_kubelet_and_its_reason_reaches_the_model(cluster)
+        helm("uninstall", "disagg", "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=cluster.kubeconfig)
         during = host_state()
     finally:
         cluster.stop()
@@ -99,9 +105,8 @@ def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster:
         "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
                      {"name": "KUBERNETES_SERVICE_PORT", "value": str(cluster.port_base)}],
     }  # fmt: skip
-    kubeconfig = str(cluster.state / "kubeconfig")
     helm("install", "disagg", str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "--wait",
-         "--timeout", "180s", *values_args(values, tmp_path), kubeconfig=kubeconfig)  # fmt: skip
+         "--timeout", "180s", *values_args(values, tmp_path), kubeconfig=cluster.kubeconfig)  # fmt: skip
     first = _operator_pod(cluster)
     assert first["spec"]["nodeName"] == NODE_NAME
     # the chart's securityContext, enforced by the runtime: uid 65532, a root filesystem it cannot write
@@ -126,8 +131,50 @@ def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster:
     for pod in _pods(cluster, MODELS_NAMESPACE, f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"):
         assert pod["spec"]["nodeName"] != NODE_NAME  # the engines and the router stay on kwok nodes
 
-    cluster.kubectl("-n", MODELS_NAMESPACE, "delete", contract.KIND.lower(), name, "--wait=true", "--timeout=120s")
-    helm("uninstall", "disagg", "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=kubeconfig)
+    _delete_model(cluster, name)
+
+
+def _an_engine_pods_preflight_runs_under_the_kubelet_and_its_reason_reaches_the_model(cluster: RealNodeCluster) -> None:
+    """A model whose engines are placed on the real node, their image the router's (it has the connector's
+    disagg-preflight, and no NIXL: no engine image can be built here). The node advertises nvidia.com/gpu as the
+    NVIDIA device plugin would. The preflight init container the operator rendered runs in the image under the
+    kubelet, fails, and its termination message (/dev/termination-log, read back by the kubelet) becomes the
+    model's FabricReady, Ready and Degraded reason through the operator in its own pod."""
+    cluster.kubectl("patch", "node", NODE_NAME, "--subresource=status", "--type=json",
+                    "-p", json.dumps([{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": "2"}]))  # fmt: skip
+    on_the_node = {
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+        "nodeSelector": {NODE_LABEL: "true"},
+        "tolerations": [{"key": NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
+    }
+    name = "preflight"
+    model = {
+        "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
+        "metadata": {"name": name, "namespace": MODELS_NAMESPACE},
+        "spec": {"model": {"name": "Qwen/Qwen3-0.6B"}, "prefill": on_the_node, "decode": on_the_node,
+                 "engine": {"image": ROUTER_IMAGE, "imagePullPolicy": "Never"}},
+    }  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(model))
+
+    def failed() -> dict | None:
+        got = json.loads(cluster.kubectl("-n", MODELS_NAMESPACE, "get", contract.KIND.lower(), name, "-o", "json"))
+        return got if condition(got, "FabricReady").get("reason") == PreflightReason.NIXL_IMPORT_FAILED else None
+
+    got = wait_for("the preflight's reason in the model's FabricReady", failed, timeout=180)
+    for type_ in ("FabricReady", "Ready", "Degraded"):
+        c = condition(got, type_)
+        assert c["status"] == ("True" if type_ == "Degraded" else "False"), c
+        assert c["reason"] == PreflightReason.NIXL_IMPORT_FAILED and "cannot import nixl" in c["message"], c
+    engines = _pods(cluster, MODELS_NAMESPACE, f"{contract.LABEL_MODEL}={contract.model_label_value(name)},"
+                                               f"{contract.LABEL_ROLE} in (prefill,decode)")  # fmt: skip
+    assert {p["spec"]["nodeName"] for p in engines} == {NODE_NAME}
+    for pod in engines:
+        (preflight,) = pod["status"]["initContainerStatuses"]
+        ended = preflight["state"].get("terminated") or preflight["lastState"]["terminated"]
+        assert ended["exitCode"] == 1
+        assert parse_termination_message(ended["message"])[0] == PreflightReason.NIXL_IMPORT_FAILED, ended
+        assert not pod["status"].get("containerStatuses", [{}])[0].get("ready"), pod["status"]  # vLLM never started
+    _delete_model(cluster, name)
 
 
 def _pods(cluster: RealNodeCluster, namespace: str, selector: str) -> list[dict]:
@@ -145,6 +192,13 @@ def _operator_pod(cluster: RealNodeCluster, not_uid: str = "") -> dict | None:
 
 def _operator_exec(cluster: RealNodeCluster, pod: dict, *command: str) -> str:
     return cluster.kubectl("-n", OPERATOR_NAMESPACE, "exec", pod["metadata"]["name"], "--", *command)
+
+
+def _delete_model(cluster: RealNodeCluster, name: str) -> None:
+    """The model gone, and its pods: the garbage collector removes them after it (a ReplicaSet may still make one)."""
+    cluster.kubectl("-n", MODELS_NAMESPACE, "delete", contract.KIND.lower(), name, "--wait=true", "--timeout=120s")
+    selector = f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"
+    wait_for(f"model {name}'s pods gone", lambda: not _pods(cluster, MODELS_NAMESPACE, selector), timeout=120)
 
 
 def _wait_model_ready(cluster: RealNodeCluster, name: str, decode_pods: int) -> None:
