@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -271,7 +272,7 @@ def _check_liveness(url: str) -> None:
         raise StartError(f"cannot serve the liveness endpoint on {where}: {error.strerror or error}; {change}") from None
 
 
-def peer_identity(environ: dict[str, str] | os._Environ[str], uid: int, hostname: str, pid: int) -> str | None:
+def peer_identity(environ: Mapping[str, str], uid: int, hostname: str, pid: int) -> str | None:
     """The operator's identity among kopf peers, where kopf's own cannot be made (None: kopf's). kopf takes
     $POD_ID (the chart sets it to the pod's name), else ``<user>@<host>/...`` from getpass.getuser(), which
     raises in a container whose numeric user has no /etc/passwd entry (the image's 65532): then the uid
@@ -316,7 +317,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         peering_name=None if args.standalone else args.peering,
         priority=args.priority,
         memo=handlers.OperatorMemo(options),
-        identity=peer_identity(os.environ, os.getuid(), socket.gethostname(), os.getpid()),  # type: ignore[arg-type]
+        identity=peer_identity(os.environ, os.getuid(), socket.gethostname(), os.getpid()),  # type: ignore[arg-type]  # kopf's Identity: a NewType of str
     )
     return 0
 

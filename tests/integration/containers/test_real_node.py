@@ -165,13 +165,22 @@ def _an_engine_pods_preflight_runs_under_the_kubelet_and_its_reason_reaches_the_
         c = condition(got, type_)
         assert c["status"] == ("True" if type_ == "Degraded" else "False"), c
         assert c["reason"] == PreflightReason.NIXL_IMPORT_FAILED and "cannot import nixl" in c["message"], c
-    engines = _pods(cluster, MODELS_NAMESPACE, f"{contract.LABEL_MODEL}={contract.model_label_value(name)},"
-                                               f"{contract.LABEL_ROLE} in (prefill,decode)")  # fmt: skip
+    selector = f"{contract.LABEL_MODEL}={contract.model_label_value(name)},{contract.LABEL_ROLE} in (prefill,decode)"
+
+    def preflight_ended(pod: dict) -> dict | None:
+        """The preflight's last end: its state, or while the kubelet backs off its restart, its last state."""
+        (preflight,) = pod["status"].get("initContainerStatuses") or [{}]
+        return (preflight.get("state") or {}).get("terminated") or (preflight.get("lastState") or {}).get("terminated")
+
+    def every_preflight_ended() -> list[dict] | None:
+        engines = _pods(cluster, MODELS_NAMESPACE, selector)
+        return engines if len(engines) == 2 and all(preflight_ended(p) for p in engines) else None
+
+    engines = wait_for("both engine pods' preflight ended", every_preflight_ended, timeout=120)
     assert {p["spec"]["nodeName"] for p in engines} == {NODE_NAME}
     for pod in engines:
-        (preflight,) = pod["status"]["initContainerStatuses"]
-        ended = preflight["state"].get("terminated") or preflight["lastState"]["terminated"]
-        assert ended["exitCode"] == 1
+        ended = preflight_ended(pod)
+        assert ended is not None and ended["exitCode"] == 1
         assert parse_termination_message(ended["message"])[0] == PreflightReason.NIXL_IMPORT_FAILED, ended
         assert not pod["status"].get("containerStatuses", [{}])[0].get("ready"), pod["status"]  # vLLM never started
     _delete_model(cluster, name)
