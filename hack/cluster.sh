@@ -62,12 +62,10 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# CACHE, BIN_ROOT, STATE, PORT_BASE, PKI and sign_cert
+source "$ROOT/hack/lib/common.sh"
 TOOLS="$ROOT/hack/k8s-tools"
-CACHE="${DISAGG_CACHE:-$HOME/.cache/disagg-operator}"
-BIN_ROOT="$CACHE/bin"
-STATE="${DISAGG_STATE:-$CACHE/cluster}"
 JOBS="${DISAGG_BUILD_JOBS:-2}"
-PORT_BASE="${DISAGG_PORT_BASE:-16443}"
 HOST=127.0.0.1
 
 APISERVER_PORT=$PORT_BASE
@@ -342,7 +340,6 @@ cmd_build() { # [cluster]: only CLUSTER_COMPONENTS (what `up` runs); default eve
 # ---------------------------------------------------------------------------
 # up / down / env / status
 # ---------------------------------------------------------------------------
-PKI="$STATE/pki"
 LOGS="$STATE/logs"
 PIDS="$STATE/pids"
 KUBECONFIG_PATH="$STATE/kubeconfig"
@@ -417,23 +414,14 @@ gen_lws_pki() {
   log "pki: generating the LWS manager's client key and its webhook serving key in $PKI"
   local o="$PKI/lws.tmp"
   rm -rf "$o"; mkdir -p "$o/lws-webhook"
-  lws_sign() { # key-and-cert-prefix subject extensions (EC keys: instant to generate)
-    openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -sha256 -subj "$2" \
-      -keyout "$1.key" -out "$1.csr" 2>/dev/null
-    printf '%s\n' "$3" > "$1.ext"
-    openssl x509 -req -in "$1.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
-      -days 3650 -sha256 -extfile "$1.ext" -out "$1.crt" 2>/dev/null
-    rm -f "$1.csr" "$1.ext"
-  }
   # full access, like kwok, under its own user name (the audit log tells its writes apart)
-  lws_sign "$o/lws-controller" "/O=system:masters/CN=lws-controller" "basicConstraints=CA:FALSE
+  sign_cert "$o/lws-controller" "/O=system:masters/CN=lws-controller" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=clientAuth"
-  lws_sign "$o/lws-webhook/tls" "/CN=lws-webhook" "basicConstraints=CA:FALSE
+  sign_cert "$o/lws-webhook/tls" "/CN=lws-webhook" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
 subjectAltName=IP:127.0.0.1,DNS:localhost"
-  chmod 600 "$o"/*.key "$o"/lws-webhook/*.key
   rm -rf "$PKI/lws-webhook"
   mv "$o/lws-webhook" "$PKI/lws-webhook"
   mv "$o/lws-controller.key" "$o/lws-controller.crt" "$PKI/"

@@ -24,7 +24,7 @@
 set -euo pipefail
 shopt -s inherit_errexit
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-CACHE="${DISAGG_CACHE:-$HOME/.cache/disagg-operator}"
+source "$ROOT/hack/lib/common.sh"  # CACHE
 log() { printf '[images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 

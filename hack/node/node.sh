@@ -24,11 +24,8 @@
 # kernel.panic_on_oops, kernel.keys.root_max*) are bind-mounted over in the kubelet's own mount namespace.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-CACHE="${DISAGG_CACHE:-$HOME/.cache/disagg-operator}"
-BIN_ROOT="$CACHE/bin"
-STATE="${DISAGG_STATE:-$CACHE/cluster}"
-PORT_BASE="${DISAGG_PORT_BASE:-16443}"
-PKI="$STATE/pki"
+# CACHE, BIN_ROOT, STATE, PORT_BASE, PKI and sign_cert: hack/cluster.sh's
+source "$ROOT/hack/lib/common.sh"
 N="$STATE/node"
 NAME="${DISAGG_NODE_NAME:-disagg-real-node}"
 # the kubelet's and the pause image's version: the control plane's (one source: hack/cluster.sh)
@@ -64,21 +61,12 @@ alive() { # pidfile -> pid if alive
   pid="$(cat "$1")"; [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"
 }
 
-sign() { # prefix subject extensions: an EC key and a certificate signed by the cluster CA
-  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -sha256 -subj "$2" \
-    -keyout "$1.key" -out "$1.csr" 2>/dev/null
-  printf '%s\n' "$3" > "$1.ext"
-  openssl x509 -req -in "$1.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
-    -days 3650 -sha256 -extfile "$1.ext" -out "$1.crt" 2>/dev/null
-  rm -f "$1.csr" "$1.ext"; chmod 600 "$1.key"
-}
-
 # The API server's client certificate for kubelets (logs, exec, port-forward): system:masters, like kubeadm's
 # apiserver-kubelet-client. kwok's kubelet server does not check it.
 cmd_pki() {
   [ -f "$PKI/ca.key" ] || die "no cluster CA in $PKI"
   [ -f "$PKI/apiserver-kubelet-client.crt" ] && return 0
-  sign "$PKI/apiserver-kubelet-client" "/O=system:masters/CN=kube-apiserver-kubelet-client" "basicConstraints=CA:FALSE
+  sign_cert "$PKI/apiserver-kubelet-client" "/O=system:masters/CN=kube-apiserver-kubelet-client" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=clientAuth"
 }
@@ -198,13 +186,13 @@ write_kubelet_files() { # ip
   local ip=$1 k="$N/kubelet"
   mkdir -p "$k/pki" "$k/root" "$k/pod-logs" "$k/sysctl"
   # client identity: the Node authorizer and NodeRestriction admit system:node:<name> in system:nodes
-  [ -f "$k/pki/kubelet-client.crt" ] || sign "$k/pki/kubelet-client" "/O=system:nodes/CN=system:node:$NAME" \
+  [ -f "$k/pki/kubelet-client.crt" ] || sign_cert "$k/pki/kubelet-client" "/O=system:nodes/CN=system:node:$NAME" \
     "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=clientAuth"
   # serving certificate for the node IP (the API server does not verify it: no --kubelet-certificate-authority,
   # which kwok's self-signed kubelet server would fail)
-  [ -f "$k/pki/kubelet.crt" ] || sign "$k/pki/kubelet" "/CN=$NAME" "basicConstraints=CA:FALSE
+  [ -f "$k/pki/kubelet.crt" ] || sign_cert "$k/pki/kubelet" "/CN=$NAME" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
 subjectAltName=IP:$ip,DNS:$NAME"
