@@ -425,7 +425,9 @@ def compute(desired: Desired, observed: Observed, targets: Mapping[str, int], no
     else:
         progress_cond = (PROGRESSING, False, Reason.COMPLETE, f"revision {revision} is fully rolled out")
 
-    degraded_problem = crash or (fabric_failures[0] if fabric_failures else None) or (creation if something_serves(observed) else None)
+    # A failed preflight before a crash loop, as for Ready: a kubelet restarts the failed preflight in back-off
+    # (CrashLoopBackOff), and the preflight's own reason says what to change.
+    degraded_problem = (fabric_failures[0] if fabric_failures else None) or crash or (creation if something_serves(observed) else None)
     if degraded_problem:
         degraded = (DEGRADED, True, degraded_problem.reason, degraded_problem.message)
     elif facts.serves and facts.short and first_problem:

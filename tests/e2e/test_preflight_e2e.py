@@ -1,11 +1,10 @@
-"""A failed fabric preflight on the local control plane: kwok plays the kubelet that reports it. (A real kubelet
-runs the rendered preflight from an image in tests/integration/containers/test_real_node.py; there the init
-container restarts in back-off, its last message in lastState, and the message ends in a newline: the operator
-reads both states and strips it.)
+"""A failed fabric preflight on the local control plane: kwok plays the kubelet that reports it, as a real one
+does (tests/integration/containers/test_real_node.py runs the rendered preflight from an image under a kubelet):
+the init container in restart back-off, its failure in its last state, the message with the file's newline.
 
 hack/kwok/stages.yaml has a stage, pod-preflight-failed, for pods annotated
 ``disagg.dev/simulate-preflight-failure: "<Reason>: <text>"`` (the preflight's own termination-message
-format): their ``preflight`` init container terminates with exit code 1 and that message, and the pod
+format): their ``preflight`` init container is in back-off after exit code 1 with that message, and the pod
 stays Pending and not Ready, as under a kubelet whose preflight fails. Every other pod is untouched
 (pod-ready skips only the annotated ones).
 
@@ -79,8 +78,12 @@ def check_kwok_stage(api_client, namespace: str) -> None:
         return (bad, good) if preflight_status(bad) and pod_ready(good) else None
 
     bad, good = wait_for("kwok to act on the probe pods", settled, timeout=60)
-    state = preflight_status(bad).state.terminated
-    assert state is not None and state.exit_code == 1 and state.message == message, preflight_status(bad)
+    # as a real kubelet shows it between restarts: back-off, the failure in the last state, the file's newline kept
+    failing = preflight_status(bad)
+    assert failing.state.waiting is not None and failing.state.waiting.reason == "CrashLoopBackOff", failing
+    state = failing.last_state.terminated
+    assert state is not None and state.exit_code == 1 and state.message == message + "\n", failing
+    assert failing.restart_count == 1, failing
     assert parse_termination_message(state.message) == ("NixlBackendUnavailable", "LIBFABRIC backend: fi_getinfo failed (probe)")
     assert bad.status.phase == "Pending" and bad.status.pod_ip, bad.status
     initialized = next(c for c in bad.status.conditions if c.type == "Initialized")

@@ -107,6 +107,22 @@ def test_preflight_failure_becomes_the_fabric_condition() -> None:
     assert "LIBFABRIC did not instantiate" in fabric["message"]
 
 
+def test_a_preflight_in_restart_back_off_says_its_own_reason_everywhere() -> None:
+    """A kubelet restarts a failed preflight in back-off: CrashLoopBackOff, the failure in the last state, the
+    message with its file's newline (tests/integration/containers/test_real_node.py). Every condition names the
+    preflight's reason, not CrashLoop."""
+    failed = pod("prefill", "p1", ready=False, initContainerStatuses=[{
+        "name": "preflight", "restartCount": 3,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": 1, "message": "NixlImportFailed: python cannot import nixl\n"}},
+    }])  # fmt: skip
+    observed = world(FULL.workloads, [failed, pod("decode", "d1"), pod("router", "r1")])
+    status = status_of(observed)
+    for type_ in ("Ready", "Degraded", "FabricReady"):
+        assert cond(status, type_)["reason"] == "NixlImportFailed", cond(status, type_)
+        assert cond(status, type_)["message"].endswith("python cannot import nixl"), cond(status, type_)
+
+
 def test_transition_time_moves_only_when_status_flips() -> None:
     first = status_of(FULL, now="t1")
     again = status_of(FULL, previous=first, now="t2")
