@@ -21,7 +21,7 @@ from disagg_connector.contract.preflight import PreflightReason, parse_terminati
 from tests.fixtures.e2e.waiting import condition, wait_for
 from tests.fixtures.helm import CHART, helm, values_args
 from tests.fixtures.models import REPO, load_example
-from tests.fixtures.real_node import NAMESPACE, NODE_LABEL, NODE_NAME, RealNodeCluster, host_state
+from tests.fixtures.real_node import NAMESPACE, NODE_LABEL, NODE_NAME, ON_THE_NODE, RealNodeCluster, host_state
 
 OPERATOR_NAMESPACE, MODELS_NAMESPACE = "disagg-system", "real-node-models"
 ROUTER_IMAGE = "ghcr.io/disagg-dev/disagg-router:0.1.0"  # hack/images.sh's name, the chart's default
@@ -97,8 +97,7 @@ def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster:
     block."""
     values = {
         "image": {"pullPolicy": "Never"},
-        "nodeSelector": {NODE_LABEL: "true"},
-        "tolerations": [{"key": NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
+        **ON_THE_NODE,
         "hostNetwork": True,
         "healthPort": cluster.operator_ports[0],
         "metricsPort": cluster.operator_ports[1],
@@ -110,9 +109,9 @@ def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster:
     first = _operator_pod(cluster)
     assert first["spec"]["nodeName"] == NODE_NAME
     # the chart's securityContext, enforced by the runtime: uid 65532, a root filesystem it cannot write
-    assert _operator_exec(cluster, first, "id", "-u").strip() == "65532"
-    denied = cluster.kubectl("-n", OPERATOR_NAMESPACE, "exec", first["metadata"]["name"], "--", "touch", "/written",
-                             check=False, stderr=True)  # fmt: skip
+    in_pod = ("-n", OPERATOR_NAMESPACE, "exec", first["metadata"]["name"], "--")
+    assert cluster.kubectl(*in_pod, "id", "-u").strip() == "65532"
+    denied = cluster.kubectl(*in_pod, "touch", "/written", check=False, stderr=True)
     assert "Read-only file system" in denied, denied
 
     cluster.kubectl("create", "namespace", MODELS_NAMESPACE)
@@ -142,11 +141,7 @@ def _an_engine_pods_preflight_runs_under_the_kubelet_and_its_reason_reaches_the_
     model's FabricReady, Ready and Degraded reason through the operator in its own pod."""
     cluster.kubectl("patch", "node", NODE_NAME, "--subresource=status", "--type=json",
                     "-p", json.dumps([{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": "2"}]))  # fmt: skip
-    on_the_node = {
-        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-        "nodeSelector": {NODE_LABEL: "true"},
-        "tolerations": [{"key": NODE_LABEL, "operator": "Equal", "value": "true", "effect": "NoSchedule"}],
-    }
+    on_the_node = {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}, **ON_THE_NODE}
     name = "preflight"
     model = {
         "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
@@ -197,10 +192,6 @@ def _operator_pod(cluster: RealNodeCluster, not_uid: str = "") -> dict | None:
              and {c["type"]: c["status"] for c in p["status"].get("conditions", [])}.get("Ready") == "True"]  # fmt: skip
     assert len(ready) <= 1, [p["metadata"]["name"] for p in ready]
     return ready[0] if ready else None
-
-
-def _operator_exec(cluster: RealNodeCluster, pod: dict, *command: str) -> str:
-    return cluster.kubectl("-n", OPERATOR_NAMESPACE, "exec", pod["metadata"]["name"], "--", *command)
 
 
 def _delete_model(cluster: RealNodeCluster, name: str) -> None:
