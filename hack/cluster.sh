@@ -18,7 +18,8 @@
 #                            kwok, lws with its CRDs, and the CRD_BUNDLES); `up` and so
 #                            hack/demo.sh build no more than this
 #   DISAGG_REAL_NODE=1 hack/cluster.sh build-node
-#                            build only the real node's kubelet (hack/node/README.md; hack/setup.sh runs it)
+#                            build only the real node's kubelet and its fake GPU device plugin (hack/node/README.md;
+#                            hack/setup.sh runs it)
 #   hack/cluster.sh up       build-cluster if needed, start etcd, kube-apiserver,
 #                            kube-controller-manager, kube-scheduler (with the Workload
 #                            API and gang scheduling: GenericWorkload), kwok and the
@@ -131,7 +132,10 @@ CLUSTER_COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler k
 REAL_NODE="${DISAGG_REAL_NODE:-0}"
 if [ "$REAL_NODE" = 1 ]; then
   COMPONENTS+=("kubelet $K8S_VERSION ../node/kubelet-tools k8s.io/kubernetes/cmd/kubelet")
-  CLUSTER_COMPONENTS+=(kubelet)
+  # the node's stand-in for NVIDIA's device plugin (hack/node/kubelet-tools/fakegpu: the kubelet's own
+  # deviceplugin API, from the same module and go.sum)
+  COMPONENTS+=("fakegpu $K8S_VERSION ../node/kubelet-tools ./fakegpu k8s.io/kubernetes/cmd/kubelet")
+  CLUSTER_COMPONENTS+=(kubelet fakegpu)
 fi
 
 # CRDs of kinds the operator renders whose controllers are not run here (spec.gateway's InferencePool and
@@ -165,7 +169,10 @@ bin_dir() {
   local name=$1 ver moddir pinned
   ver="$(component_field "$name" 1)"; moddir="$(component_field "$name" 2)"; pinned="$(component_field "$name" 4)"
   if [ -n "$pinned" ]; then
-    echo "$BIN_ROOT/$name-$ver-$(cat "$TOOLS/$moddir"/go.mod "$TOOLS/$moddir"/go.sum "$TOOLS/$moddir"/*.go | sha256sum | cut -c1-12)"
+    local pkg; pkg="$(component_field "$name" 3)"
+    local -a own=()  # a package of the tools module itself (./dir): its sources are part of the key
+    case "$pkg" in ./*) own=("$TOOLS/$moddir/$pkg"/*.go) ;; esac
+    echo "$BIN_ROOT/$name-$ver-$(cat "$TOOLS/$moddir"/go.mod "$TOOLS/$moddir"/go.sum "$TOOLS/$moddir"/*.go "${own[@]}" | sha256sum | cut -c1-12)"
   else
     echo "$BIN_ROOT/$name-$ver"
   fi
@@ -933,7 +940,9 @@ case "${1:-}" in
     mkdir -p "$BIN_ROOT"
     if command -v flock >/dev/null; then exec 8>"$CACHE/.kubelet-build.lock"; flock 8; fi
     # shellcheck disable=SC2046
-    build_one $(component_line kubelet) ;;
+    build_one $(component_line kubelet)
+    # shellcheck disable=SC2046
+    build_one $(component_line fakegpu) ;;
   up) take_lock; cmd_up ;;
   down) take_lock; cmd_down ;;
   p5en) cmd_p5en "${2:?usage: hack/cluster.sh p5en N}" ;;

@@ -3,7 +3,9 @@
 # `hack/cluster.sh build`), without Docker and without pushing anywhere: each image becomes an OCI
 # image layout tarball, the Dockerfiles unchanged.
 #
-#   hack/images.sh [--base registry|local] [--out DIR] [IMAGE...]     IMAGE: operator, router (default both)
+#   hack/images.sh [--base registry|local] [--out DIR] [IMAGE...]     IMAGE: operator, router (default both),
+#                     engine-sim (tests only: hack/node/engine-sim/Dockerfile, the engine image's stand-in on the
+#                     real node, never published)
 #
 #   --base registry   (default) the bases the Dockerfiles name (python:3.12.12-slim-trixie, and the
 #                     `# syntax=docker/dockerfile:1.12` frontend), pulled from Docker Hub: release images.
@@ -34,8 +36,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --base) BASE="${2:?--base needs registry or local}"; shift 2 ;;
     --out) OUT="${2:?--out needs a directory}"; shift 2 ;;
-    operator|router) IMAGES+=("$1"); shift ;;
-    *) die "unknown argument '$1': images are operator and router (the vLLM runtimes need their vendor bases: images/README.md)" ;;
+    operator|router|engine-sim) IMAGES+=("$1"); shift ;;
+    *) die "unknown argument '$1': images are operator, router and engine-sim (the vLLM runtimes need their vendor bases: images/README.md)" ;;
   esac
 done
 [ ${#IMAGES[@]} -gt 0 ] || IMAGES=(operator router)
@@ -113,9 +115,10 @@ done
 for img in "${IMAGES[@]}"; do
   start=$SECONDS
   name="ghcr.io/disagg-dev/disagg-$img:$VERSION"
-  log "building $name from images/$img/Dockerfile (base: $BASE) ..."
+  dir="images/$img"; [ "$img" = engine-sim ] && dir=hack/node/engine-sim
+  log "building $name from $dir/Dockerfile (base: $BASE) ..."
   "$BUILDCTL" --addr "$sock" build --progress plain --frontend dockerfile.v0 \
-    --local context="$ROOT" --local dockerfile="$ROOT/images/$img" --opt filename=Dockerfile \
+    --local context="$ROOT" --local dockerfile="$ROOT/$dir" --opt filename=Dockerfile \
     --opt build-arg:VERSION="$VERSION" "${opts[@]}" \
     --output "type=oci,dest=$OUT/$img.tar.part,name=$name" >"$OUT/$img.build.log" 2>&1 \
     || { tail -40 "$OUT/$img.build.log" >&2; die "building $img failed (whole log: $OUT/$img.build.log)"; }

@@ -37,9 +37,14 @@ KUBELET_HEALTHZ_PORT=$((PORT_BASE + 10))
 CGROUP_ROOT="/disagg-node-$PORT_BASE"
 BRIDGE="dnode$PORT_BASE"
 POD_SUBNET="10.244.$((PORT_BASE % 250)).0/24"
+BRIDGE_IP="10.244.$((PORT_BASE % 250)).1"
 SOCK="$N/containerd/containerd.sock"
 LABEL=disagg.dev/real-node
 ZONE_LABELS=topology.kubernetes.io/region=local,topology.kubernetes.io/zone=local-real-node
+# the fake GPUs (start_device_plugin): DISAGG_NODE_GPUS, default 4
+GPUS="${DISAGG_NODE_GPUS:-4}"
+PLUGIN_DIR=/var/lib/kubelet/device-plugins
+PLUGIN_SOCKET="disagg-fakegpu-$PORT_BASE.sock"
 # paths the kubelet/containerd hard-code outside $STATE (removed by `down` when `up` did not find them)
 HOST_PATHS=(/var/lib/kubelet /var/log/containers /run/containerd /var/lib/cni /opt/containerd)
 
@@ -148,13 +153,24 @@ disabled_plugins = ["io.containerd.internal.v1.opt", "io.containerd.snapshotter.
     max_conf_num = 1
 EOF
   # containerd reports NetworkReady (the node's Ready) only with a valid CNI config; host-network pods never use
-  # it. No gateway, no masquerade: nothing writes iptables rules or turns on ip_forward.
+  # it. No gateway, no masquerade: nothing writes iptables rules or turns on ip_forward. The host's own address on
+  # the bridge (host_bridge, .1, outside the pods' range) is what lets the kubelet's probes and the host's
+  # processes (a router, the tests) reach pod IPs: delivered locally, never forwarded.
   cat > "$N/cni/net.d/10-disagg-real-node.conflist" <<EOF
 {"cniVersion": "0.4.0", "name": "disagg-real-node", "plugins": [
   {"type": "bridge", "bridge": "$BRIDGE", "isGateway": false, "ipMasq": false, "hairpinMode": false,
-   "ipam": {"type": "host-local", "dataDir": "$N/cni/ipam", "ranges": [[{"subnet": "$POD_SUBNET"}]]}},
+   "ipam": {"type": "host-local", "dataDir": "$N/cni/ipam",
+            "ranges": [[{"subnet": "$POD_SUBNET", "rangeStart": "${POD_SUBNET%.0/24}.2"}]]}},
   {"type": "loopback"}]}
 EOF
+}
+
+# The pods' bridge, made before the CNI plugin would make it, with the host's address on it (BRIDGE_IP/24): the
+# kernel's route to the pod subnet comes with the address and goes with the bridge (`down` deletes it).
+host_bridge() {
+  ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
+  ip -4 addr show dev "$BRIDGE" | grep -q "inet $BRIDGE_IP/" || ip addr add "$BRIDGE_IP/24" dev "$BRIDGE"
+  ip link set "$BRIDGE" up
 }
 
 start_containerd() {
@@ -325,6 +341,28 @@ start_kubelet() { # ip
   log "kubelet started (pid $(cat "$k/pid"), port $ip:$KUBELET_PORT, log $k/log)"
 }
 
+# The stand-in for NVIDIA's device plugin (hack/node/kubelet-tools/fakegpu): GPUS devices of nvidia.com/gpu, each
+# a bind of /dev/null as /dev/nvidia<i> in the containers it is allocated to. It registers on the kubelet's socket,
+# which the kubelet hard-codes at /var/lib/kubelet/device-plugins (so two real nodes on one host would clash there).
+start_device_plugin() {
+  local d="$N/fakegpu" pid plugin i
+  if pid="$(alive "$d/pid")"; then log "device plugin already running (pid $pid)"; return 0; fi
+  plugin="$(DISAGG_REAL_NODE=1 bash "$ROOT/hack/cluster.sh" path fakegpu)"
+  [ -x "$plugin" ] || die "no device plugin at $plugin: DISAGG_REAL_NODE=1 hack/cluster.sh build-node"
+  mkdir -p "$d"
+  for ((i = 0; i < 60; i++)); do [ -S "$PLUGIN_DIR/kubelet.sock" ] && break; sleep 0.5; done
+  ( setsid "$plugin" --count "$GPUS" --dir "$PLUGIN_DIR" --endpoint "$PLUGIN_SOCKET" >> "$d/log" 2>&1 < /dev/null 9>&- 8>&- &
+    echo $! > "$d/pid" )
+  for ((i = 0; i < 60; i++)); do
+    [ "$(kc get node "$NAME" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}' 2>/dev/null)" = "$GPUS" ] && break
+    alive "$d/pid" >/dev/null || { cat "$d/log" >&2; die "the device plugin exited (log $d/log)"; }
+    sleep 0.5
+  done
+  [ "$(kc get node "$NAME" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')" = "$GPUS" ] \
+    || die "the node does not advertise $GPUS nvidia.com/gpu in 30s (device plugin log $d/log)"
+  log "device plugin: $GPUS nvidia.com/gpu (pid $(cat "$d/pid"))"
+}
+
 node_ready() {
   [ "$(kc get node "$NAME" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ]
 }
@@ -344,6 +382,7 @@ cmd_up() {
   fi
   pause="$(pause_image)"
   write_containerd_config
+  host_bridge
   start_containerd
   ctr_ images ls -q | grep -qx "localhost/pause:$K8S_VERSION" || cmd_import "$pause" localhost/pause
   write_kubelet_files "$ip"
@@ -355,6 +394,7 @@ cmd_up() {
     sleep 0.5
   done
   node_ready || { tail -30 "$N/kubelet/log" >&2; die "node $NAME not Ready in 120s"; }
+  start_device_plugin
   log "node $NAME Ready in $((SECONDS - start))s (containerd $(containerd --version | awk '{print $3}'), kubelet $K8S_VERSION, $ip)"
 }
 
@@ -377,6 +417,8 @@ cmd_down() {
     kc delete node "$NAME" --wait=false >/dev/null 2>&1 || true
   fi
   stop_pid kubelet "$N/kubelet/pid"
+  stop_pid "device plugin" "$N/fakegpu/pid"
+  rm -f "$PLUGIN_DIR/$PLUGIN_SOCKET"
   # 2. whatever containers are left (a kubelet that died first), then containerd and its shims. Their ids name
   # the CNI results a sandbox torn down without CNI DEL leaves (a pod made while the kubelet stopped)
   local containers=""
@@ -412,7 +454,7 @@ cmd_down() {
     [ -e "$p" ] || continue
     grep -qx "$p" "$N/host-paths.before" 2>/dev/null && continue
     case "$p" in
-      /var/lib/kubelet) rm -f /var/lib/kubelet/device-plugins/kubelet.sock /var/lib/kubelet/device-plugins/kubelet_internal_checkpoint ;;
+      /var/lib/kubelet) rm -f "$PLUGIN_DIR/kubelet.sock" "$PLUGIN_DIR/kubelet_internal_checkpoint" ;;
       /var/log/containers) find /var/log/containers -maxdepth 1 -type l -lname "$N/*" -delete ;;
       /var/lib/cni)
         find /var/lib/cni -type f -path '*/results/disagg-real-node-*' -delete

@@ -79,6 +79,8 @@ def sim_argv(argv: Sequence[str], env: dict[str, str], timing: dict[str, float])
     out = [
         "--role", role, "--mode", mode,
         "--host", env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
+        # vLLM's API server listens where --host says, on every interface without it (uvicorn's host "")
+        "--http-host", a.host if a.host is not None else "",
         "--port", str(a.port),
         "--side-channel-port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"),
         "--engine-id", str(kv.get("engine_id") or "sim-" + compat),

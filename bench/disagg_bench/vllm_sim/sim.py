@@ -1423,6 +1423,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
     p.add_argument("--mode", choices=("push", "pull"), default="push")
     p.add_argument("--host", default="127.0.0.1", help="listen address, also the advertised side-channel host")
+    p.add_argument("--http-host", help="the HTTP API's listen address if not --host ('' = every interface, as vLLM "
+                                       "without --host: a pod's own preStop reaches it on 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--side-channel-port", type=int, default=5600, help="base port; rank r listens on base+r")
     p.add_argument("--engine-id", required=True)
@@ -1503,13 +1505,14 @@ async def serve(a: argparse.Namespace) -> int:
     loop_task = asyncio.create_task(engine.loop())
     main = web.AppRunner(engine.http_app(), handler_cancellation=True, access_log=None, shutdown_timeout=1)
     await main.setup()
-    await web.TCPSite(main, a.host, a.port, reuse_address=True, backlog=1024).start()
+    http_host = a.host if a.http_host is None else a.http_host
+    await web.TCPSite(main, http_host or None, a.port, reuse_address=True, backlog=1024).start()
     if a.group_leader:
         engine.group_task = asyncio.create_task(engine.group_watch())
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, engine.stop.set)
-    log.info("vllm_sim %s/%s %s listening on %s:%d (DP ranks %s of %d, side channel %d + rank)", a.role, a.mode, a.engine_id,
-             a.host, a.port, list(engine.ranks), a.dp_size, a.side_channel_port)
+    log.info("vllm_sim %s/%s %s listening on %s:%d (DP ranks %s of %d, side channel %s:%d + rank)", a.role, a.mode,
+             a.engine_id, http_host or "*", a.port, list(engine.ranks), a.dp_size, a.host, a.side_channel_port)
     await engine.stop.wait()
     loop_task.cancel()
     if engine.group_task is not None:

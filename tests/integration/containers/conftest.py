@@ -11,4 +11,5 @@ from tests.fixtures.images import build_image_tars
 
 @pytest.fixture(scope="session")
 def image_tars(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_image_tars(tmp_path_factory.mktemp("images"), ("operator", "router"))
+    """The operator's and router's images, and the engine image's stand-in (hack/node/engine-sim) for the real node."""
+    return build_image_tars(tmp_path_factory.mktemp("images"), ("operator", "router", "engine-sim"))

@@ -5,19 +5,27 @@ its ServiceAccount token, pod discovery through the API server), `kubectl logs` 
 kubelet, a preStop hook runs before SIGTERM; `helm install` of the chart runs the operator image there (the
 chart's securityContext and probes), which reconciles a model whose engines land on kwok nodes and, its pod
 deleted, comes back and goes on reconciling; an engine pod placed there runs the preflight init container the
-operator rendered, under the kubelet, and its termination message becomes the model's condition; and
-`hack/cluster.sh down` leaves the host as it found it.
+operator rendered, under the kubelet, and its termination message becomes the model's condition; an engine pair
+in the engine image's stand-in (hack/node/engine-sim) passes that preflight with the GPUs the node's device plugin
+allocated, serves a router on its pod IPs, and its decode, deleted mid-stream, drains through the kubelet's own
+preStop with no stream cut or migrated; and `hack/cluster.sh down` leaves the host as it found it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from urllib.request import urlopen
 
+from kubernetes import client as k8s_client, config as k8s_config
+from prometheus_client.parser import text_string_to_metric_families
+
+from disagg_bench.vllm_sim.pods import LocalRouter, router_kubeconfig, start_router
 from disagg_connector import contract
 from disagg_connector.contract.preflight import PreflightReason, parse_termination_message
 
+from tests.fixtures.e2e.streams import LongStreams
 from tests.fixtures.e2e.waiting import condition, wait_for
 from tests.fixtures.helm import CHART, helm, values_args
 from tests.fixtures.models import REPO, load_example
@@ -25,9 +33,10 @@ from tests.fixtures.real_node import NAMESPACE, NODE_LABEL, NODE_NAME, ON_THE_NO
 
 OPERATOR_NAMESPACE, MODELS_NAMESPACE = "disagg-system", "real-node-models"
 ROUTER_IMAGE = "ghcr.io/disagg-dev/disagg-router:0.1.0"  # hack/images.sh's name, the chart's default
+ENGINE_SIM_IMAGE = "ghcr.io/disagg-dev/disagg-engine-sim:0.1.0"  # hack/images.sh engine-sim
 
 
-def test_a_real_node_runs_the_router_and_operator_images_as_the_chart_does_and_down_leaves_the_host_as_it_was(
+def test_a_real_node_runs_the_router_operator_and_engine_images_as_the_chart_and_operator_do_and_down_leaves_the_host_as_it_was(
     image_tars: dict[str, Path], tmp_path: Path
 ) -> None:
     """One test, in order: the host before, up, what runs on the node, down, the host after."""
@@ -40,6 +49,8 @@ def test_a_real_node_runs_the_router_and_operator_images_as_the_chart_does_and_d
         _the_router_image_runs_on_the_node_as_the_chart_runs_it(cluster, tmp_path / "hook")
         _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster, tmp_path)
         _an_engine_pods_preflight_runs_under_the_kubelet_and_its_reason_reaches_the_model(cluster)
+        cluster.import_image(image_tars["engine-sim"])
+        _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelets_prestop(cluster, tmp_path)
         helm("uninstall", "disagg", "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=cluster.kubeconfig)
         during = host_state()
     finally:
@@ -54,6 +65,7 @@ def _the_node_is_ready_labelled_and_tainted_and_kwok_pods_stay_off_it(cluster: R
     assert node["metadata"]["labels"][NODE_LABEL] == "true"
     assert {"key": NODE_LABEL, "value": "true", "effect": "NoSchedule"} in node["spec"]["taints"]
     assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+    assert node["status"]["allocatable"]["nvidia.com/gpu"] == "4"  # from the device plugin, through the kubelet
     # a workload that does not tolerate the taint lands on kwok nodes only
     cluster.kubectl("create", "deployment", "plain", "--image=registry.invalid/plain:1", "--replicas=4")
     cluster.kubectl("wait", "--for=condition=Available", "deployment/plain", "--timeout=120s")
@@ -135,12 +147,10 @@ def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster:
 
 def _an_engine_pods_preflight_runs_under_the_kubelet_and_its_reason_reaches_the_model(cluster: RealNodeCluster) -> None:
     """A model whose engines are placed on the real node, their image the router's (it has the connector's
-    disagg-preflight, and no NIXL: no engine image can be built here). The node advertises nvidia.com/gpu as the
-    NVIDIA device plugin would. The preflight init container the operator rendered runs in the image under the
+    disagg-preflight, and no NIXL). The node's device plugin (hack/node/kubelet-tools/fakegpu) advertises
+    nvidia.com/gpu as NVIDIA's would. The preflight init container the operator rendered runs in the image under the
     kubelet, fails, and its termination message (/dev/termination-log, read back by the kubelet) becomes the
     model's FabricReady, Ready and Degraded reason through the operator in its own pod."""
-    cluster.kubectl("patch", "node", NODE_NAME, "--subresource=status", "--type=json",
-                    "-p", json.dumps([{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": "2"}]))  # fmt: skip
     on_the_node = {"resources": {"requests": {"cpu": "100m", "memory": "256Mi"}}, **ON_THE_NODE}
     name = "preflight"
     model = {
@@ -179,6 +189,89 @@ def _an_engine_pods_preflight_runs_under_the_kubelet_and_its_reason_reaches_the_
         assert parse_termination_message(ended["message"])[0] == PreflightReason.NIXL_IMPORT_FAILED, ended
         assert not pod["status"].get("containerStatuses", [{}])[0].get("ready"), pod["status"]  # vLLM never started
     _delete_model(cluster, name)
+
+
+def _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelets_prestop(
+    cluster: RealNodeCluster, tmp_path: Path
+) -> None:
+    """A model whose engines run on the node in the engine image's stand-in (hack/node/engine-sim: real NIXL and
+    the connector, the simulator as `vllm`, timed as an H200), as the operator renders them: the preflight passes
+    under the kubelet with the GPUs the node's device plugin allocated, the kubelet's own probes make the engines
+    Ready, and a router on the host serves through them on their pod IPs. Then the decode pod is deleted while
+    streams run on it: the kubelet runs its rendered preStop (`disagg-drain`, polling the engine on 127.0.0.1 in
+    the pod) to the streams' end before SIGTERM, so every stream ends whole on that decode, none migrated."""
+    name, served = "drain", "Qwen/Qwen3-0.6B"
+    on_the_node = {"resources": {"requests": {"cpu": "200m", "memory": "256Mi"}}, **ON_THE_NODE}
+    model = {
+        "apiVersion": f"{contract.API_GROUP}/{contract.API_VERSION}", "kind": contract.KIND,
+        "metadata": {"name": name, "namespace": MODELS_NAMESPACE},
+        "spec": {"model": {"name": served}, "prefill": on_the_node, "decode": on_the_node,
+                 "engine": {"image": ENGINE_SIM_IMAGE, "imagePullPolicy": "Never",
+                            "env": [{"name": "DISAGG_SIM_PROFILE", "value": "h200-1gpu-push"}]},
+                 # the stand-in's /dev/shm is the node's; the preflight holds it to what is asked
+                 "network": {"efa": {"sharedMemory": "1Gi"}},
+                 "router": {"disaggregationThresholdTokens": 0}},  # every prompt through the pair
+    }  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps(model))
+    selector = f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"
+
+    def fabric_ready_and_engines_ready() -> list[dict] | None:
+        got = json.loads(cluster.kubectl("-n", MODELS_NAMESPACE, "get", contract.KIND.lower(), name, "-o", "json"))
+        engines = _pods(cluster, MODELS_NAMESPACE, f"{selector},{contract.LABEL_ROLE} in (prefill,decode)")
+        ready = [p for p in engines if _ready(p)]
+        return ready if condition(got, "FabricReady").get("status") == "True" and len(ready) == 2 else None
+
+    engines = wait_for("the pair's preflight passed and the kubelet's probes Ready", fabric_ready_and_engines_ready,
+                       timeout=180)  # fmt: skip
+    for pod in engines:
+        assert pod["spec"]["nodeName"] == NODE_NAME
+        in_pod = ("-n", MODELS_NAMESPACE, "logs", pod["metadata"]["name"], "-c", "preflight")
+        assert "preflight ok" in (ok := cluster.kubectl(*in_pod)) and "backend=UCX" in ok and "nvidia=1/1" in ok, ok
+        # the one GPU the device plugin allocated, as /dev/nvidia<i> in the engine's container
+        devices = cluster.kubectl("-n", MODELS_NAMESPACE, "exec", pod["metadata"]["name"], "-c", "vllm", "--",
+                                  "python", "-c", "import glob; print(' '.join(glob.glob('/dev/nvidia*')))").split()  # fmt: skip
+        assert len(devices) == 1, devices
+    (decode,) = [p for p in engines if p["metadata"]["labels"][contract.LABEL_ROLE] == "decode"]
+
+    api = k8s_config.new_client_from_config(config_file=cluster.kubeconfig)
+    token = cluster.kubectl("-n", MODELS_NAMESPACE, "create", "token", contract.router_name(name), "--duration=1h")
+    router_dir = tmp_path / "drain-router"
+    router_dir.mkdir()
+    router = start_router(k8s_client.AppsV1Api(api), MODELS_NAMESPACE, name,
+                          router_kubeconfig(cluster.kubeconfig, token.strip(), MODELS_NAMESPACE, router_dir / "kubeconfig"),
+                          router_dir)  # fmt: skip
+    try:
+        wait_for("the router to see the pair on the node", lambda: (1, 1) in router.table().values(), timeout=60,
+                 retry_on=(OSError, AssertionError))  # fmt: skip
+        streams = LongStreams(router.url, served, first=0)
+        wait_for("every stream's first token", streams.all_started, timeout=60)
+        deleted_at = time.monotonic()
+        cluster.kubectl("-n", MODELS_NAMESPACE, "delete", "pod", decode["metadata"]["name"], "--wait=false")
+        ended = streams.wait()
+        uid = decode["metadata"]["uid"]
+        wait_for("the drained decode pod gone",
+                 lambda: all(p["metadata"]["uid"] != uid for p in _pods(cluster, MODELS_NAMESPACE, selector)), timeout=120)  # fmt: skip
+        cut = [s for s in ended if not s.whole]
+        assert not cut, f"streams cut or incomplete: {cut}"
+        # they went on well after the deletion, on the decode that was told to go: nothing was migrated
+        assert min(s.last_token_at for s in ended) > deleted_at + 2, [s.last_token_at - deleted_at for s in ended]  # type: ignore[operator]
+        assert _migrations(router) == 0, router.proc.log_text()[-3000:]
+    finally:
+        router.proc.stop()
+    _delete_model(cluster, name)
+
+
+def _ready(pod: dict) -> bool:
+    return "deletionTimestamp" not in pod["metadata"] and {
+        c["type"]: c["status"] for c in pod["status"].get("conditions", [])
+    }.get("Ready") == "True"
+
+
+def _migrations(router: LocalRouter) -> float:
+    """Every stream the router continued on another decode, whatever became of it."""
+    text = urlopen(router.url + "/metrics", timeout=10).read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "disagg_router_migrations"
+               for sample in family.samples if sample.name == "disagg_router_migrations_total")  # fmt: skip
 
 
 def _pods(cluster: RealNodeCluster, namespace: str, selector: str) -> list[dict]:

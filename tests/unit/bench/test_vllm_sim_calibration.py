@@ -31,9 +31,21 @@ def test_the_simulator_reads_a_rendered_command_line_like_vllm(mode: str, tier: 
         assert (args.role, args.mode) == (e.role, mode.lower())
         assert args.engine_id == e.engine_id and args.port == e.http_port
         assert (args.host, args.side_channel_port) == ("127.0.0.1", e.side_channel_port)
+        assert args.http_host == "127.0.0.1"  # localrun's --host
         assert (args.lease_seconds, args.kv_load_failure_policy, args.block_size, args.tpot_ms) == (90.0, "fail", 64, 3.0)
         assert args.served_model_name == plan.served_model_name
         assert args.cpu_offload_bytes == (8 << 30 if tier else 0)  # the OffloadingConnector's cpu_bytes_to_use
+
+
+def test_without_host_the_api_listens_on_every_interface_as_vllm_does_and_the_side_channel_on_the_pod_ip() -> None:
+    """An engine pod's command line names no --host: vLLM's API server then listens on every interface, so the
+    pod's own preStop (disagg-drain, on 127.0.0.1) and the kubelet's probes (on the pod IP) both reach it. The
+    simulator bound only the side channel's host, the pod IP: under a real kubelet the drain found nothing
+    listening on 127.0.0.1, returned at once, and SIGTERM cut every stream (tests/integration/containers)."""
+    kv = '{"kv_connector":"NixlPushConnector","kv_role":"kv_consumer"}'
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.244.1.7"}
+    args = sim.build_parser().parse_args(sim_argv(["serve", "m", "--kv-transfer-config", kv], env, {}))
+    assert (args.http_host, args.host) == ("", "10.244.1.7")
 
 
 def test_peers_of_different_configs_fail_the_handshake() -> None:
