@@ -4,10 +4,11 @@
 # `down` before it stops the control plane); it can also be run by hand with the same environment.
 #
 #   hack/node/node.sh pki        the API server's kubelet client certificate (cluster.sh, before the apiserver)
-#   hack/node/node.sh up         containerd, the pause image, the kubelet's identity, the kubelet; wait Ready
+#   hack/node/node.sh up         containerd, the pause image, the kubelet's identity, the kubelet; wait Ready;
+#                                the device plugin of its fake GPUs (start_device_plugin)
 #   hack/node/node.sh import TAR [NAME]   import an OCI layout tarball into the node's containerd (k8s.io
 #                                namespace); NAME: --base-name (default: the image's own name annotation)
-#   hack/node/node.sh down       delete the node's pods, stop the kubelet and containerd (by pid), unmount,
+#   hack/node/node.sh down       delete the node's pods, stop the kubelet, the device plugin and containerd, unmount,
 #                                remove the cgroups, the bridge and what the kubelet wrote outside $STATE
 #   hack/node/node.sh status
 #
