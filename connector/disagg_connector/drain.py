@@ -26,6 +26,15 @@ It always exits 0, so the kubelet goes on to SIGTERM in every case:
 - ``--deadline-seconds`` passed: it gives up and says what was still in flight. The operator renders the
   deadline as the pod's terminationGracePeriodSeconds minus a margin for vLLM's own shutdown.
 
+A pod of an engine that spans pods (one LeaderWorkerSet group, LWS's ``LWS_GROUP_SIZE`` > 1 in its env) waits
+for the whole group: its ranks and every other pod's run collectives together at each step, so the first pod to
+get SIGTERM ends every request the group carries. Its drain reads, each poll, its own engine and every other
+pod of the group at the names LWS gives them (``contract.lws_pod_address``, same port) and is idle only when all
+are. A pod of the group that does not listen or whose name no longer resolves means the group is already
+broken (its collectives fail without it): nothing of it can finish, so the drain returns at once. Typical
+case: a node drain evicts one pod of a group while the others keep serving their streams; the router sends
+the group nothing new the moment one pod terminates, and this pod's SIGTERM waits for the group's streams.
+
 It prints one short line per change of state to stdout (the kubelet shows a hook's output only in the
 FailedPreStopHook event).
 
@@ -37,12 +46,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import socket
 import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from disagg_connector import contract
 from disagg_connector.vllm_metrics import KV_USAGE, RUNNING, WAITING, read_samples
@@ -115,27 +126,60 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class Unreachable(Exception):
-    """Nothing listens on the engine's port: no engine, nothing in flight."""
+    """Nothing listens on the engine's port, or (a pod of its group) its name no longer resolves: no engine,
+    nothing in flight."""
+
+
+# getaddrinfo's "no such name": a pod of a group whose DNS record is gone (the pod is)
+_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
 def fetch_metrics(url: str, timeout: float) -> str:
-    """The body of ``url``; :class:`Unreachable` if the connection is refused; another exception (timeouts,
-    HTTP errors, resets) otherwise."""
+    """The body of ``url``; :class:`Unreachable` if the connection is refused or the host's name does not
+    resolve; another exception (timeouts, HTTP errors, resets, DNS failing otherwise) otherwise."""
     try:
         with _OPENER.open(url, timeout=timeout) as r:
             return r.read().decode("utf-8", errors="replace")
     except urllib.error.URLError as e:
         if isinstance(e.reason, ConnectionRefusedError):
             raise Unreachable(str(e.reason)) from e
+        if isinstance(e.reason, socket.gaierror) and e.reason.errno in _NO_SUCH_NAME:
+            raise Unreachable(f"the name does not resolve ({e.reason})") from e
         raise
     except ConnectionRefusedError as e:
         raise Unreachable(str(e)) from e
+
+
+def metrics_url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
+def group_peer_urls(env: Mapping[str, str], port: int) -> list[str]:
+    """The /metrics of every other pod of this pod's engine group, from the env LWS gives each pod; [] for an
+    engine of one pod (no LWS env, or a group of one)."""
+    leader, size, index = (env.get(k) for k in (contract.LWS_LEADER_ADDRESS_ENV, contract.LWS_GROUP_SIZE_ENV,
+                                                 contract.LWS_WORKER_INDEX_ENV))  # fmt: skip
+    if not leader or not size or index is None or int(size) < 2:
+        return []
+    return [metrics_url(contract.lws_pod_address(leader, i), port) for i in range(int(size)) if i != int(index)]
+
+
+def _read(url: str, fetch: Callable[[str, float], str], timeout: float) -> Verdict:
+    """One engine's verdict; :class:`Unreachable` goes up."""
+    try:
+        text = fetch(url, timeout)
+    except Unreachable:
+        raise
+    except Exception as e:  # noqa: BLE001 - timeout, HTTP error, reset: it may be busy, keep watching
+        return Verdict(False, (("unreadable", f"/metrics unreadable ({type(e).__name__}: {e})"),))
+    return decide(text)
 
 
 def drain(
     url: str,
     deadline_seconds: float,
     *,
+    peers: Sequence[str] = (),
     interval: float = INTERVAL_SECONDS,
     idle_reads: int = IDLE_READS,
     fetch: Callable[[str, float], str] = fetch_metrics,
@@ -143,8 +187,9 @@ def drain(
     sleep: Callable[[float], None] = time.sleep,
     out: Callable[[str], None] = print,
 ) -> str:
-    """Poll ``url`` until the engine is idle on ``idle_reads`` consecutive reads, it does not listen, or
-    ``deadline_seconds`` passed. Returns the outcome: ``"idle"``, ``"unreachable"`` or ``"deadline"``.
+    """Poll ``url`` (and ``peers``: the other pods of its engine's group) until every one is idle on
+    ``idle_reads`` consecutive reads, one does not listen, or ``deadline_seconds`` passed. Returns the
+    outcome: ``"idle"``, ``"unreachable"`` (this engine), ``"group-broken"`` (a peer) or ``"deadline"``.
     Writes one line per change of state through ``out``."""
     start = clock()
     end = start + max(0.0, deadline_seconds)
@@ -152,15 +197,22 @@ def drain(
     idle_in_a_row = 0
     while True:
         now = clock()
+        timeout = max(0.1, min(FETCH_TIMEOUT_SECONDS, end - now))
         try:
-            text = fetch(url, max(0.1, min(FETCH_TIMEOUT_SECONDS, end - now)))
+            verdict = _read(url, fetch, timeout)
         except Unreachable as e:
             out(f"disagg-drain: the engine does not listen at {url} ({e}): nothing in flight")
             return "unreachable"
-        except Exception as e:  # noqa: BLE001 - timeout, HTTP error, reset: it may be busy, keep watching
-            verdict = Verdict(False, (("unreadable", f"/metrics unreadable ({type(e).__name__}: {e})"),))
-        else:
-            verdict = decide(text)
+        for peer in peers:
+            try:
+                of_peer = _read(peer, fetch, timeout)
+            except Unreachable as e:
+                out(f"disagg-drain: a pod of this engine's group does not answer at {peer} ({e}): the group's "
+                    f"collectives cannot go on without it, nothing in flight can finish")  # fmt: skip
+                return "group-broken"
+            if not of_peer.idle:
+                host = peer.split("//", 1)[1].split("/", 1)[0]
+                verdict = Verdict(False, (*verdict.reasons, *((f"{host}:{k}", f"{host}: {t}") for k, t in of_peer.reasons)))
         idle_in_a_row = idle_in_a_row + 1 if verdict.idle else 0
         key = (verdict.idle, verdict.kinds)
         elapsed = clock() - start
@@ -193,9 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"http://{host}:{args.port}/metrics"
-    drain(url, args.deadline_seconds, interval=args.interval_seconds, out=lambda line: print(line, flush=True))
+    peers = group_peer_urls(os.environ, args.port)
+    if peers:
+        print(f"disagg-drain: a pod of a {len(peers) + 1}-pod engine group: waiting for the whole group", flush=True)
+    drain(metrics_url(args.host, args.port), args.deadline_seconds, peers=peers, interval=args.interval_seconds,
+          out=lambda line: print(line, flush=True))  # fmt: skip
     return 0
 
 

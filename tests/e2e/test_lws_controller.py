@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from disagg_connector import contract
+
 from tests.fixtures.e2e.waiting import pod_ready, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -143,6 +145,10 @@ def test_lws_controller_makes_a_ready_group_with_lws_env_and_labels(api_client, 
     leader_address = f"{name}-0.{name}.{namespace}"
     assert env_of(leader) == {"LWS_LEADER_ADDRESS": leader_address, "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "0"}
     assert env_of(worker) == {"LWS_LEADER_ADDRESS": leader_address, "LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1"}
+    # each pod's DNS name (its hostname under its subdomain: the StatefulSet's), as an engine pod's preStop
+    # derives it from the leader's to wait for the whole group (disagg-drain)
+    for pod, index in ((leader, 0), (worker, 1)):
+        assert contract.lws_pod_address(leader_address, index) == f"{pod.spec.hostname}.{pod.spec.subdomain}.{namespace}"
 
     # placed on a kwok CPU node, Running with a loopback pod IP
     for pod in (leader, worker):

@@ -55,6 +55,7 @@ LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"  # the LeaderWorkerSet's nam
 LWS_GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"  # the group (one engine) within the LWS
 LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
 LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+LWS_GROUP_SIZE_ENV = "LWS_GROUP_SIZE"
 LWS_LEADER_NAME_ANNOTATION = "leaderworkerset.sigs.k8s.io/leader-name"  # on a worker: its group's leader pod
 # Gangs (docs/gang-scheduling.md): the chart's admission policy puts each pod labelled LABEL_GANG in a PodGroup
 # the operator makes: a pod of an LWS group (GANG_LWS_GROUP) in the one named after its group's leader pod,
@@ -378,6 +379,19 @@ class EngineIdentity:
             "remote_request_id": remote_request_id,
             "transfer_id": transfer_id,
         }
+
+
+def lws_pod_address(leader_address: str, worker_index: int) -> str:
+    """The DNS name of a group's pod, from its leader's (``LWS_LEADER_ADDRESS``, ``<lws>-<group>.<subdomain>.<ns>``).
+    LWS (v0.9.0, ``pod_utils.AddLWSVariables``) names a group's workers ``<lws>-<group>-<index>``, pods of the
+    StatefulSet ``<lws>-<group>`` whose service is the leader's subdomain: so worker i is the leader's first label
+    with ``-<i>``, under the same subdomain (either subdomain policy). Worker 0 is the leader."""
+    if worker_index == 0:
+        return leader_address
+    first, dot, rest = leader_address.partition(".")
+    if not first or not dot:
+        raise ValueError(f"{LWS_LEADER_ADDRESS_ENV}={leader_address!r} is not <leader>.<subdomain>.<namespace>")
+    return f"{first}-{worker_index}.{rest}"
 
 
 def identities_from_pod(

@@ -16,7 +16,9 @@ WAITING_FOR_REMOTE_KVS (0.26.0 ``skipped_waiting``, 0.33.0 ``kv_holding_waiting`
 from __future__ import annotations
 
 import re
+import socket
 import threading
+import urllib.error
 import tomllib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -161,6 +163,72 @@ def test_an_engine_that_answers_nothing_may_be_busy() -> None:
     s = Script([TimeoutError("timed out"), OSError("HTTP Error 500"), IDLE, IDLE])
     assert s.run(60) == "idle" and s.fetches == 4
     assert "unreadable (TimeoutError: timed out)" in s.lines[0]
+
+
+# --- a pod of an engine group waits for the whole group --------------------------------------------------------
+OWN, LEADER_URL = "http://127.0.0.1:8000/metrics", "http://m-decode-abc-0.m-decode-abc.ns:8000/metrics"
+WORKER_2_URL = "http://m-decode-abc-0-2.m-decode-abc.ns:8000/metrics"
+GROUP_ENV = {contract.LWS_LEADER_ADDRESS_ENV: "m-decode-abc-0.m-decode-abc.ns", contract.LWS_GROUP_SIZE_ENV: "3",
+             contract.LWS_WORKER_INDEX_ENV: "1"}  # fmt: skip
+
+
+class GroupScript(Script):
+    """Answers per engine: ``answers`` maps each URL to its list (the last answer repeats)."""
+
+    def __init__(self, answers: dict[str, list[Any]]):
+        super().__init__([IDLE])
+        self.by_url = {url: list(a) for url, a in answers.items()}
+        self.read: list[str] = []
+
+    def fetch(self, url: str, timeout: float) -> str:
+        self.read.append(url)
+        queue = self.by_url[url]
+        answer = queue.pop(0) if len(queue) > 1 else queue[0]
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def run(self, deadline: float) -> str:
+        return drain.drain(OWN, deadline, peers=drain.group_peer_urls(GROUP_ENV, 8000), fetch=self.fetch,
+                           clock=lambda: self.now, sleep=self.sleep, out=self.lines.append)  # fmt: skip
+
+
+def test_a_pod_of_a_group_reads_every_other_pod_at_the_names_lws_gives_them() -> None:
+    assert drain.group_peer_urls(GROUP_ENV, 8000) == [LEADER_URL, WORKER_2_URL]
+    assert drain.group_peer_urls({**GROUP_ENV, contract.LWS_WORKER_INDEX_ENV: "0"}, 8000) == [
+        "http://m-decode-abc-0-1.m-decode-abc.ns:8000/metrics", WORKER_2_URL]
+    assert drain.group_peer_urls({}, 8000) == []  # an engine of one pod: no LWS env
+    assert drain.group_peer_urls({**GROUP_ENV, contract.LWS_GROUP_SIZE_ENV: "1"}, 8000) == []
+
+
+def test_an_idle_pod_of_a_group_waits_until_every_pod_of_it_is_idle() -> None:
+    """Its own ranks idle, the leader's streaming: SIGTERM here would end the leader's streams too (their
+    collectives need this pod's ranks). Only when the whole group is idle twice in a row does it return."""
+    s = GroupScript({OWN: [IDLE], LEADER_URL: [RUNNING, RUNNING, HELD, IDLE], WORKER_2_URL: [IDLE]})
+    assert s.run(60) == "idle"
+    assert s.read[:3] == [OWN, LEADER_URL, WORKER_2_URL] and len(s.read) == 3 * 5
+    assert "m-decode-abc-0.m-decode-abc.ns:8000: 1 running" in s.lines[0]
+    assert "KV blocks in use" in s.lines[1] and s.lines[-1].startswith("disagg-drain: idle after 4s")
+
+
+def test_a_group_missing_a_pod_has_nothing_that_can_finish() -> None:
+    """A pod of the group that does not listen, or whose name no longer resolves (the pod is gone): the group's
+    collectives are already broken, its streams already lost; waiting would only hold the node."""
+    s = GroupScript({OWN: [RUNNING], LEADER_URL: [RUNNING], WORKER_2_URL: [Unreachable("the name does not resolve")]})
+    assert s.run(60) == "group-broken" and not s.sleeps
+    assert s.lines == [f"disagg-drain: a pod of this engine's group does not answer at {WORKER_2_URL} (the name does "
+                       f"not resolve): the group's collectives cannot go on without it, nothing in flight can finish"]  # fmt: skip
+
+
+def test_a_name_that_does_not_resolve_is_unreachable_and_other_dns_failures_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    def resolve(host: str, *args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME if host.startswith("gone") else socket.EAI_AGAIN, f"{host}: no answer")
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    with pytest.raises(Unreachable, match="does not resolve"):
+        drain.fetch_metrics("http://gone-0.m.ns:8000/metrics", 1)
+    with pytest.raises(urllib.error.URLError):  # the DNS server not answering says nothing of the pod: keep watching
+        drain.fetch_metrics("http://busy-0.m.ns:8000/metrics", 1)
 
 
 # --- the program, against a local HTTP server ---------------------------------------------------------------
