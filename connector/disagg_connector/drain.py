@@ -245,7 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    peers = group_peer_urls(os.environ, args.port)
+    try:
+        peers = group_peer_urls(os.environ, args.port)
+    except ValueError as e:  # an LWS env this cannot read: drain this engine alone rather than fail the hook
+        print(f"disagg-drain: cannot tell this engine's group from its LWS env ({e}): waiting for this pod alone", flush=True)
+        peers = []
     if peers:
         print(f"disagg-drain: a pod of a {len(peers) + 1}-pod engine group: waiting for the whole group", flush=True)
     drain(metrics_url(args.host, args.port), args.deadline_seconds, peers=peers, interval=args.interval_seconds,

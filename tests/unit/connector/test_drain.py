@@ -287,6 +287,21 @@ def test_the_program_gives_up_at_its_deadline(metrics_server: Metrics, capsys: p
     assert capsys.readouterr().out.splitlines()[-1] == "disagg-drain: deadline of 0.3s passed, still in flight: KV blocks in use (usage 0.01)"
 
 
+def test_an_lws_env_it_cannot_read_still_drains_this_pod_and_exits_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(contract.LWS_LEADER_ADDRESS_ENV, "no-dots")
+    monkeypatch.setenv(contract.LWS_GROUP_SIZE_ENV, "2")
+    monkeypatch.setenv(contract.LWS_WORKER_INDEX_ENV, "1")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    port = server.server_address[1]
+    server.server_close()
+    assert drain.main(["--port", str(port), "--deadline-seconds", "600"]) == 0
+    first, last = capsys.readouterr().out.splitlines()
+    assert "cannot tell this engine's group" in first and "waiting for this pod alone" in first
+    assert last.startswith(f"disagg-drain: the engine does not listen at http://127.0.0.1:{port}/metrics")
+
+
 def test_the_program_exits_at_once_when_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
     port = server.server_address[1]
