@@ -290,9 +290,9 @@ def test_the_program_gives_up_at_its_deadline(metrics_server: Metrics, capsys: p
 def test_an_lws_env_it_cannot_read_still_drains_this_pod_and_exits_0(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv(contract.LWS_LEADER_ADDRESS_ENV, "no-dots")
+    monkeypatch.setenv(contract.LWS_LEADER_ADDRESS_ENV, "no-dots")  # the leader's worker 1 cannot be named
     monkeypatch.setenv(contract.LWS_GROUP_SIZE_ENV, "2")
-    monkeypatch.setenv(contract.LWS_WORKER_INDEX_ENV, "1")
+    monkeypatch.setenv(contract.LWS_WORKER_INDEX_ENV, "0")
     server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
     port = server.server_address[1]
     server.server_close()
