@@ -18,7 +18,7 @@
 #                            kwok, lws with its CRDs, and the CRD_BUNDLES); `up` and so
 #                            hack/demo.sh build no more than this
 #   DISAGG_REAL_NODE=1 hack/cluster.sh build-node
-#                            build only the real node's kubelet and its fake GPU device plugin (hack/node/README.md;
+#                            build only the real node's kubelet, kube-proxy and fake GPU device plugin (hack/node/README.md;
 #                            hack/setup.sh runs it)
 #   hack/cluster.sh up       build-cluster if needed, start etcd, kube-apiserver,
 #                            kube-controller-manager, kube-scheduler (with the Workload
@@ -52,9 +52,10 @@
 #                  apiserver=BASE, etcd client=BASE+1, etcd peer=BASE+2,
 #                  controller-manager=BASE+3, scheduler=BASE+4, kwok=BASE+5,
 #                  lws webhook=BASE+6, lws metrics=BASE+7, lws health=BASE+8
-#                  (DISAGG_REAL_NODE=1: kubelet=BASE+9 on the node IP, its healthz=BASE+10)
+#                  (DISAGG_REAL_NODE=1: kubelet=BASE+9 on the node IP, its healthz=BASE+10,
+#                  kube-proxy's healthz=BASE+11 and metrics=BASE+12 on loopback)
 #   DISAGG_REAL_NODE=1  opt-in (hack/node/README.md; tests/integration/containers): `build-node` builds
-#                  the kubelet; `up` also starts one real node (containerd + kubelet, labelled and tainted
+#                  the kubelet and kube-proxy; `up` also starts one real node (containerd + kubelet + kube-proxy, labelled and tainted
 #                  disagg.dev/real-node) beside the kwok nodes; `down` removes it. Unset, nothing of it is
 #                  built, started or touched.
 #   DISAGG_POD_NET      second octet of the pod IPs, 127.<N>.x.y (default 0 for the default
@@ -80,7 +81,7 @@ LWS_METRICS_PORT=$((PORT_BASE + 7))
 LWS_HEALTH_PORT=$((PORT_BASE + 8))
 
 if [ "$PORT_BASE" = 16443 ]; then POD_NET="${DISAGG_POD_NET:-0}"; else POD_NET="${DISAGG_POD_NET:-$((1 + PORT_BASE % 199))}"; fi  # 210+: the e2e's own node pools
-SERVICE_CIDR=10.96.0.0/16   # virtual only: nothing ever routes to it (no kube-proxy)
+SERVICE_CIDR=10.96.0.0/16   # virtual: only the real node's kube-proxy (DISAGG_REAL_NODE=1) routes to it
 
 # Gang scheduling (docs/gang-scheduling.md): Kubernetes 1.37's Workload API. GenericWorkload (beta,
 # off by default) on all three: the apiserver serves Workload/PodGroup and keeps pod.spec.schedulingGroup
@@ -126,16 +127,18 @@ COMPONENTS=(
 # the tests' tools, built by `build` only.
 # helm: hack/demo.sh installs the chart's cluster-wide gang admission policy with it, as users do.
 CLUSTER_COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok lws kubectl helm)
-# Opt-in real node (DISAGG_REAL_NODE=1; hack/node/README.md): a kubelet, from k8s.io/kubernetes at the API server's
-# version, built from a tools module of its own (hack/node/kubelet-tools: the shared one does not pin cmd/kubelet).
+# Opt-in real node (DISAGG_REAL_NODE=1; hack/node/README.md): a kubelet and kube-proxy, from k8s.io/kubernetes at the
+# API server's version, built from a tools module of its own (hack/node/kubelet-tools: the shared one pins neither).
 # Off, nothing here changes: `build`, `build-cluster`, `up` and `down` neither build nor start it.
 REAL_NODE="${DISAGG_REAL_NODE:-0}"
 if [ "$REAL_NODE" = 1 ]; then
   COMPONENTS+=("kubelet $K8S_VERSION ../node/kubelet-tools k8s.io/kubernetes/cmd/kubelet")
+  # the node's Services: a pod reaches the API server at the `kubernetes` Service's ClusterIP, as in a cluster
+  COMPONENTS+=("kube-proxy $K8S_VERSION ../node/kubelet-tools k8s.io/kubernetes/cmd/kube-proxy")
   # the node's stand-in for NVIDIA's device plugin (hack/node/kubelet-tools/fakegpu: the kubelet's own
   # deviceplugin API, from the same module and go.sum)
   COMPONENTS+=("fakegpu $K8S_VERSION ../node/kubelet-tools ./fakegpu k8s.io/kubernetes/cmd/kubelet")
-  CLUSTER_COMPONENTS+=(kubelet fakegpu)
+  CLUSTER_COMPONENTS+=(kubelet kube-proxy fakegpu)
 fi
 
 # CRDs of kinds the operator renders whose controllers are not run here (spec.gateway's InferencePool and
@@ -511,6 +514,8 @@ LWSCFG
 # - kube-apiserver --endpoint-reconciler-type=none: the apiserver refuses to publish
 #   a loopback advertise address in the `kubernetes` Service endpoints; nothing
 #   in this cluster dials that Service (no kubelet, no kube-proxy), so it has none.
+#   With the real node (DISAGG_REAL_NODE=1) it does: the apiserver listens beyond
+#   loopback and advertises the node IP, which its reconciler publishes.
 # - Pod IPs are loopback addresses (hack/nodes/ podCIDRs) so simulated engines can
 #   bind them here. The apiserver refuses loopback addresses in Endpoints and
 #   EndpointSlices, so the endpoints/endpointslice controllers could only fail (and
@@ -526,8 +531,7 @@ component_args() { # component -> prints args one per line
       --unsafe-no-fsync=true --quota-backend-bytes=4294967296 --log-level=warn ;;
     kube-apiserver) printf '%s\n' \
       --etcd-servers="http://$HOST:$ETCD_PORT" \
-      --bind-address=$HOST --advertise-address=$HOST --secure-port="$APISERVER_PORT" \
-      --endpoint-reconciler-type=none \
+      --secure-port="$APISERVER_PORT" \
       --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
       --client-ca-file="$PKI/ca.crt" \
       --authorization-mode=Node,RBAC \
@@ -573,9 +577,14 @@ component_args() { # component -> prints args one per line
   esac
   # DISAGG_REAL_NODE=1 (hack/node/node.sh): logs/exec reach the real kubelet at its node IP (its Hostname address,
   # the node name, resolves nowhere) with a client certificate its x509 authentication accepts. Only then.
+  # Its pods reach the API server as in a cluster: the `kubernetes` Service's ClusterIP, which the node's kube-proxy
+  # sends to the address the API server advertises (the node IP: an endpoint may not be loopback), on all addresses.
   if [ "$1" = kube-apiserver ] && [ "$REAL_NODE" = 1 ]; then printf '%s\n' \
+    --bind-address=0.0.0.0 --advertise-address="$(bash "$ROOT/hack/node/node.sh" ip)" --endpoint-reconciler-type=lease \
     --kubelet-preferred-address-types=InternalIP,Hostname \
     --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" --kubelet-client-key="$PKI/apiserver-kubelet-client.key"
+  elif [ "$1" = kube-apiserver ]; then printf '%s\n' \
+    --bind-address=$HOST --advertise-address=$HOST --endpoint-reconciler-type=none
   fi
 }
 
@@ -933,7 +942,7 @@ take_lock() {
 case "${1:-}" in
   build) take_lock; cmd_build ;;
   build-cluster) take_lock; cmd_build cluster ;;
-  # DISAGG_REAL_NODE=1 only: the kubelet alone (minutes of compiling), under a lock of its own so that a long
+  # DISAGG_REAL_NODE=1 only: the node's binaries alone (minutes of compiling), under a lock of its own so that a long
   # build does not hold up other sessions' `up` (build_one builds aside and renames: never half a binary)
   build-node)
     [ "$REAL_NODE" = 1 ] || die "build-node: set DISAGG_REAL_NODE=1"
@@ -941,6 +950,8 @@ case "${1:-}" in
     if command -v flock >/dev/null; then exec 8>"$CACHE/.kubelet-build.lock"; flock 8; fi
     # shellcheck disable=SC2046
     build_one $(component_line kubelet)
+    # shellcheck disable=SC2046
+    build_one $(component_line kube-proxy)
     # shellcheck disable=SC2046
     build_one $(component_line fakegpu) ;;
   up) take_lock; cmd_up ;;

@@ -4,12 +4,14 @@
 # `down` before it stops the control plane); it can also be run by hand with the same environment.
 #
 #   hack/node/node.sh pki        the API server's kubelet client certificate (cluster.sh, before the apiserver)
+#   hack/node/node.sh ip         the node IP (cluster.sh: the API server advertises it for the node's pods)
 #   hack/node/node.sh up         containerd, the pause image, the kubelet's identity, the kubelet; wait Ready;
-#                                the device plugin of its fake GPUs (start_device_plugin)
+#                                the device plugin of its fake GPUs (start_device_plugin); kube-proxy
 #   hack/node/node.sh import TAR [NAME]   import an OCI layout tarball into the node's containerd (k8s.io
 #                                namespace); NAME: --base-name (default: the image's own name annotation)
-#   hack/node/node.sh down       delete the node's pods, stop the kubelet, the device plugin and containerd, unmount,
-#                                remove the cgroups, the bridge and what the kubelet wrote outside $STATE
+#   hack/node/node.sh down       delete the node's pods, stop the kubelet, the device plugin, kube-proxy and containerd,
+#                                unmount, remove the cgroups, the bridge, kube-proxy's chains and what the kubelet
+#                                wrote outside $STATE
 #   hack/node/node.sh status
 #
 # Environment: DISAGG_STATE, DISAGG_PORT_BASE, DISAGG_CACHE as hack/cluster.sh; DISAGG_NODE_IP (default: the IPv4
@@ -32,8 +34,13 @@ NAME="${DISAGG_NODE_NAME:-disagg-real-node}"
 # the kubelet's and the pause image's version: the control plane's (one source: hack/cluster.sh)
 K8S_VERSION="$(sed -n 's/^K8S_VERSION=\(v[0-9.]*\)$/\1/p' "$ROOT/hack/cluster.sh")"
 [ -n "$K8S_VERSION" ] || { echo "no K8S_VERSION line in hack/cluster.sh" >&2; exit 1; }
+# the Services' ClusterIPs, which the pods reach through the host (kube-proxy): also hack/cluster.sh's
+SERVICE_CIDR="$(sed -n 's|^SERVICE_CIDR=\([0-9./]*\) .*$|\1|p' "$ROOT/hack/cluster.sh")"
+[ -n "$SERVICE_CIDR" ] || { echo "no SERVICE_CIDR line in hack/cluster.sh" >&2; exit 1; }
 KUBELET_PORT=$((PORT_BASE + 9))
 KUBELET_HEALTHZ_PORT=$((PORT_BASE + 10))
+KUBE_PROXY_HEALTHZ_PORT=$((PORT_BASE + 11))
+KUBE_PROXY_METRICS_PORT=$((PORT_BASE + 12))
 # per-cluster names on the host: two clusters' nodes do not share cgroups or bridges
 CGROUP_ROOT="/disagg-node-$PORT_BASE"
 BRIDGE="dnode$PORT_BASE"
@@ -84,6 +91,8 @@ ensure_packages() {
   [ -x /usr/lib/cni/bridge ] || missing+=(containernetworking-plugins)
   command -v umoci >/dev/null || missing+=(umoci)
   command -v gcc >/dev/null || missing+=(gcc libc6-dev)
+  command -v iptables-restore >/dev/null || missing+=(iptables)  # kube-proxy's iptables mode
+  command -v curl >/dev/null || missing+=(curl)  # kube-proxy's healthz
   [ ${#missing[@]} -eq 0 ] && return 0
   log "apt-get install ${missing[*]}"
   DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 || die "apt-get update failed"
@@ -156,12 +165,15 @@ EOF
   # containerd reports NetworkReady (the node's Ready) only with a valid CNI config; host-network pods never use
   # it. No gateway, no masquerade: nothing writes iptables rules or turns on ip_forward. The host's own address on
   # the bridge (host_bridge, .1, outside the pods' range) is what lets the kubelet's probes and the host's
-  # processes (a router, the tests) reach pod IPs: delivered locally, never forwarded.
+  # processes (a router, the tests) reach pod IPs: delivered locally, never forwarded. The pods' one route out is
+  # to the Services' range, through that address: kube-proxy's DNAT sends a ClusterIP to the host's own
+  # addresses (the API server's endpoint is the node IP), so that too is delivered locally.
   cat > "$N/cni/net.d/10-disagg-real-node.conflist" <<EOF
 {"cniVersion": "0.4.0", "name": "disagg-real-node", "plugins": [
   {"type": "bridge", "bridge": "$BRIDGE", "isGateway": false, "ipMasq": false, "hairpinMode": false,
    "ipam": {"type": "host-local", "dataDir": "$N/cni/ipam",
-            "ranges": [[{"subnet": "$POD_SUBNET", "rangeStart": "${POD_SUBNET%.0/24}.2"}]]}},
+            "ranges": [[{"subnet": "$POD_SUBNET", "rangeStart": "${POD_SUBNET%.0/24}.2"}]],
+            "routes": [{"dst": "$SERVICE_CIDR", "gw": "$BRIDGE_IP"}]}},
   {"type": "loopback"}]}
 EOF
 }
@@ -203,34 +215,13 @@ write_kubelet_files() { # ip
   local ip=$1 k="$N/kubelet"
   mkdir -p "$k/pki" "$k/root" "$k/pod-logs" "$k/sysctl"
   # client identity: the Node authorizer and NodeRestriction admit system:node:<name> in system:nodes
-  [ -f "$k/pki/kubelet-client.crt" ] || sign_cert "$k/pki/kubelet-client" "/O=system:nodes/CN=system:node:$NAME" \
-    "basicConstraints=CA:FALSE
-keyUsage=critical,digitalSignature,keyEncipherment
-extendedKeyUsage=clientAuth"
+  client_kubeconfig "$k" "/O=system:nodes/CN=system:node:$NAME" kubelet
   # serving certificate for the node IP (the API server does not verify it: no --kubelet-certificate-authority,
   # which kwok's self-signed kubelet server would fail)
   [ -f "$k/pki/kubelet.crt" ] || sign_cert "$k/pki/kubelet" "/CN=$NAME" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
 subjectAltName=IP:$ip,DNS:$NAME"
-  cat > "$k/kubeconfig" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: disagg-local
-  cluster:
-    server: https://127.0.0.1:$PORT_BASE
-    certificate-authority: $PKI/ca.crt
-users:
-- name: kubelet
-  user:
-    client-certificate: $k/pki/kubelet-client.crt
-    client-key: $k/pki/kubelet-client.key
-contexts:
-- name: disagg-local
-  context: {cluster: disagg-local, user: kubelet}
-current-context: disagg-local
-EOF
   cat > "$k/config.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -274,6 +265,69 @@ EOF
   echo 1 > "$k/sysctl/overcommit_memory"; echo 0 > "$k/sysctl/panic_on_oom"
   echo 10 > "$k/sysctl/panic"; echo 1 > "$k/sysctl/panic_on_oops"
   echo 1000000 > "$k/sysctl/root_maxkeys"; echo 25000000 > "$k/sysctl/root_maxbytes"
+}
+
+# A client certificate and kubeconfig for the cluster's API server (as a local client: on loopback)
+client_kubeconfig() { # dir subject user
+  local d=$1
+  mkdir -p "$d/pki"
+  [ -f "$d/pki/client.crt" ] || sign_cert "$d/pki/client" "$2" "basicConstraints=CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
+  cat > "$d/kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: disagg-local
+  cluster:
+    server: https://127.0.0.1:$PORT_BASE
+    certificate-authority: $PKI/ca.crt
+users:
+- name: $3
+  user:
+    client-certificate: $d/pki/client.crt
+    client-key: $d/pki/client.key
+contexts:
+- name: disagg-local
+  context: {cluster: disagg-local, user: $3}
+current-context: disagg-local
+EOF
+}
+
+# kube-proxy (iptables mode, as EKS runs it): the node's pods reach Services' ClusterIPs, the `kubernetes` one (the
+# API server, which cluster.sh then advertises at the node IP) first. Its identity, system:kube-proxy, is what the
+# API server's bootstrap ClusterRoleBinding system:node-proxier grants. Host-wide settings it would change are left
+# as they are: conntrack's table size and timeouts (0: leave), route_localnet (localhostNodePorts off), its OOM
+# score; its chains go with `down` (kube-proxy --cleanup).
+start_kube_proxy() {
+  local d="$N/kube-proxy" pid proxy i
+  if pid="$(alive "$d/pid")"; then log "kube-proxy already running (pid $pid)"; return 0; fi
+  proxy="$(DISAGG_REAL_NODE=1 bash "$ROOT/hack/cluster.sh" path kube-proxy)"
+  [ -x "$proxy" ] || die "no kube-proxy at $proxy: DISAGG_REAL_NODE=1 hack/cluster.sh build-node"
+  client_kubeconfig "$d" "/CN=system:kube-proxy" kube-proxy
+  cat > "$d/config.yaml" <<EOF
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: $d/kubeconfig}
+hostnameOverride: $NAME
+mode: iptables
+clusterCIDR: $POD_SUBNET
+healthzBindAddress: 127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT
+metricsBindAddress: 127.0.0.1:$KUBE_PROXY_METRICS_PORT
+oomScoreAdj: 0
+conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+iptables: {localhostNodePorts: false}
+EOF
+  ( setsid "$proxy" --config="$d/config.yaml" >> "$d/log" 2>&1 < /dev/null 9>&- 8>&- &
+    echo $! > "$d/pid" )
+  for ((i = 0; i < 60; i++)); do
+    curl -fsS "http://127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT/healthz" >/dev/null 2>&1 && break
+    alive "$d/pid" >/dev/null || { tail -20 "$d/log" >&2; die "kube-proxy exited (log $d/log)"; }
+    sleep 0.5
+  done
+  curl -fsS "http://127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT/healthz" >/dev/null 2>&1 \
+    || { tail -20 "$d/log" >&2; die "kube-proxy not healthy in 30s (log $d/log)"; }
+  log "kube-proxy up (pid $(cat "$d/pid"), iptables mode, log $d/log)"
 }
 
 iptables_tables() { # "<family> <table>" of each iptables table that exists
@@ -396,6 +450,7 @@ cmd_up() {
   done
   node_ready || { tail -30 "$N/kubelet/log" >&2; die "node $NAME not Ready in 120s"; }
   start_device_plugin
+  start_kube_proxy
   log "node $NAME Ready in $((SECONDS - start))s (containerd $(containerd --version | awk '{print $3}'), kubelet $K8S_VERSION, $ip)"
 }
 
@@ -419,6 +474,7 @@ cmd_down() {
   fi
   stop_pid kubelet "$N/kubelet/pid"
   stop_pid "device plugin" "$N/fakegpu/pid"
+  stop_pid kube-proxy "$N/kube-proxy/pid"
   rm -f "$PLUGIN_DIR/$PLUGIN_SOCKET"
   # 2. whatever containers are left (a kubelet that died first), then containerd and its shims. Their ids name
   # the CNI results a sandbox torn down without CNI DEL leaves (a pod made while the kubelet stopped)
@@ -448,6 +504,10 @@ cmd_down() {
     [ -d "$h$CGROUP_ROOT" ] && log "could not remove cgroup $h$CGROUP_ROOT (busy?)"
   done
   ip link show "$BRIDGE" >/dev/null 2>&1 && { ip link delete "$BRIDGE"; log "deleted bridge $BRIDGE"; }
+  if [ -d "$N/kube-proxy" ]; then  # its chains (both families), as `kube-proxy --cleanup` removes them
+    "$(DISAGG_REAL_NODE=1 bash "$ROOT/hack/cluster.sh" path kube-proxy)" --cleanup >> "$N/kube-proxy/log" 2>&1 \
+      || log "kube-proxy --cleanup failed (log $N/kube-proxy/log)"
+  fi
   iptables_cleanup
   # 5. what the kubelet and containerd hard-code outside $STATE, where the first `up` did not find it
   local p
@@ -469,7 +529,7 @@ cmd_down() {
 
 cmd_status() {
   local pid
-  for c in containerd kubelet; do
+  for c in containerd kubelet kube-proxy; do
     if pid="$(alive "$N/$c/pid")"; then echo "$c running pid $pid"; else echo "$c stopped"; fi
   done
   kc get node "$NAME" -o wide 2>/dev/null || echo "node $NAME not registered"
@@ -477,6 +537,7 @@ cmd_status() {
 
 case "${1:-}" in
   pki) cmd_pki ;;
+  ip) node_ip ;;
   up) cmd_up ;;
   down) cmd_down ;;
   import) cmd_import "${2:?usage: node.sh import TAR [BASE-NAME]}" "${3:-}" ;;

@@ -18,10 +18,8 @@ import time
 from pathlib import Path
 from urllib.request import urlopen
 
-from kubernetes import client as k8s_client, config as k8s_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg_bench.vllm_sim.pods import LocalRouter, router_kubeconfig, start_router
 from disagg_connector import contract
 from disagg_connector.contract.preflight import PreflightReason, parse_termination_message
 
@@ -50,7 +48,7 @@ def test_a_real_node_runs_the_router_operator_and_engine_images_as_the_chart_and
         _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster, tmp_path)
         _an_engine_pods_preflight_runs_under_the_kubelet_and_its_reason_reaches_the_model(cluster)
         cluster.import_image(image_tars["engine-sim"])
-        _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelets_prestop(cluster, tmp_path)
+        _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelets_prestop(cluster)
         helm("uninstall", "disagg", "--namespace", OPERATOR_NAMESPACE, "--wait", kubeconfig=cluster.kubeconfig)
         during = host_state()
     finally:
@@ -103,19 +101,10 @@ def _the_router_image_runs_on_the_node_as_the_chart_runs_it(cluster: RealNodeClu
 
 
 def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster: RealNodeCluster, tmp_path: Path) -> None:
-    """The chart as a user installs it, with the image built here (the chart's default name, never pulled) and
-    what this control plane needs: the real node's selector and toleration, and the node's network (no
-    kube-proxy routes the kubernetes Service; the API server listens on loopback) on ports of this cluster's
-    block."""
-    values = {
-        "image": {"pullPolicy": "Never"},
-        **ON_THE_NODE,
-        "hostNetwork": True,
-        "healthPort": cluster.operator_ports[0],
-        "metricsPort": cluster.operator_ports[1],
-        "extraEnv": [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
-                     {"name": "KUBERNETES_SERVICE_PORT", "value": str(cluster.port_base)}],
-    }  # fmt: skip
+    """The chart as a user installs it, with the image built here (the chart's default name, never pulled) and the
+    real node's selector and toleration: on the pod network, the API server at the `kubernetes` Service's
+    ClusterIP through the node's kube-proxy, as in a cluster."""
+    values = {"image": {"pullPolicy": "Never"}, **ON_THE_NODE}
     helm("install", "disagg", str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "--wait",
          "--timeout", "180s", *values_args(values, tmp_path), kubeconfig=cluster.kubeconfig)  # fmt: skip
     first = _operator_pod(cluster)
@@ -191,15 +180,15 @@ def _an_engine_pods_preflight_runs_under_the_kubelet_and_its_reason_reaches_the_
     _delete_model(cluster, name)
 
 
-def _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelets_prestop(
-    cluster: RealNodeCluster, tmp_path: Path
-) -> None:
+def _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelets_prestop(cluster: RealNodeCluster) -> None:
     """A model whose engines run on the node in the engine image's stand-in (hack/node/engine-sim: real NIXL and
     the connector, the simulator as `vllm`, timed as an H200), as the operator renders them: the preflight passes
     under the kubelet with the GPUs the node's device plugin allocated, the kubelet's own probes make the engines
-    Ready, and a router on the host serves through them on their pod IPs. Then the decode pod is deleted while
-    streams run on it: the kubelet runs its rendered preStop (`disagg-drain`, polling the engine on 127.0.0.1 in
-    the pod) to the streams' end before SIGTERM, so every stream ends whole on that decode, none migrated."""
+    Ready, and the model's router Deployment, placed on the node too, runs the router image: it finds the pair
+    through the API server (in-cluster, through the node's kube-proxy) and serves through them on their pod IPs.
+    Then the decode pod is deleted while streams run on it: the kubelet runs its rendered preStop
+    (`disagg-drain`, polling the engine on 127.0.0.1 in the pod) to the streams' end before SIGTERM, so every
+    stream ends whole on that decode, none migrated."""
     name, served = "drain", "Qwen/Qwen3-0.6B"
     on_the_node = {"resources": {"requests": {"cpu": "200m", "memory": "256Mi"}}, **ON_THE_NODE}
     model = {
@@ -210,7 +199,8 @@ def _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelet
                             "env": [{"name": "DISAGG_SIM_PROFILE", "value": "h200-1gpu-push"}]},
                  # the stand-in's /dev/shm is the node's; the preflight holds it to what is asked
                  "network": {"efa": {"sharedMemory": "1Gi"}},
-                 "router": {"disaggregationThresholdTokens": 0}},  # every prompt through the pair
+                 "router": {"image": ROUTER_IMAGE, "replicas": 1, **ON_THE_NODE,
+                            "disaggregationThresholdTokens": 0}},  # every prompt through the pair
     }  # fmt: skip
     cluster.kubectl("apply", "-f", "-", stdin=json.dumps(model))
     selector = f"{contract.LABEL_MODEL}={contract.model_label_value(name)}"
@@ -223,6 +213,9 @@ def _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelet
 
     engines = wait_for("the pair's preflight passed and the kubelet's probes Ready", fabric_ready_and_engines_ready,
                        timeout=180)  # fmt: skip
+    # the router's readiness is the operator's rendered probe: Ready once it has listed the pods and has a pair
+    routers = wait_for("the router pod Ready", lambda: [p for p in _pods(cluster, MODELS_NAMESPACE,
+                       f"{selector},{contract.LABEL_ROLE}=router") if _ready(p)], timeout=180)  # fmt: skip
     for pod in engines:
         assert pod["spec"]["nodeName"] == NODE_NAME
         in_pod = ("-n", MODELS_NAMESPACE, "logs", pod["metadata"]["name"], "-c", "preflight")
@@ -232,32 +225,30 @@ def _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelet
                                   "python", "-c", "import glob; print(' '.join(glob.glob('/dev/nvidia*')))").split()  # fmt: skip
         assert len(devices) == 1, devices
     (decode,) = [p for p in engines if p["metadata"]["labels"][contract.LABEL_ROLE] == "decode"]
+    (router,) = routers
+    assert router["spec"]["nodeName"] == NODE_NAME
+    router_url = f"http://{router['status']['podIP']}:{contract.ROUTER_PORT}"  # the host reaches it on the bridge
 
-    api = k8s_config.new_client_from_config(config_file=cluster.kubeconfig)
-    token = cluster.kubectl("-n", MODELS_NAMESPACE, "create", "token", contract.router_name(name), "--duration=1h")
-    router_dir = tmp_path / "drain-router"
-    router_dir.mkdir()
-    router = start_router(k8s_client.AppsV1Api(api), MODELS_NAMESPACE, name,
-                          router_kubeconfig(cluster.kubeconfig, token.strip(), MODELS_NAMESPACE, router_dir / "kubeconfig"),
-                          router_dir)  # fmt: skip
-    try:
-        wait_for("the router to see the pair on the node", lambda: (1, 1) in router.table().values(), timeout=60,
-                 retry_on=(OSError, AssertionError))  # fmt: skip
-        streams = LongStreams(router.url, served, first=0)
-        wait_for("every stream's first token", streams.all_started, timeout=60)
-        deleted_at = time.monotonic()
-        cluster.kubectl("-n", MODELS_NAMESPACE, "delete", "pod", decode["metadata"]["name"], "--wait=false")
-        ended = streams.wait()
-        uid = decode["metadata"]["uid"]
-        wait_for("the drained decode pod gone",
-                 lambda: all(p["metadata"]["uid"] != uid for p in _pods(cluster, MODELS_NAMESPACE, selector)), timeout=120)  # fmt: skip
-        cut = [s for s in ended if not s.whole]
-        assert not cut, f"streams cut or incomplete: {cut}"
-        # they went on well after the deletion, on the decode that was told to go: nothing was migrated
-        assert min(s.last_token_at for s in ended) > deleted_at + 2, [s.last_token_at - deleted_at for s in ended]  # type: ignore[operator]
-        assert _migrations(router) == 0, router.proc.log_text()[-3000:]
-    finally:
-        router.proc.stop()
+    def pair_usable() -> bool:  # its pod watch, through the API server's ClusterIP, found both engines
+        health = json.loads(urlopen(router_url + "/health", timeout=10).read())
+        return health["synced"] and (1, 1) in {(r["prefill"], r["decode"]) for r in health["revisions"].values()}
+
+    wait_for("the router pod to see the pair on the node", pair_usable, timeout=60, retry_on=(OSError,))
+
+    streams = LongStreams(router_url, served, first=0)
+    wait_for("every stream's first token", streams.all_started, timeout=60)
+    deleted_at = time.monotonic()
+    cluster.kubectl("-n", MODELS_NAMESPACE, "delete", "pod", decode["metadata"]["name"], "--wait=false")
+    ended = streams.wait()
+    uid = decode["metadata"]["uid"]
+    wait_for("the drained decode pod gone",
+             lambda: all(p["metadata"]["uid"] != uid for p in _pods(cluster, MODELS_NAMESPACE, selector)), timeout=120)  # fmt: skip
+    cut = [s for s in ended if not s.whole]
+    assert not cut, f"streams cut or incomplete: {cut}"
+    # they went on well after the deletion, on the decode that was told to go: nothing was migrated
+    assert min(s.last_token_at for s in ended) > deleted_at + 2, [s.last_token_at - deleted_at for s in ended]  # type: ignore[operator]
+    logs = ("-n", MODELS_NAMESPACE, "logs", router["metadata"]["name"])
+    assert _migrations(router_url) == 0, cluster.kubectl(*logs)[-3000:]
     _delete_model(cluster, name)
 
 
@@ -267,9 +258,9 @@ def _ready(pod: dict) -> bool:
     }.get("Ready") == "True"
 
 
-def _migrations(router: LocalRouter) -> float:
+def _migrations(router_url: str) -> float:
     """Every stream the router continued on another decode, whatever became of it."""
-    text = urlopen(router.url + "/metrics", timeout=10).read().decode()
+    text = urlopen(router_url + "/metrics", timeout=10).read().decode()
     return sum(sample.value for family in text_string_to_metric_families(text) if family.name == "disagg_router_migrations"
                for sample in family.samples if sample.name == "disagg_router_migrations_total")  # fmt: skip
 
