@@ -101,16 +101,18 @@ def _the_router_image_runs_on_the_node_as_the_chart_runs_it(cluster: RealNodeClu
 
 
 def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster: RealNodeCluster, tmp_path: Path) -> None:
-    """The chart as a user installs it, with the image built here (the chart's default name, never pulled) and the
-    real node's selector and toleration: on the pod network, the API server at the `kubernetes` Service's
-    ClusterIP through the node's kube-proxy, as in a cluster."""
-    values = {"image": {"pullPolicy": "Never"}, **ON_THE_NODE}
+    """The chart as a user installs it for HA, with the image built here (the chart's default name, never pulled)
+    and the real node's selector and toleration: two replicas on the pod network, the API server at the
+    `kubernetes` Service's ClusterIP through the node's kube-proxy, as in a cluster. They peer (the chart's
+    ClusterKopfPeering): one works, the other stands by, and takes over when the working one's pod is deleted."""
+    values = {"image": {"pullPolicy": "Never"}, "replicaCount": 2, **ON_THE_NODE}
     helm("install", "disagg", str(CHART), "--namespace", OPERATOR_NAMESPACE, "--create-namespace", "--wait",
          "--timeout", "180s", *values_args(values, tmp_path), kubeconfig=cluster.kubeconfig)  # fmt: skip
-    first = _operator_pod(cluster)
-    assert first["spec"]["nodeName"] == NODE_NAME
+    replicas = wait_for("both replicas Ready and peering", lambda: len(_peers(cluster)) == 2 and _operator_pods(cluster),
+                        timeout=120)  # fmt: skip
+    assert len(replicas) == 2 and {p["spec"]["nodeName"] for p in replicas} == {NODE_NAME}
     # the chart's securityContext, enforced by the runtime: uid 65532, a root filesystem it cannot write
-    in_pod = ("-n", OPERATOR_NAMESPACE, "exec", first["metadata"]["name"], "--")
+    in_pod = ("-n", OPERATOR_NAMESPACE, "exec", replicas[0]["metadata"]["name"], "--")
     assert cluster.kubectl(*in_pod, "id", "-u").strip() == "65532"
     denied = cluster.kubectl(*in_pod, "touch", "/written", check=False, stderr=True)
     assert "Read-only file system" in denied, denied
@@ -121,10 +123,18 @@ def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster:
     cluster.kubectl("-n", MODELS_NAMESPACE, "apply", "-f", "-", stdin=json.dumps(model))
     _wait_model_ready(cluster, name, decode_pods=1)
 
-    # its pod deleted, the Deployment's next one starts on the node and the operator goes on reconciling
-    cluster.kubectl("-n", OPERATOR_NAMESPACE, "delete", "pod", first["metadata"]["name"], "--wait=true")
-    wait_for("the operator's next pod Ready", lambda: _operator_pod(cluster, not_uid=first["metadata"]["uid"]),
-             timeout=180)  # fmt: skip
+    # the working replica is the live peer of the highest priority (kopf's rule); the other paused for it
+    peers = _peers(cluster)
+    working = max(peers, key=lambda pod: int(peers[pod].get("priority") or 0))
+    (standby,) = set(peers) - {working}
+    logs = ("-n", OPERATOR_NAMESPACE, "logs", standby)
+    wait_for("the standby replica paused", lambda: "Pausing operations in favour of" in cluster.kubectl(*logs))
+    # the working one's pod deleted: the standby resumes (before the Deployment's next pod has started), and
+    # the operator goes on reconciling
+    resumed = cluster.kubectl(*logs).count("Resuming operations")
+    cluster.kubectl("-n", OPERATOR_NAMESPACE, "delete", "pod", working, "--wait=true")
+    wait_for("the standby replica resumed", lambda: cluster.kubectl(*logs).count("Resuming operations") > resumed,
+             timeout=60)  # fmt: skip
     cluster.kubectl("-n", MODELS_NAMESPACE, "patch", contract.KIND.lower(), name, "--type=merge",
                     "-p", json.dumps({"spec": {"decode": {"replicas": 2}}}))  # fmt: skip
     _wait_model_ready(cluster, name, decode_pods=2)
@@ -269,13 +279,16 @@ def _pods(cluster: RealNodeCluster, namespace: str, selector: str) -> list[dict]
     return json.loads(cluster.kubectl("-n", namespace, "get", "pods", "-l", selector, "-o", "json"))["items"]
 
 
-def _operator_pod(cluster: RealNodeCluster, not_uid: str = "") -> dict | None:
-    """The operator's one Ready pod (not the one of uid NOT_UID), or None."""
-    ready = [p for p in _pods(cluster, OPERATOR_NAMESPACE, "app.kubernetes.io/name=disagg-operator")
-             if p["metadata"]["uid"] != not_uid and "deletionTimestamp" not in p["metadata"]
-             and {c["type"]: c["status"] for c in p["status"].get("conditions", [])}.get("Ready") == "True"]  # fmt: skip
-    assert len(ready) <= 1, [p["metadata"]["name"] for p in ready]
-    return ready[0] if ready else None
+def _operator_pods(cluster: RealNodeCluster) -> list[dict]:
+    """The operator's Ready pods."""
+    return [p for p in _pods(cluster, OPERATOR_NAMESPACE, "app.kubernetes.io/name=disagg-operator") if _ready(p)]
+
+
+def _peers(cluster: RealNodeCluster) -> dict[str, dict]:
+    """The chart's ClusterKopfPeering's peers of the operator's Ready pods (kopf's peer id: the pod's name)."""
+    (peering,) = json.loads(cluster.kubectl("get", "clusterkopfpeerings", "-o", "json"))["items"]
+    ready = {p["metadata"]["name"] for p in _operator_pods(cluster)}
+    return {peer: info for peer, info in (peering.get("status") or {}).items() if peer in ready}
 
 
 def _delete_model(cluster: RealNodeCluster, name: str) -> None:
