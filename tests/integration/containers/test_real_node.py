@@ -2,13 +2,15 @@
 `DISAGG_REAL_NODE=1 hack/cluster.sh up`): it registers Ready, labelled and tainted so that only pods meant for it
 land there; the router image built from its Dockerfile runs there as the chart runs it (non-root, read-only root,
 its ServiceAccount token, pod discovery through the API server), `kubectl logs` and `exec` reach it through the
-kubelet, a preStop hook runs before SIGTERM; `helm install` of the chart runs the operator image there (the
-chart's securityContext and probes), which reconciles a model whose engines land on kwok nodes and, its pod
-deleted, comes back and goes on reconciling; an engine pod placed there runs the preflight init container the
-operator rendered, under the kubelet, and its termination message becomes the model's condition; an engine pair
-in the engine image's stand-in (hack/node/engine-sim) passes that preflight with the GPUs the node's device plugin
-allocated, serves a router on its pod IPs, and its decode, deleted mid-stream, drains through the kubelet's own
-preStop with no stream cut or migrated; and `hack/cluster.sh down` leaves the host as it found it.
+kubelet, a preStop hook runs before SIGTERM; `helm install` of the chart for HA runs two operator replicas there
+on the pod network (the chart's securityContext and probes, in-cluster config through the node's kube-proxy),
+which peer and reconcile a model whose engines land on kwok nodes, the standby taking over when the working
+replica's pod is deleted; an engine pod placed there runs the preflight init container the operator rendered,
+under the kubelet, and its termination message becomes the model's condition; an engine pair in the engine
+image's stand-in (hack/node/engine-sim) passes that preflight with the GPUs the node's device plugin allocated,
+the model's router Deployment on the node serves through it, and its decode, deleted mid-stream, drains through
+the kubelet's own preStop with no stream cut or migrated; and `hack/cluster.sh down` leaves the host as it found
+it.
 """
 
 from __future__ import annotations
