@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 MODEL = (contract.API_GROUP, contract.API_VERSION, contract.PLURAL)
 MANAGED = {contract.LABEL_MANAGED_BY: contract.OPERATOR_NAME}
+# The API server's answer to the health probe, within the chart's probe timeout (5 s)
+PROBE_TIMEOUT_SECONDS = 3.0
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,15 @@ def startup(settings: kopf.OperatorSettings, memo: OperatorMemo, **_: Any) -> No
     memo.controller.start()
     log.info("operator started: %d workers, resync every %.0f s, API timeout %s s", options.workers,
              options.resync_seconds, REQUEST_TIMEOUT)  # fmt: skip
+
+
+@kopf.on.probe(id="apiserver", errors=kopf.ErrorsMode.PERMANENT, timeout=PROBE_TIMEOUT_SECONDS + 1)
+def apiserver(memo: OperatorMemo, **_: Any) -> str:
+    """/healthz (the chart's startup, readiness and liveness probes) fails while this replica cannot reach the
+    API server: a pod whose network cannot (a default-deny egress policy, no route to the `kubernetes` Service)
+    goes unready and is restarted, `helm install --wait` fails, instead of looking healthy while every request
+    fails. kopf keeps an answer 10 s."""
+    return memo.running().reconciler.cluster.version(PROBE_TIMEOUT_SECONDS)
 
 
 @kopf.on.cleanup()

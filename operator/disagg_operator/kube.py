@@ -65,6 +65,10 @@ class Cluster:
     def dynamic(self) -> DynamicClient:
         return DynamicClient(self.api_client)
 
+    def version(self, timeout: float) -> str:
+        """The API server's version (GET /version, which every authenticated client may read): it answers."""
+        return str(client.VersionApi(self.api_client).get_code(_request_timeout=timeout).git_version)
+
     def _resource(self, api_version: str, kind: str) -> Any:
         return self.dynamic.resources.get(api_version=api_version, kind=kind)
 

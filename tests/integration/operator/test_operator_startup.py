@@ -1,17 +1,21 @@
 """`disagg-operator run` with a port it cannot serve exits at once with the port and the flag to change, before
-any cluster access (the kubeconfig points at a port nothing listens on); a failed e2e start leaves no process."""
+any cluster access (the kubeconfig points at a port nothing listens on); a failed e2e start leaves no process;
+one that cannot reach the API server is not healthy."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import yaml
 
+from tests.fixtures.e2e.waiting import wait_for
 from tests.fixtures.models import REPO
 from disagg_bench import operator_process
 from disagg_bench.operator_process import OperatorProcess
@@ -104,3 +108,31 @@ def test_e2e_start_that_never_goes_live_stops_the_process(tmp_path: Path, starte
     (proc,) = started
     assert proc.returncode is not None and not op.alive()
 
+
+
+def test_an_operator_that_cannot_reach_the_api_server_is_not_healthy(nowhere_kubeconfig: Path) -> None:
+    """It starts and serves /healthz (the chart's startup, readiness and liveness probes), which answers 500 while
+    no API server answers: the pod goes unready and is restarted, never healthy while every request fails (as on
+    a real node whose pods had no route to the `kubernetes` Service)."""
+    url = f"http://127.0.0.1:{free_port()}/healthz"
+    env = {"PATH": "/usr/bin:/bin", "KUBECONFIG": str(nowhere_kubeconfig), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "disagg_operator.cli", "run", "--standalone", "--liveness", url,
+                             "--metrics-port", "0"], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    def answer() -> int | None:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as error:
+            return error.code
+        except OSError:  # not serving yet
+            return None
+
+    try:
+        status = wait_for("the operator's /healthz to answer", answer, timeout=60, retry_on=())
+        assert status == 500, status
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=30)
+    assert "apiserver" in stderr and "failed" in stderr, stderr[-3000:]
