@@ -135,8 +135,9 @@ def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster:
     # the operator goes on reconciling
     resumed = cluster.kubectl(*logs).count("Resuming operations")
     cluster.kubectl("-n", OPERATOR_NAMESPACE, "delete", "pod", working, "--wait=true")
+    # (a graceful exit takes its peer out at once; otherwise its entry lapses after kopf's 60 s lifetime)
     wait_for("the standby replica resumed", lambda: cluster.kubectl(*logs).count("Resuming operations") > resumed,
-             timeout=60)  # fmt: skip
+             timeout=120)  # fmt: skip
     cluster.kubectl("-n", MODELS_NAMESPACE, "patch", contract.KIND.lower(), name, "--type=merge",
                     "-p", json.dumps({"spec": {"decode": {"replicas": 2}}}))  # fmt: skip
     _wait_model_ready(cluster, name, decode_pods=2)
@@ -225,7 +226,7 @@ def _an_engine_pair_serves_from_the_node_and_a_decode_drains_through_the_kubelet
 
     engines = wait_for("the pair's preflight passed and the kubelet's probes Ready", fabric_ready_and_engines_ready,
                        timeout=180)  # fmt: skip
-    # the router's readiness is the operator's rendered probe: Ready once it has listed the pods and has a pair
+    # Ready by the probe the operator renders (/health answers: serving, not draining); its pod watch below
     routers = wait_for("the router pod Ready", lambda: [p for p in _pods(cluster, MODELS_NAMESPACE,
                        f"{selector},{contract.LABEL_ROLE}=router") if _ready(p)], timeout=180)  # fmt: skip
     for pod in engines:
