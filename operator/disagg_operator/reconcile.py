@@ -286,7 +286,7 @@ class Controller:
         self.queue.add((namespace, name))
 
     def start(self) -> None:
-        self.metrics.watch(lambda: (len(self.queue), self.queue.adds, self.queue.retries), self.phases, self.conditions,
+        self.metrics.watch(lambda: (self.queue.depth, self.queue.adds, self.queue.retries), self.phases, self.conditions,
                            self.autoscaling)  # fmt: skip
         for n in range(self.workers):
             self._threads.append(threading.Thread(target=self._work, name=f"reconcile-{n}", daemon=True))

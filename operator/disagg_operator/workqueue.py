@@ -109,5 +109,13 @@ class WorkQueue(Generic[K]):
             self._cond.notify_all()
 
     def __len__(self) -> int:
+        """Every key it holds: ready, or waiting out a retry's delay."""
         with self._cond:
             return len(self._ready) + len(self._delayed)
+
+    @property
+    def depth(self) -> int:
+        """Keys ready for a worker: client-go's workqueue depth, which leaves out those waiting out a delay (a
+        model that keeps failing waits minutes between passes: it is no backlog)."""
+        with self._cond:
+            return len(self._ready)

@@ -125,12 +125,18 @@ def _helm_install_runs_the_operator_image_on_the_node_and_it_reconciles(cluster:
     cluster.kubectl("-n", MODELS_NAMESPACE, "apply", "-f", "-", stdin=json.dumps(model))
     _wait_model_ready(cluster, name, decode_pods=1)
 
-    # the working replica is the live peer of the highest priority (kopf's rule); the other paused for it
+    # the working replica is the live peer of the highest priority (kopf's rule); the other is paused for it:
+    # it started paused (peering is mandatory: no "Resuming"), or it paused when the other came ("Pausing" last)
     peers = _peers(cluster)
     working = max(peers, key=lambda pod: int(peers[pod].get("priority") or 0))
     (standby,) = set(peers) - {working}
     logs = ("-n", OPERATOR_NAMESPACE, "logs", standby)
-    wait_for("the standby replica paused", lambda: "Pausing operations in favour of" in cluster.kubectl(*logs))
+
+    def paused() -> bool:
+        said = cluster.kubectl(*logs)
+        return said.rfind("Pausing operations in favour of") >= said.rfind("Resuming operations")
+
+    wait_for("the standby replica paused", paused)
     # the working one's pod deleted: the standby resumes (before the Deployment's next pod has started), and
     # the operator goes on reconciling
     resumed = cluster.kubectl(*logs).count("Resuming operations")

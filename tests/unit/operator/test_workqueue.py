@@ -1,4 +1,4 @@
-"""The work queue: bursts fold, no trigger is lost, failures back off, one worker per key."""
+"""The work queue: bursts fold, no trigger is lost, failures back off, one worker per key, its depth."""
 
 from __future__ import annotations
 
@@ -76,6 +76,21 @@ def test_failures_back_off_exponentially_up_to_a_cap() -> None:
     queue.done("m")
     queue.forget("m")
     assert queue.add_rate_limited("m") == 1.0
+
+
+def test_its_depth_is_the_keys_ready_not_those_waiting_out_a_retry() -> None:
+    """client-go's workqueue depth (the metric and the backlog alert): a model that keeps failing is no backlog."""
+    clock = Clock()
+    queue: WorkQueue[str] = WorkQueue(base_delay=10.0, clock=clock)
+    queue.add_rate_limited("failing")
+    queue.add("fresh")
+    assert (queue.depth, len(queue)) == (1, 2)
+    assert queue.get(timeout=0) == "fresh"
+    queue.done("fresh")
+    assert (queue.depth, len(queue)) == (0, 1)
+    clock.now = 10.0
+    assert queue.get(timeout=0) == "failing"  # its time came: a worker takes it
+    assert (queue.depth, len(queue)) == (0, 0)
 
 
 def test_shutdown_wakes_idle_workers() -> None:
