@@ -259,6 +259,9 @@ NOT_REGENERABLE_SUMMARIES: tuple[Summary, ...] = (
     Summary("router-bench-peers-2026-12-06.txt", (), NOT_REGENERABLE,
             "`python -m disagg_bench.router_bench --skip-headroom --skip-short --skip-cpu --peer-engines zero-cost --runs 3`; "
             "no raw data committed"),
+    Summary("router-bench-peers-timed-2026-12-06.txt", (), NOT_REGENERABLE,
+            "`python -m disagg_bench.router_bench --skip-headroom --skip-short --skip-cpu --peer-engines timed --runs 3`; "
+            "no raw data committed"),
     Summary("router-bench-toy-proxy.txt", (), NOT_REGENERABLE,
             "`python -m disagg_bench.router_bench --skip-short --toy-proxy ...`; no raw data committed"),
 )
