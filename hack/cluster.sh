@@ -33,7 +33,7 @@
 #                            us-west-2c; `p5en 4` removes them again):
 #                            room for bigger examples (hack/demo.sh --p5en N)
 #   hack/cluster.sh down     stop everything and remove the state directory
-#   hack/cluster.sh env      print `export KUBECONFIG=...` / PATH / DISAGG_AUDIT_LOG
+#   hack/cluster.sh env      print `export DISAGG_STATE=...` / KUBECONFIG / PATH / DISAGG_AUDIT_LOG
 #   hack/cluster.sh status   show what is running (exit 0 only if all are up, /readyz is ok
 #                            and LWS's webhooks answer)
 #   hack/cluster.sh path NAME   print where component NAME's binary is (built or not)
@@ -886,6 +886,7 @@ cmd_down() {
 }
 
 cmd_env() {
+  echo "export DISAGG_STATE=$STATE"
   echo "export KUBECONFIG=$KUBECONFIG_PATH"
   echo "export PATH=$(dirname "$(kubectl_bin)"):\$PATH"
   echo "export DISAGG_AUDIT_LOG=$AUDIT_LOG"

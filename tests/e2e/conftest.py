@@ -4,7 +4,8 @@ By default the session brings up the local control plane built from Go modules
 (``hack/cluster.sh up``: etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler, kwok with fake p5en/trn2/CPU nodes and the LeaderWorkerSet
 controller, all on 127.0.0.1). If it
-is already running it is reused.
+is already running it is reused. One session at a time per cluster (its state
+dir): a second waits for the first to end.
 
 Environment:
   DISAGG_E2E_USE_KUBECONFIG=1  use the cluster that KUBECONFIG (or ~/.kube/config)
@@ -29,7 +30,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.fixtures.e2e.cluster import CLUSTER_SH
+from tests.fixtures.e2e.cluster import CLUSTER_SH, one_session_per_cluster
 from tests.fixtures.e2e.operator import service_account_kubeconfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -175,6 +176,11 @@ def cluster(pytestconfig: pytest.Config) -> Iterator[Cluster]:
         c.close()
         return
 
+    with one_session_per_cluster(Path(_cluster_env()["DISAGG_STATE"])):
+        yield from _local_cluster(pytestconfig)
+
+
+def _local_cluster(pytestconfig: pytest.Config) -> Iterator[Cluster]:
     already_up = (
         subprocess.run(["bash", str(CLUSTER_SH), "status"], capture_output=True).returncode == 0
     )
