@@ -6,7 +6,8 @@
 #                               (kube-apiserver & co., etcd, kwok, the LWS controller, kubectl) and the tests' tools
 #                               (helm, kstatus, prometheus, promtool, promql, lwepp, lwepp-ask, cyclonus,
 #                               buildkitd, buildctl)
-#                               and, apart (`DISAGG_REAL_NODE=1 hack/cluster.sh build-node`), the real node's kubelet
+#                               and, apart (`DISAGG_REAL_NODE=1 hack/cluster.sh build-node`), the real node's kubelet,
+#                               kube-proxy and device plugin
 #   apt, when missing: runc, mmdebstrap, umoci (hack/images.sh: BuildKit's runc worker, the local Debian base;
 #                               the tests unpack the images with umoci), containerd and containernetworking-plugins
 #                               (the real node, hack/node/node.sh): what tests/integration/containers needs
@@ -76,7 +77,7 @@ cluster_rc=0
 if [ "${DISAGG_SKIP_CLUSTER:-0}" != 1 ]; then
   container_tools || cluster_rc=$?
   # every component: the control plane and the tests' tools (hack/demo.sh builds only the former), then the
-  # real node's kubelet (tests/integration/containers)
+  # real node's kubelet, kube-proxy and device plugin (tests/integration/containers)
   if [ "$cluster_rc" -eq 0 ]; then
     bash hack/cluster.sh build && DISAGG_REAL_NODE=1 bash hack/cluster.sh build-node || cluster_rc=$?
     [ "$cluster_rc" -eq 0 ] || log "ERROR: hack/cluster.sh build failed (exit $cluster_rc)"

@@ -192,13 +192,23 @@ start_containerd() {
   [ -S "$SOCK" ] && rm -f "$SOCK" "$SOCK.ttrpc"
   ( setsid containerd --config "$N/containerd/config.toml" >> "$N/containerd/log" 2>&1 < /dev/null 9>&- 8>&- &
     echo $! > "$N/containerd/pid" )
-  local i
-  for i in $(seq 100); do
-    ctr -a "$SOCK" version >/dev/null 2>&1 && { log "containerd up (pid $(cat "$N/containerd/pid"), log $N/containerd/log)"; return 0; }
-    alive "$N/containerd/pid" >/dev/null || { tail -20 "$N/containerd/log" >&2; die "containerd exited"; }
-    sleep 0.2
+  wait_for containerd "$N/containerd/pid" "$N/containerd/log" 20 containerd_answers
+  log "containerd up (pid $(cat "$N/containerd/pid"), log $N/containerd/log)"
+}
+
+containerd_answers() { ctr -a "$SOCK" version >/dev/null 2>&1; }
+
+# wait_for WHAT PIDFILE LOG SECONDS CHECK...: run CHECK every half second until it passes; die with the log's tail
+# when WHAT's process (PIDFILE) exits first, or when SECONDS pass.
+wait_for() {
+  local what=$1 pidfile=$2 logfile=$3 seconds=$4 i
+  shift 4
+  for ((i = 0; i < seconds * 2; i++)); do
+    "$@" && return 0
+    alive "$pidfile" >/dev/null || { tail -30 "$logfile" >&2; die "$what exited (log $logfile)"; }
+    sleep 0.5
   done
-  die "containerd did not answer on $SOCK in 20s"
+  "$@" || { tail -30 "$logfile" >&2; die "$what: $* did not pass in ${seconds}s (log $logfile)"; }
 }
 
 cmd_import() { # tar [base-name]
@@ -300,7 +310,7 @@ EOF
 # as they are: conntrack's table size and timeouts (0: leave), route_localnet (localhostNodePorts off), its OOM
 # score; its chains go with `down` (kube-proxy --cleanup).
 start_kube_proxy() {
-  local d="$N/kube-proxy" pid proxy i
+  local d="$N/kube-proxy" pid proxy
   if pid="$(alive "$d/pid")"; then log "kube-proxy already running (pid $pid)"; return 0; fi
   proxy="$(DISAGG_REAL_NODE=1 bash "$ROOT/hack/cluster.sh" path kube-proxy)"
   [ -x "$proxy" ] || die "no kube-proxy at $proxy: DISAGG_REAL_NODE=1 hack/cluster.sh build-node"
@@ -320,15 +330,11 @@ iptables: {localhostNodePorts: false}
 EOF
   ( setsid "$proxy" --config="$d/config.yaml" >> "$d/log" 2>&1 < /dev/null 9>&- 8>&- &
     echo $! > "$d/pid" )
-  for ((i = 0; i < 60; i++)); do
-    curl -fsS "http://127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT/healthz" >/dev/null 2>&1 && break
-    alive "$d/pid" >/dev/null || { tail -20 "$d/log" >&2; die "kube-proxy exited (log $d/log)"; }
-    sleep 0.5
-  done
-  curl -fsS "http://127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT/healthz" >/dev/null 2>&1 \
-    || { tail -20 "$d/log" >&2; die "kube-proxy not healthy in 30s (log $d/log)"; }
+  wait_for kube-proxy "$d/pid" "$d/log" 30 kube_proxy_healthy
   log "kube-proxy up (pid $(cat "$d/pid"), iptables mode, log $d/log)"
 }
+
+kube_proxy_healthy() { curl -fsS "http://127.0.0.1:$KUBE_PROXY_HEALTHZ_PORT/healthz" >/dev/null 2>&1; }
 
 iptables_tables() { # "<family> <table>" of each iptables table that exists
   local f
@@ -408,18 +414,16 @@ start_device_plugin() {
   for ((i = 0; i < 60; i++)); do [ -S "$PLUGIN_DIR/kubelet.sock" ] && break; sleep 0.5; done
   ( setsid "$plugin" --count "$GPUS" --dir "$PLUGIN_DIR" --endpoint "$PLUGIN_SOCKET" >> "$d/log" 2>&1 < /dev/null 9>&- 8>&- &
     echo $! > "$d/pid" )
-  for ((i = 0; i < 60; i++)); do
-    [ "$(kc get node "$NAME" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}' 2>/dev/null)" = "$GPUS" ] && break
-    alive "$d/pid" >/dev/null || { cat "$d/log" >&2; die "the device plugin exited (log $d/log)"; }
-    sleep 0.5
-  done
-  [ "$(kc get node "$NAME" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}')" = "$GPUS" ] \
-    || die "the node does not advertise $GPUS nvidia.com/gpu in 30s (device plugin log $d/log)"
+  wait_for "the device plugin" "$d/pid" "$d/log" 30 gpus_advertised
   log "device plugin: $GPUS nvidia.com/gpu (pid $(cat "$d/pid"))"
 }
 
 node_ready() {
   [ "$(kc get node "$NAME" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ]
+}
+
+gpus_advertised() {
+  [ "$(kc get node "$NAME" -o jsonpath='{.status.allocatable.nvidia\.com/gpu}' 2>/dev/null)" = "$GPUS" ]
 }
 
 cmd_up() {
@@ -442,13 +446,7 @@ cmd_up() {
   ctr_ images ls -q | grep -qx "localhost/pause:$K8S_VERSION" || cmd_import "$pause" localhost/pause
   write_kubelet_files "$ip"
   start_kubelet "$ip"
-  local i
-  for ((i = 0; i < 240; i++)); do
-    node_ready && break
-    alive "$N/kubelet/pid" >/dev/null || { tail -30 "$N/kubelet/log" >&2; die "kubelet exited (log $N/kubelet/log)"; }
-    sleep 0.5
-  done
-  node_ready || { tail -30 "$N/kubelet/log" >&2; die "node $NAME not Ready in 120s"; }
+  wait_for kubelet "$N/kubelet/pid" "$N/kubelet/log" 120 node_ready
   start_device_plugin
   start_kube_proxy
   log "node $NAME Ready in $((SECONDS - start))s (containerd $(containerd --version | awk '{print $3}'), kubelet $K8S_VERSION, $ip)"
