@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+from pathlib import Path
 
 from tests.fixtures.e2e.cluster import CLUSTER_SH, one_session_per_cluster
 
 
-def _enter_in_a_thread(state) -> tuple[threading.Event, threading.Event, threading.Thread]:
+def _enter_in_a_thread(state: Path) -> tuple[threading.Event, threading.Event, threading.Thread]:
+    """A second session on `state`, in a thread: set `entered` once it holds the cluster; it ends on `leave`."""
     entered, leave = threading.Event(), threading.Event()
 
     def session() -> None:
@@ -42,7 +44,7 @@ def test_a_cluster_of_another_state_dir_does_not_wait(tmp_path):
         thread.join(10)
 
 
-def test_the_session_locks_the_state_dir_that_cluster_sh_uses(tmp_path):
+def test_cluster_sh_env_names_the_state_dir_it_was_given(tmp_path):
     env = subprocess.run(["bash", str(CLUSTER_SH), "env"], env={**os.environ, "DISAGG_STATE": str(tmp_path / "side")},
                          check=True, capture_output=True, text=True).stdout  # fmt: skip
     assert f"export DISAGG_STATE={tmp_path / 'side'}\n" in env
