@@ -25,8 +25,9 @@ scheduled, are not capacity (dynamo#12430, #14251).
   (predictive, for scale-up only; the higher of a line over the trend window and one over its last
   RECENT_TREND_S, so an accelerating ramp is followed);
 - *reactive*: a role whose own signal misses its target (prefill: TTFT over target while the prefill leg takes
-  most of it, or requests waiting on prefill; decode: TPOT over target, KV nearly full, or the TTFT of the
-  prompts it prefills itself over target) grows by a step
+  most of it, or requests waiting on prefill; decode: TPOT over target, KV nearly full, the TTFT of the
+  prompts it prefills itself over target, or TTFT over target with requests waiting on decode and the prefill
+  leg less than half of it) grows by a step
   proportional to the miss, whatever the model says.
 P and D are decided together: decode's demand includes the prompts prefill takes in times decode's residence, so
 a surge grows decode before its KV fills. A role shrinks only when its signal is well under target, to the fewest
@@ -296,8 +297,14 @@ def _decode_need(policy: Policy, obs: Observation, cap: Capacity, demand: float)
     holders = d.kv_engines or d.warm
     kv_full = d.kv_capacity > 0 and holders > 0 and d.kv_tokens >= KV_FULL * d.kv_capacity * holders
     local_miss = obs.local_ttft_s is not None and obs.local_ttft_s > policy.ttft_s
-    if tpot_miss or kv_full or local_miss:
+    # TTFT missed while requests wait on decode and the prefill leg is not most of it: decode admits too slowly
+    queued = (obs.ttft_s is not None and obs.ttft_s > policy.ttft_s and d.waiting >= max(d.warm, 1)
+              and not (obs.prefill_leg_s is not None and obs.prefill_leg_s >= PREFILL_SHARE * obs.ttft_s))  # fmt: skip
+    if tpot_miss or kv_full or local_miss or queued:
         misses = []  # (how far off, why)
+        if queued:
+            misses.append((obs.ttft_s / policy.ttft_s, f"TTFT p {obs.ttft_s:.2f}s over the {policy.ttft_s:.2f}s target with "  # type: ignore[operator]
+                           f"{d.waiting:.0f} requests waiting on decode"))  # fmt: skip
         if tpot_miss:
             misses.append((obs.tpot_s / policy.tpot_s, f"TPOT p {obs.tpot_s:.3f}s over the {policy.tpot_s:.3f}s target"))  # type: ignore[operator]
         if kv_full:

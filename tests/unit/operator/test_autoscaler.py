@@ -94,6 +94,20 @@ def test_a_ttft_miss_that_is_not_prefills_does_not_grow_prefill() -> None:
     assert decision.sizes["prefill"] == 2
 
 
+def test_first_tokens_late_with_requests_waiting_on_decode_grow_decode() -> None:
+    """TTFT 5x its target, the prefill leg short, TPOT on target, and requests queued on decode: decode admits too
+    slowly (its KV is taken), so decode grows by a step in proportion, prefill stays. The same miss with nothing
+    waiting on decode (the KV wait, say) grows neither."""
+    queued = observation(0.0, role(2), role(2, kv_tokens=10_000.0, waiting=12.0), requests=100, ttft_s=10.0,
+                         prefill_leg_s=0.3, tpot_s=0.03, prefill_tokens=1_000.0)  # fmt: skip
+    decision, _ = decide(policy(), queued, Memory())
+    assert decision.sizes == {"prefill": 2, "decode": 4} and "12 requests waiting on decode" in decision.reasons["decode"], decision
+    unqueued = replace(queued, decode=role(2, kv_tokens=10_000.0))
+    assert dict(decide(policy(), unqueued, Memory())[0].sizes) == {"prefill": 2, "decode": 2}
+    prefills = replace(queued, prefill_leg_s=6.0)  # the prefill leg is most of it: prefill's miss, not decode's
+    assert decide(policy(), prefills, Memory())[0].sizes["decode"] == 2
+
+
 def test_slow_prompts_that_decode_prefills_itself_grow_decode_not_prefill() -> None:
     """Short prompts under the disaggregation threshold are prefilled on decode: their TTFT miss is decode's (its
     compute and queue), while the disaggregated ones meet the target; once they meet it too decode may shrink."""
