@@ -15,6 +15,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = "vllm:num_requests_running"  # requests in the batch
 WAITING = "vllm:num_requests_waiting"  # queued, and waiting for a remote KV (vLLM's skipped_waiting queue)
+# WAITING split by a label ``reason``: "capacity" (queued for the scheduler: no room in the batch or the KV cache)
+# and "deferred" (held back by a transient constraint: WAITING_FOR_REMOTE_KVS, a LoRA budget); their sum is WAITING.
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+WAITING_FOR_CAPACITY = "capacity"
 KV_USAGE = "vllm:kv_cache_usage_perc"  # blocks referenced by requests (prefix-cached free blocks do not count)
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"  # prompt tokens looked up in the prefix cache
 PREFIX_HITS = "vllm:prefix_cache_hits_total"  # of those, found cached

@@ -298,7 +298,7 @@ def model_dashboard() -> gd.Dashboard:
                             "and waiting at the router's last read of its /metrics plus the router's legs since then still in flight.", "none",
                             query(f"max by (role, backend) (disagg_router_backend_load{{{ROUTER_REV}}})", "{{role}} {{backend}}")))
     d = d.with_panel(series("Engines' queues and KV in use", "The engines' own scheduler gauges at the router's last fresh "
-                            "read of their /metrics: requests waiting (vllm:num_requests_waiting) and the share of the KV "
+                            "read of their /metrics: requests waiting for room (vllm:num_requests_waiting_by_reason{reason=\"capacity\"}) and the share of the KV "
                             "cache in use (vllm:kv_cache_usage_perc), what the SLO autoscaler sizes the roles on.", "none",
                             query(f"max by (role, backend) (disagg_router_backend_waiting{{{ROUTER_REV}}})", "waiting {{role}} {{backend}}"),
                             query(f"max by (role, backend) (disagg_router_backend_kv_usage{{{ROUTER_REV}}})", "KV {{role}} {{backend}}")))

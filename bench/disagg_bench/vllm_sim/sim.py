@@ -131,7 +131,9 @@ in ``v1/metrics/loggers.py``): ``vllm:num_requests_running``, ``vllm:num_request
 ``vllm:kv_cache_usage_perc``, labels ``engine`` (the DP rank) and ``model_name``, computed at scrape time.
 Running: a prefill computing, a request in D's batch. Waiting: everything else handed to the engine and
 not finished: queued for P's accelerator or D's next step, waiting for its remote KV (vLLM counts
-WAITING_FOR_REMOTE_KVS in this gauge), KV arrived but not yet in the batch. KV blocks in use (of
+WAITING_FOR_REMOTE_KVS in this gauge), KV arrived but not yet in the batch; and split as vLLM splits it,
+``vllm:num_requests_waiting_by_reason``: ``reason="deferred"`` the requests scheduled whose remote KV has not
+arrived, ``reason="capacity"`` the rest. KV blocks in use (of
 ``--num-gpu-blocks`` per rank, ``BlockPool.get_usage``): those of every scheduled, unfinished request
 (prompt plus generated tokens; a block two requests share counts once), and those P still holds for a
 finished prefill: under its lease until D reads them (pull) or while it writes them (push); cached blocks
@@ -456,18 +458,27 @@ class _SchedulerGauges:
         "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
         "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
     }
+    BY_REASON = ("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason. Reason labels: 'capacity' = "
+                 "waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, "
+                 "blocked status). Sum of all reasons equals vllm:num_requests_waiting.")  # fmt: skip
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def collect(self) -> Any:
-        values = self.engine.scheduler_gauges()
+        running, capacity, deferred, usage = self.engine.scheduler_gauges()
+        waiting = {rank: capacity[rank] + deferred[rank] for rank in capacity}
         model = self.engine.a.served_model_name
-        for (name, doc), per_rank in zip(self.HELP.items(), values):
+        for (name, doc), per_rank in zip(self.HELP.items(), (running, waiting, usage)):
             family = GaugeMetricFamily(name, doc, labels=["engine", "model_name"])
             for rank, value in sorted(per_rank.items()):
                 family.add_metric([str(rank), model], float(value))
             yield family
+        by_reason = GaugeMetricFamily(*self.BY_REASON, labels=["engine", "model_name", "reason"])
+        for reason, per_rank in (("capacity", capacity), ("deferred", deferred)):
+            for rank, value in sorted(per_rank.items()):
+                by_reason.add_metric([str(rank), model, reason], float(value))
+        yield by_reason
 
 
 class _PrefixCacheMetrics:
@@ -1139,19 +1150,21 @@ class Engine:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.dead else 200)
 
-    def scheduler_gauges(self) -> tuple[dict[int, int], dict[int, int], dict[int, float]]:
-        """Per DP rank of this pod (global): requests running, requests waiting, fraction of KV blocks in use
-        (module docstring)."""
-        running, waiting = dict.fromkeys(self.ranks, 0), dict.fromkeys(self.ranks, 0)
+    def scheduler_gauges(self) -> tuple[dict[int, int], dict[int, int], dict[int, int], dict[int, float]]:
+        """Per DP rank of this pod (global): requests running, requests waiting for capacity, requests waiting on
+        their remote KV (deferred), fraction of KV blocks in use (module docstring)."""
+        running, capacity, deferred = dict.fromkeys(self.ranks, 0), dict.fromkeys(self.ranks, 0), dict.fromkeys(self.ranks, 0)
         in_batch = {id(s) for s in self.running}
         for key, seq in self.inflight.items():
             if seq.done:
                 continue
             if seq.computing or key in in_batch:
                 running[seq.rank] += 1
+            elif seq.path in ("push", "pull") and seq.blocks is not None and not seq.kv_ready:
+                deferred[seq.rank] += 1  # scheduled, its KV on the way: vLLM's WAITING_FOR_REMOTE_KVS
             else:
-                waiting[seq.rank] += 1
-        return running, waiting, {rank: cache.usage for rank, cache in self.caches.items()}
+                capacity[seq.rank] += 1
+        return running, capacity, deferred, {rank: cache.usage for rank, cache in self.caches.items()}
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -105,7 +105,9 @@ class BackendRouting:
     prefix_chunks: int = 0  # prefill: prompt chunks the prefix index believes the backend holds
     kv_blocks: int | None = None  # prefill: KV blocks its KV events say it holds (None: its events are not followed)
     # The engine's own scheduler gauges at the last fresh read of its /metrics (None: no fresh read), for the
-    # operator's autoscaler: requests waiting, the share of its KV cache in use and that cache's size in tokens.
+    # operator's autoscaler: requests waiting for room (vLLM's reason "capacity"; not those waiting on their remote
+    # KV, which a decode asked with its prefill does until the KV lands), the share of its KV cache in use and that
+    # cache's size in tokens.
     waiting: float | None = None
     kv_usage: float | None = None
     kv_capacity_tokens: int | None = None

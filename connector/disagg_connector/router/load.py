@@ -2,11 +2,14 @@
 replica sees the same numbers (a router's own in-flight count sees only its own traffic).
 
 - **What is read**, per engine core (vLLM labels its series ``engine="<global DP rank>"``):
-  ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
+  ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and its ``reason="capacity"`` part of
+  ``vllm:num_requests_waiting_by_reason`` (requests queued for room; the rest wait on their remote KV, which
+  a decode asked at once with its prefill always does for a while), ``vllm:kv_cache_usage_perc``,
   ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens), and the KV cache's size
   from ``vllm:cache_config_info`` (labels ``block_size``, ``num_gpu_blocks``). Only those lines are parsed
   (with prometheus_client's parser, :func:`vllm_metrics.read_samples`): a vLLM ``/metrics`` page is mostly histograms, tens of kB.
-- **A backend's load** is what its engine said at the last read (running + waiting) less this router's legs in
+- **A backend's load** is what its engine said at the last read (running + waiting, those waiting on their KV
+  included: they run there next) less this router's legs in
   flight there when the read began (what other routers and clients brought), plus this router's legs in flight now,
   which it knows exactly: between two reads the router's own traffic is the only news, and a read taken during a
   burst that has since finished does not make the engine look busy (on the H200, 16 streams that had just ended on
@@ -30,12 +33,14 @@ from typing import Callable, Iterable, Mapping
 
 import aiohttp
 
-from disagg_connector.vllm_metrics import CACHE_CONFIG_INFO, KV_USAGE, PREFIX_HITS, PREFIX_QUERIES, RUNNING, WAITING, read_samples
+from disagg_connector.vllm_metrics import (
+    CACHE_CONFIG_INFO, KV_USAGE, PREFIX_HITS, PREFIX_QUERIES, RUNNING, WAITING, WAITING_BY_REASON, WAITING_FOR_CAPACITY, read_samples,
+)  # fmt: skip
 from disagg_connector.router.discovery import Backend
 
 log = logging.getLogger("disagg_router.load")
 
-_READ = (RUNNING, WAITING, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS)
+_READ = (RUNNING, WAITING, WAITING_BY_REASON, KV_USAGE, PREFIX_QUERIES, PREFIX_HITS)
 # A read this many intervals old is no longer the engine's state.
 STALE_READS = 3
 
@@ -45,11 +50,18 @@ class EngineCounters:
     """One engine core at one read."""
 
     running: float = 0.0
-    waiting: float = 0.0
+    waiting: float = 0.0  # every request waiting: for room, and for its remote KV
     kv_usage: float = 0.0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
     cache_tokens: int | None = None  # block_size x num_gpu_blocks, when vLLM says
+    waiting_for_capacity: float | None = None  # of ``waiting``, those queued for room (reason "capacity"), when vLLM says
+
+    @property
+    def queued(self) -> float:
+        """Requests waiting for room in the engine: what says it is short of capacity (all waiting where vLLM does
+        not split them by reason)."""
+        return self.waiting if self.waiting_for_capacity is None else self.waiting_for_capacity
 
 
 def parse_engine_metrics(text: str | bytes) -> dict[str, EngineCounters]:
@@ -62,12 +74,15 @@ def parse_engine_metrics(text: str | bytes) -> dict[str, EngineCounters]:
                 cache[s.engine] = int(s.labels["block_size"]) * int(s.labels["num_gpu_blocks"])
             except (KeyError, ValueError):
                 pass
+        elif s.name == WAITING_BY_REASON:
+            if s.labels.get("reason") == WAITING_FOR_CAPACITY:
+                values[s.engine][WAITING_FOR_CAPACITY] = values[s.engine].get(WAITING_FOR_CAPACITY, 0.0) + s.value
         else:
             values[s.engine][s.name] = values[s.engine].get(s.name, 0.0) + s.value
     return {
         engine: EngineCounters(
             v.get(RUNNING, 0.0), v.get(WAITING, 0.0), v.get(KV_USAGE, 0.0), v.get(PREFIX_QUERIES, 0.0), v.get(PREFIX_HITS, 0.0),
-            cache.get(engine),
+            cache.get(engine), v.get(WAITING_FOR_CAPACITY),
         )
         for engine, v in values.items()
     }
@@ -101,6 +116,7 @@ class LoadBoard:
         now = EngineCounters(
             sum(e.running for e in mine), sum(e.waiting for e in mine), max(e.kv_usage for e in mine),
             sum(e.prefix_queries for e in mine), sum(e.prefix_hits for e in mine), sum(sizes) if sizes else None,
+            sum(e.queued for e in mine),
         )  # fmt: skip
         before = self.readings.get(b.key)
         if before is not None and now.prefix_queries < before.counters.prefix_queries:

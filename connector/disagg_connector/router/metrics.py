@@ -47,8 +47,9 @@ class _Backends(Collector):
             "/metrics plus this router's legs since then still in flight (this router's in-flight legs without a fresh read)",
             labels=labels,
         )  # fmt: skip
-        waiting = GaugeMetricFamily("disagg_router_backend_waiting", "Requests waiting in the engine's scheduler at the last "
-                                    "fresh read of its /metrics (vllm:num_requests_waiting)", labels=labels)  # fmt: skip
+        waiting = GaugeMetricFamily("disagg_router_backend_waiting", "Requests waiting for room in the engine's scheduler at the "
+                                    "last fresh read of its /metrics (vllm:num_requests_waiting_by_reason{reason=\"capacity\"}; "
+                                    "vllm:num_requests_waiting where the engine does not split it)", labels=labels)  # fmt: skip
         kv_usage = GaugeMetricFamily("disagg_router_backend_kv_usage", "Share of the engine's KV cache in use at the last fresh "
                                      "read (vllm:kv_cache_usage_perc; a pod's largest over its cores)", labels=labels)  # fmt: skip
         for b in h.backends:

@@ -133,7 +133,7 @@ class Router:
         routing = BackendRouting(
             load=board.load(b.key, self.balancer.inflight.get(b.key, 0)),
             read_age_seconds=round(board.clock() - reading.at, 3) if reading is not None else None,
-            waiting=fresh.counters.waiting if fresh is not None else None,
+            waiting=fresh.counters.queued if fresh is not None else None,
             kv_usage=fresh.counters.kv_usage if fresh is not None else None,
             kv_capacity_tokens=fresh.counters.cache_tokens if fresh is not None else None,
         )

@@ -600,8 +600,9 @@ class AutoscalingSpec(ApiModel):
     max_replicas: Annotated[int, Field(ge=1, le=1000)] = Field(description="The HPA's maxReplicas.")
     metrics: Annotated[list[FreeForm], Field(min_length=1, max_length=16)] = Field(
         description="The HPA's metrics (autoscaling/v2 MetricSpec, as written in an HPA), e.g. a Pods metric "
-        "vllm:num_requests_waiting from a Prometheus adapter. CPU is no measure of a GPU engine's load, so there "
-        "is no default: name what to scale on."
+        "vllm:num_requests_waiting_by_reason with the selector reason=capacity (requests waiting for room; "
+        "vllm:num_requests_waiting also counts a decode waiting on its remote KV) from a Prometheus adapter. CPU is "
+        "no measure of a GPU engine's load, so there is no default: name what to scale on."
     )
     behavior: FreeForm | None = Field(
         default=None, description="The HPA's scale-up/scale-down behavior (autoscaling/v2 HorizontalPodAutoscalerBehavior)."

@@ -12,6 +12,7 @@ import uuid
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 from disagg_bench.vllm_sim import harness as h  # noqa: E402
@@ -26,6 +27,7 @@ def sims(tmp_path_factory):
         "Pmain": h.launch_sim(d, "prefill", "push", extra=["--push-match", "transfer-id"]),
         "Dmain": h.launch_sim(d, "decode", "push", extra=["--push-match", "transfer-id"]),
         "Dkey": h.launch_sim(d, "decode", "push"),
+        "Dwait": h.launch_sim(d, "decode", "push"),
         "Pshort": h.launch_sim(d, "prefill", "push", lease_seconds=0.3),
         "Dshort": h.launch_sim(d, "decode", "push"),
         "Ppull": h.launch_sim(d, "prefill", "pull", lease_seconds=0.5),
@@ -139,6 +141,35 @@ def test_vllm_main_matches_push_legs_by_transfer_id(sims):
     xid = uuid.uuid4().hex
     _, d_reply = asyncio.run(legs(xid, xid, "xfer-2", "xfer-3", timeout=2.0))
     assert isinstance(d_reply, asyncio.TimeoutError)
+
+
+def _waiting(sim: h.Sim) -> tuple[float, float, float]:
+    """vllm:num_requests_waiting, and its reason="capacity" and reason="deferred" parts, summed over the engines."""
+    text = h.http_get(sim.url + "/metrics")[1].decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    total = sum(s.value for s in samples if s.name == "vllm:num_requests_waiting")
+    by = {r: sum(s.value for s in samples if s.name == "vllm:num_requests_waiting_by_reason" and s.labels["reason"] == r)
+          for r in ("capacity", "deferred")}  # fmt: skip
+    return total, by["capacity"], by["deferred"]
+
+
+def test_a_decode_waiting_on_its_remote_kv_is_waiting_deferred_not_for_capacity(sims):
+    """vLLM counts a request in WAITING_FOR_REMOTE_KVS in num_requests_waiting, as reason "deferred" of
+    num_requests_waiting_by_reason: the simulator's decode whose prefill never comes reads so until it is aborted."""
+    P, D = sims["P"], sims["Dwait"]
+    assert _waiting(D) == (0.0, 0.0, 0.0)
+    xid = uuid.uuid4().hex
+
+    async def waiting_on_kv() -> None:
+        leg = asyncio.create_task(_post(D, h.completion(max_tokens=2, kv_transfer_params=_push_params(P, xid)), xid))
+        try:
+            await asyncio.to_thread(h.wait_until, lambda: _waiting(D) == (1.0, 0.0, 1.0), 10.0, what="a decode waiting on its KV")
+            assert not leg.done()
+        finally:
+            leg.cancel()  # the client goes: vLLM aborts the request
+
+    asyncio.run(waiting_on_kv())
+    h.wait_until(lambda: _waiting(D) == (0.0, 0.0, 0.0), 10.0, what="the aborted request gone from the gauges")
 
 
 def test_push_decode_missing_a_key_kills_the_engine_then_its_server_exits(sims):

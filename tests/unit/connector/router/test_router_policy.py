@@ -18,6 +18,7 @@ from disagg_connector.router.prefix import CHUNK_BYTES, CHUNK_TOKENS, PrefixInde
 from tests.fixtures.releases import RELEASES, with_values
 
 RUNNING, WAITING, QUERIES = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prefix_cache_queries_total"
+BY_REASON = "vllm:num_requests_waiting_by_reason"
 
 
 class Clock:
@@ -52,6 +53,28 @@ def test_the_counters_of_each_engine_core_come_from_vllms_own_metrics_text(relea
     assert (engines["0"].running, engines["0"].waiting, engines["1"].running, engines["1"].waiting) == (3.0, 0.0, 0.0, 5.0)
     assert engines["1"].prefix_queries == 640.0 and engines["0"].prefix_queries == 0.0
     assert engines["0"].cache_tokens is None  # this fixture keeps no cache_config_info
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_requests_waiting_on_their_kv_are_load_but_not_a_queue_for_room(release: str) -> None:
+    """vLLM's num_requests_waiting counts WAITING_FOR_REMOTE_KVS (reason "deferred"): a decode asked with its
+    prefill waits so until the KV lands. It is load (it runs there next) but not a shortage of room, which is
+    what the autoscaler reads as waiting."""
+    text = with_values(RELEASES[release], {(WAITING, "0"): 5.0, (BY_REASON, "0", 'reason="capacity"'): 2.0,
+                                           (BY_REASON, "0", 'reason="deferred"'): 3.0, (RUNNING, "1"): 1.0})  # fmt: skip
+    engines = parse_engine_metrics(text)
+    assert (engines["0"].waiting, engines["0"].queued, engines["1"].queued) == (5.0, 2.0, 0.0)
+    board = LoadBoard(1.0, Clock())
+    pod = backend("d", role="decode")
+    board.record(pod, engines, inflight_before=0)
+    reading = board.fresh(pod.key)
+    assert reading is not None and reading.counters.queued == 2.0
+    assert board.load(pod.key, inflight=0) == 6.0
+
+
+def test_an_engine_that_does_not_split_waiting_by_reason_is_read_as_all_queued() -> None:
+    text = 'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+    assert parse_engine_metrics(text)["0"].queued == 4.0
 
 
 def test_the_kv_cache_size_comes_from_cache_config_info() -> None:
