@@ -150,6 +150,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -1060,8 +1061,8 @@ class Engine:
     # --- OpenAI HTTP ----------------------------------------------------------------------------------
     def http_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_post("/v1/completions", lambda r: self.generate(r, "completions"))
-        app.router.add_post("/v1/chat/completions", lambda r: self.generate(r, "chat"))
+        app.router.add_post("/v1/completions", functools.partial(self.generate, kind="completions"))
+        app.router.add_post("/v1/chat/completions", functools.partial(self.generate, kind="chat"))
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
