@@ -311,9 +311,10 @@ class SloAutoscaler:
         def role(name: str) -> autoscaler.RoleObservation:
             engines = [e for e in fleet._role(name) if e.gone is None and not e.retiring]
             warm = sum(1 for e in engines if now - e.ready_at >= self.policy.warmup_s)
+            ready = sum(1 for e in engines if e.ready_at <= now)
             if name == "prefill":
-                return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(e.waiting(now) for e in engines)))
-            return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(len(e.pending) for e in engines)),
+                return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(e.waiting(now) for e in engines)), ready=ready)
+            return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(len(e.pending) for e in engines)), ready=ready,
                                               kv_tokens=sum(e.kv() for e in engines if e.ready_at <= now), kv_capacity=float(KV_TOKENS),
                                               kv_engines=sum(1 for e in engines if e.ready_at <= now))  # fmt: skip
 
@@ -322,6 +323,7 @@ class SloAutoscaler:
             ttft_s=_p([f.first - f.request.at for f in firsts], self.percentile),
             tpot_s=_p([_tpot(f) for f in done], self.percentile),
             prefill_leg_s=_p([f.prefilled - f.request.at for f in prefilled], self.percentile),
+            prefill_leg_mean_s=statistics.fmean(f.prefilled - f.request.at for f in prefilled) if prefilled else None,
             prefill_tokens=float(sum(r.uncached for r in sent)),
         )  # fmt: skip
         decision, self.memory = autoscaler.decide(self.policy, obs, self.memory)

@@ -6,15 +6,17 @@ earlier ones in, a :class:`Decision` and the next memory out. The I/O (reading t
 DisaggregatedRoles' scale) is not here.
 
 **What it sees** (per interval, summed over the model's routers): the TTFT and TPOT percentile of the targets,
-the prefill leg's percentile (queue + compute on prefill, which is what every engine-side autoscaler misses,
-ai-dynamo/dynamo#10528), the uncached prompt tokens sent to prefill, and the engines' own gauges: requests
-waiting on prefill, KV tokens in use on decode. Engines younger than the warm-up, and engines that are not
+the prefill leg's percentile and mean (queue + compute on prefill, which is what every engine-side autoscaler
+misses, ai-dynamo/dynamo#10528), the uncached prompt tokens sent to prefill, and the engines' own gauges:
+requests waiting for room, KV tokens in use on decode. Engines younger than the warm-up, and engines that are not
 scheduled, are not capacity (dynamo#12430, #14251).
 
-**What it learns** (:class:`Capacity`), online, from warm engines only:
-- prefill: uncached prompt tokens per second one engine computes, from intervals where every engine had a
-  queue at both ends (an engine that never queues says only that it can do at least what it did), the queue's
-  growth taken off what the routers sent;
+**What it learns** (:class:`Capacity`), online, from warm engines only (an interval in which a younger engine
+served teaches prefill nothing: the routers' tokens and legs are every serving engine's):
+- prefill: uncached prompt tokens per second one engine computes, the higher of two lower bounds: from
+  intervals where every engine had a queue at both ends, what they computed (the queue's growth taken off what
+  the routers sent); and, with no queue, a prompt's tokens over the prefill legs' mean (a leg is at least its
+  prompt's compute). An engine that never queues also says it can do at least what it was sent (for shrinking);
 - decode: TPOT as a line in KV tokens per engine (least squares over the recent intervals), so the KV tokens one
   engine may hold at the TPOT target are (target - intercept) / slope, never above the KV it has;
 - decode's residence: the KV tokens it holds per prompt token/s sent to prefill (Little's law, on a steady load).
@@ -117,10 +119,13 @@ class RoleObservation:
     warm: int  # engines ready for longer than the warm-up: the capacity
     unschedulable: int = 0  # engines the scheduler cannot place
     unschedulable_reason: str = ""
-    waiting: float = 0.0  # requests waiting on the role's engines at the routers' last read, summed over engines
+    # requests waiting for room on the role's engines at the routers' last read, summed over engines (vLLM's reason
+    # "capacity": not a decode waiting on its remote KV, which it does on every request until the KV lands)
+    waiting: float = 0.0
     kv_tokens: float = 0.0  # KV tokens in use on the role's engines (decode)
     kv_capacity: float = 0.0  # KV tokens one engine holds (decode)
     kv_engines: int = 0  # the engines whose KV kv_tokens sums (serving, warm or not; 0: as many as are warm)
+    ready: int = 0  # engines serving now, warm or not (0: as many as are warm)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ class Observation:
     ttft_s: float | None = None  # the targets' percentile; None: no request
     tpot_s: float | None = None
     prefill_leg_s: float | None = None  # the same percentile of the prefill leg (queue + compute)
+    prefill_leg_mean_s: float | None = None  # the prefill legs' mean
     prefill_tokens: float = 0.0  # uncached prompt tokens sent to prefill in the interval
     rolling_out: bool = False
     local_ttft_s: float | None = None  # the percentile of TTFT of prompts decode prefilled itself (below the
@@ -148,10 +154,19 @@ class Capacity:
 
     prefill_tokens_per_s: float | None = None  # None: never seen prefill queue
     prefill_floor: float = 0.0  # the most one engine was seen doing without queueing: capacity is at least this
+    # A prompt's uncached tokens over its prefill leg, averaged while prefill had no queue: the leg is the prompt's
+    # compute and its hand-off, so this is at most what an engine computes, and it is read at any load.
+    prefill_leg_tokens_per_s: float | None = None
     decode_points: tuple[tuple[float, float], ...] = ()  # (KV tokens per engine, TPOT s), newest last
     # KV tokens decode holds per prompt token/s sent to prefill (Little's law: how long a prompt's KV stays on
     # decode, history included): what the prompts prefill takes in now will hold on decode a moment later.
     decode_residence_s: float | None = None
+
+    @property
+    def prefill_engine_tokens_per_s(self) -> float | None:
+        """What one prefill engine computes, as far as known: the queue's throughput and the prompts' legs are both
+        at most that, so the higher of them (None: neither seen)."""
+        return max((c for c in (self.prefill_tokens_per_s, self.prefill_leg_tokens_per_s) if c is not None), default=None)
 
     def decode_line(self) -> tuple[float, float] | None:
         """(intercept, slope) of TPOT against KV tokens per engine, or None until the points spread."""
@@ -207,17 +222,27 @@ def learn(capacity: Capacity, obs: Observation, waiting_before: float | None = N
     was sent: the growth of the queue (in requests, at this interval's tokens per request) is taken off."""
     p, d = obs.prefill, obs.decode
     out = capacity
-    grew = max(p.waiting - (p.waiting if waiting_before is None else waiting_before), 0.0)
+    before = p.waiting if waiting_before is None else waiting_before
+    grew = max(p.waiting - before, 0.0)
     computed = obs.prefill_tokens - grew * _tokens_per_request(obs)
-    if p.warm and obs.seconds > 0 and computed > 0:
+    # The tokens and the legs are every serving engine's: while engines younger than the warm-up serve too, what a
+    # warm one did is unknown (the tokens over the warm ones alone read twice an engine's in a sine's ramp).
+    only_warm = p.warm > 0 and (p.ready or p.warm) <= p.warm
+    if only_warm and obs.seconds > 0 and computed > 0:
         per_engine = computed / obs.seconds / p.warm
         # Every engine had a queue at both ends of the interval: what they did is what they can do. (One end is
         # chance: a prompt that arrived just before the gauge was read says nothing of the engine's limit.)
-        if min(p.waiting, p.waiting if waiting_before is None else waiting_before) >= p.warm:
+        if min(p.waiting, before) >= p.warm:
             known = out.prefill_tokens_per_s
             out = replace(out, prefill_tokens_per_s=per_engine if known is None else known + LEARN_RATE * (per_engine - known))
         else:
             out = replace(out, prefill_floor=max(out.prefill_floor, per_engine))
+    # A leg is its prompt's queue, compute and hand-off: read where prefill had no queue at either end.
+    unqueued = max(p.waiting, before) < max(p.warm, 1)
+    if only_warm and unqueued and obs.prefill_leg_mean_s and obs.requests and obs.prefill_tokens > 0:
+        leg_rate = _tokens_per_request(obs) / obs.prefill_leg_mean_s
+        known = out.prefill_leg_tokens_per_s
+        out = replace(out, prefill_leg_tokens_per_s=leg_rate if known is None else known + LEARN_RATE * (leg_rate - known))
     if d.warm and d.current == d.warm and obs.tpot_s is not None and d.kv_tokens > 0:
         out = replace(out, decode_points=(*out.decode_points, (d.kv_tokens / d.warm, obs.tpot_s))[-DECODE_POINTS:])
     # Little's law holds on a steady load only: nothing queued on either role, the prompts' rate as before (while
@@ -262,15 +287,19 @@ def _engines_for(demand: float, per_engine: float | None) -> int:
     return math.ceil(min(demand / (per_engine * HEADROOM), 1e6))
 
 
+def _prefill_bound(obs: Observation) -> bool:
+    """Whether the prefill leg is most of TTFT (PREFILL_SHARE): a miss more prefill engines would cure."""
+    return obs.prefill_leg_s is not None and bool(obs.ttft_s) and obs.prefill_leg_s >= PREFILL_SHARE * obs.ttft_s  # type: ignore[operator]
+
+
 def _prefill_need(policy: Policy, obs: Observation, cap: Capacity, demand: float) -> tuple[int, str]:
-    """Engines prefill needs, and why. Growth trusts only a capacity seen under a queue; shrinking may use the
-    most an engine was seen doing (a lower bound, so it errs on keeping engines)."""
+    """Engines prefill needs, and why. Growth trusts only a capacity seen under a queue or read from the prompts'
+    legs; shrinking may also use the most an engine was seen doing (a lower bound, so it errs on keeping engines)."""
     p = obs.prefill
-    known = cap.prefill_tokens_per_s
+    known = cap.prefill_engine_tokens_per_s
     model = _engines_for(demand, known)
     ttft_miss = obs.ttft_s is not None and obs.ttft_s > policy.ttft_s
-    prefill_bound = obs.prefill_leg_s is not None and obs.ttft_s and obs.prefill_leg_s >= PREFILL_SHARE * obs.ttft_s
-    if ttft_miss and (prefill_bound or p.waiting >= max(p.warm, 1)):
+    if ttft_miss and (_prefill_bound(obs) or p.waiting >= max(p.warm, 1)):
         miss = obs.ttft_s / policy.ttft_s  # type: ignore[operator]
         grown = p.current + min(policy.max_step, max(1, math.ceil(p.current * min(miss - 1, 1.0))))
         return max(grown, model), f"TTFT p {obs.ttft_s:.2f}s over the {policy.ttft_s:.2f}s target, the prefill leg {obs.prefill_leg_s or 0:.2f}s of it"
@@ -298,8 +327,7 @@ def _decode_need(policy: Policy, obs: Observation, cap: Capacity, demand: float)
     kv_full = d.kv_capacity > 0 and holders > 0 and d.kv_tokens >= KV_FULL * d.kv_capacity * holders
     local_miss = obs.local_ttft_s is not None and obs.local_ttft_s > policy.ttft_s
     # TTFT missed while requests wait on decode and the prefill leg is not most of it: decode admits too slowly
-    queued = (obs.ttft_s is not None and obs.ttft_s > policy.ttft_s and d.waiting >= max(d.warm, 1)
-              and not (obs.prefill_leg_s is not None and obs.prefill_leg_s >= PREFILL_SHARE * obs.ttft_s))  # fmt: skip
+    queued = obs.ttft_s is not None and obs.ttft_s > policy.ttft_s and d.waiting >= max(d.warm, 1) and not _prefill_bound(obs)
     if tpot_miss or kv_full or local_miss or queued:
         misses = []  # (how far off, why)
         if queued:
@@ -403,7 +431,7 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
     demand = {"prefill": max(rate, forecast_p or 0.0) + backlog, "decode": max(obs.decode.kv_tokens, forecast_d or 0.0, coupled)}
     estimates = {"prefill_tokens_per_s": rate, "prefill_tokens_per_s_forecast": forecast_p or rate,
                  "decode_kv_tokens": obs.decode.kv_tokens, "decode_kv_tokens_forecast": max(forecast_d or obs.decode.kv_tokens, coupled),
-                 "prefill_engine_tokens_per_s": capacity.prefill_tokens_per_s or capacity.prefill_floor}  # fmt: skip
+                 "prefill_engine_tokens_per_s": capacity.prefill_engine_tokens_per_s or capacity.prefill_floor}  # fmt: skip
     line = capacity.decode_line()
     if line:
         estimates["decode_engine_kv_tokens_at_target"] = (policy.tpot_s - line[0]) / line[1]
@@ -484,10 +512,10 @@ def observe(policy: Policy, seen: Seen, measured: Interval, seconds: float, perc
     gauges the routers read, and the engines the census counts (warm: every pod Ready for the warm-up)."""
     q = percentile / 100
 
-    def warm(role: str) -> int:
+    def ready_and_warm(role: str) -> tuple[int, int]:
         engines = seen.census.engines(role, seen.revision, ready=True)
         since = [[_ready_since(p.obj) for p in e.pods] for e in engines]
-        return sum(1 for s in since if all(t is not None and seen.now - t >= policy.warmup_s for t in s))
+        return len(engines), sum(1 for s in since if all(t is not None and seen.now - t >= policy.warmup_s for t in s))
 
     gauges: dict[str, BackendRouting] = {}
     for report in (seen.routers.reports if seen.routers is not None else ()):
@@ -504,13 +532,15 @@ def observe(policy: Policy, seen: Seen, measured: Interval, seconds: float, perc
 
     def role(name: str) -> RoleObservation:
         count, reason = seen.unschedulable.get(name, (0, ""))
-        return RoleObservation(current=seen.targets[name], warm=warm(name), unschedulable=count, unschedulable_reason=reason,
+        ready, warm = ready_and_warm(name)
+        return RoleObservation(current=seen.targets[name], warm=warm, ready=ready, unschedulable=count, unschedulable_reason=reason,
                                waiting=waiting[name], kv_tokens=kv_tokens if name == "decode" else 0.0,
                                kv_capacity=kv_capacity if name == "decode" else 0.0,
                                kv_engines=len(decode) if name == "decode" else 0)  # fmt: skip
 
     return Observation(at=seen.now, seconds=seconds, prefill=role("prefill"), decode=role("decode"), requests=measured.requests,
                        ttft_s=measured.ttft.quantile(q), tpot_s=measured.tpot.quantile(q), prefill_leg_s=measured.prefill_leg.quantile(q),
+                       prefill_leg_mean_s=measured.prefill_leg.mean,
                        prefill_tokens=measured.uncached_prompt_tokens, rolling_out=seen.rolling_out,
                        local_ttft_s=measured.local_ttft.quantile(q))  # fmt: skip
 

@@ -35,13 +35,18 @@ class ReadingError(ValueError):
 
 @dataclass(frozen=True)
 class Histogram:
-    """Cumulative bucket counts by upper bound (+Inf last), as Prometheus keeps them."""
+    """Cumulative bucket counts by upper bound (+Inf last), as Prometheus keeps them, and the observations' sum."""
 
     buckets: tuple[tuple[float, float], ...] = ()
+    total: float = 0.0  # the series' _sum
 
     @property
     def count(self) -> float:
         return self.buckets[-1][1] if self.buckets else 0.0
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count > 0 else None
 
     def minus(self, earlier: "Histogram") -> "Histogram":
         """The observations since `earlier`; all of them when the counts went back (the router restarted) or
@@ -50,7 +55,7 @@ class Histogram:
             n < m for (_, n), (_, m) in zip(self.buckets, earlier.buckets)
         ):
             return self
-        return Histogram(tuple((b, n - m) for (b, n), (_, m) in zip(self.buckets, earlier.buckets)))
+        return Histogram(tuple((b, n - m) for (b, n), (_, m) in zip(self.buckets, earlier.buckets)), self.total - earlier.total)
 
     def plus(self, other: "Histogram") -> "Histogram":
         if not self.buckets:
@@ -59,7 +64,7 @@ class Histogram:
             return self
         if [b for b, _ in other.buckets] != [b for b, _ in self.buckets]:
             raise ReadingError("routers with different histogram buckets cannot be summed")
-        return Histogram(tuple((b, n + m) for (b, n), (_, m) in zip(self.buckets, other.buckets)))
+        return Histogram(tuple((b, n + m) for (b, n), (_, m) in zip(self.buckets, other.buckets)), self.total + other.total)
 
     def quantile(self, q: float) -> float | None:
         """histogram_quantile(q): linear within the bucket that holds the rank; the highest finite bound when the
@@ -91,21 +96,24 @@ class RouterReading:
 def parse_router_metrics(text: str) -> RouterReading:
     """A router's /metrics text -> :class:`RouterReading` (other series are skipped)."""
     buckets: dict[tuple[str, str, str], dict[float, float]] = {}
+    sums: dict[tuple[str, str, str], float] = {}
     counters: dict[str, dict[str, float]] = {PROMPT_TOKENS: {}, EXPECTED_HIT_TOKENS: {}}
     try:
         for family in text_string_to_metric_families(text):
             if family.name in HISTOGRAMS:
                 for s in family.samples:
+                    key = (family.name, s.labels.get("revision", ""), s.labels.get("mode", ""))
                     if s.name.endswith("_bucket"):
-                        key = (family.name, s.labels.get("revision", ""), s.labels.get("mode", ""))
                         buckets.setdefault(key, {})[float(s.labels["le"])] = s.value
+                    elif s.name.endswith("_sum"):
+                        sums[key] = s.value
             elif family.name in counters:
                 for s in family.samples:
                     if s.name.endswith("_total"):
                         counters[family.name][s.labels.get("backend", "")] = s.value
     except (ValueError, KeyError) as error:
         raise ReadingError(f"not Prometheus text: {error}") from None
-    return RouterReading({k: Histogram(tuple(sorted(v.items()))) for k, v in buckets.items()},
+    return RouterReading({k: Histogram(tuple(sorted(v.items())), sums.get(k, 0.0)) for k, v in buckets.items()},
                          counters[PROMPT_TOKENS], counters[EXPECTED_HIT_TOKENS])  # fmt: skip
 
 

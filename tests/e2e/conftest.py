@@ -61,10 +61,11 @@ def _cluster_env() -> dict[str, str]:
     return env
 
 
-def _cached_kubectl() -> str | None:
-    """The kubectl that hack/cluster.sh built, if it is there (else kubectl from PATH)."""
+def _cached_kubectl(env: dict[str, str] | None = None) -> str | None:
+    """The kubectl that hack/cluster.sh built, if it is there (else kubectl from PATH). ENV: `_cluster_env()`,
+    when the caller has read it."""
     try:
-        path_dir = _cluster_env().get("PATH", "").split(":")[0]
+        path_dir = (env if env is not None else _cluster_env()).get("PATH", "").split(":")[0]
     except (OSError, subprocess.CalledProcessError):
         return None
     exe = Path(path_dir) / "kubectl"
@@ -176,21 +177,21 @@ def cluster(pytestconfig: pytest.Config) -> Iterator[Cluster]:
         c.close()
         return
 
-    with one_session_per_cluster(Path(_cluster_env()["DISAGG_STATE"])):
-        yield from _local_cluster(pytestconfig)
+    env = _cluster_env()  # paths only: the same before and after `up`
+    with one_session_per_cluster(Path(env["DISAGG_STATE"])):
+        yield from _local_cluster(pytestconfig, env)
 
 
-def _local_cluster(pytestconfig: pytest.Config) -> Iterator[Cluster]:
+def _local_cluster(pytestconfig: pytest.Config, env: dict[str, str]) -> Iterator[Cluster]:
     already_up = (
         subprocess.run(["bash", str(CLUSTER_SH), "status"], capture_output=True).returncode == 0
     )
     if not already_up:
         _run_cluster_sh(pytestconfig, "up")
-    env = _cluster_env()
     c = Cluster(
         kubeconfig=env["KUBECONFIG"],
         audit_log=env.get("DISAGG_AUDIT_LOG"),
-        kubectl_path=_cached_kubectl(),
+        kubectl_path=_cached_kubectl(env),
         local=True,
         started_here=not already_up,
     )

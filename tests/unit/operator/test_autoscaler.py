@@ -51,13 +51,14 @@ def test_kv_on_engines_still_warming_counts_against_their_own_room() -> None:
     assert decided[1].reasons["decode"] == "KV nearly full" and decided[1].sizes["decode"] > 4, decided[1]
 
 
-def test_the_observation_counts_the_decode_engines_whose_kv_it_sums() -> None:
+def test_the_observation_counts_the_engines_that_serve_and_the_decode_engines_whose_kv_it_sums() -> None:
     """Three decode engines in the routers' reads (two of them new, not in the census yet): their KV is summed and
-    they are its holders, however many the census counts warm."""
+    they are its holders, however many the census counts warm. The census's serving engines are `ready`; the
+    prefill legs' mean is their histogram's sum over its count."""
     from disagg_connector.contract.health import BackendHealth, BackendRouting, RouterHealth
 
     from disagg_operator.autoscaler import Seen, observe
-    from disagg_operator.router_readings import Interval
+    from disagg_operator.router_readings import Histogram, Interval
     from disagg_operator.state import RouterView
 
     from tests.fixtures.world import desired, steady
@@ -68,9 +69,12 @@ def test_the_observation_counts_the_decode_engines_whose_kv_it_sums() -> None:
                                    BackendRouting(1.0, 0.5, kv_usage=0.5, kv_capacity_tokens=200_000)) for i in range(3))  # fmt: skip
     seen = Seen(revision, steady(world).census, {"prefill": 1, "decode": 3}, RouterView((RouterHealth("ok", True, "Push", 60.0, backends, {}),), ("r-0",)),
                 {}, False, 1.8e9)  # fmt: skip
-    obs = observe(policy(warmup_s=0.0), seen, Interval(), 15.0, 90)
+    legs = Interval(prefill_leg=Histogram(((0.5, 1.0), (1.0, 3.0), (float("inf"), 4.0)), total=2.6))
+    obs = observe(policy(warmup_s=0.0), seen, legs, 15.0, 90)
     assert obs.decode.kv_engines == 3 and obs.decode.kv_tokens == 300_000 and obs.decode.kv_capacity == 200_000
     assert obs.decode.current == 3 and obs.decode.warm <= 1, "the census has one decode pod"
+    assert (obs.prefill.ready, obs.decode.ready) == (1, 1), "the census's serving engines, warm or not"
+    assert obs.prefill_leg_mean_s == 0.65 and obs.prefill_leg_s == 1.0
 
 
 def test_tpot_over_target_grows_decode_to_what_the_learned_line_says() -> None:
@@ -205,6 +209,33 @@ def test_a_queue_at_one_end_of_the_interval_is_chance_not_the_engines_limit() ->
     chance = learn(Capacity(), light, waiting_before=0.0)
     assert chance.prefill_tokens_per_s is None and chance.prefill_floor == 58_000.0 / 15, "the queue's growth taken off"
     assert learn(Capacity(), light, waiting_before=1.0).prefill_tokens_per_s == 4_000.0
+
+
+def test_while_young_engines_serve_the_prompts_sent_are_not_a_warm_engines_capacity() -> None:
+    """Two warm engines of eight serving, every one queued: the 1.2M tokens sent were eight engines' work, not
+    two's (read as two's, it was four times an engine's). Once only warm engines serve, it is theirs."""
+    ramp = observation(0.0, role(8, warm=2, ready=8, waiting=40.0), role(2), requests=600, ttft_s=6.0, prefill_leg_s=5.5,
+                       prefill_leg_mean_s=4.0, prefill_tokens=1_200_000.0)  # fmt: skip
+    assert learn(Capacity(), ramp, waiting_before=40.0) == Capacity()
+    asked = replace(ramp, prefill=replace(ramp.prefill, ready=2))  # six asked for, none serving yet
+    assert learn(Capacity(), asked, waiting_before=40.0).prefill_tokens_per_s == 40_000.0
+
+
+def test_a_prompts_leg_bounds_what_an_engine_computes_at_any_load() -> None:
+    """At light load no queue shows an engine's limit, but each leg is at least its prompt's compute: 2k tokens
+    in a 0.25 s leg on average, so an engine computes at least 8k tokens/s. Growth sizes on it: 60k tokens/s
+    sent to one engine need 10 (at 80 % each)."""
+    light = observation(0.0, role(1), role(2), requests=30, ttft_s=0.4, prefill_leg_s=0.3, prefill_leg_mean_s=0.25,
+                        prefill_tokens=60_000.0)  # fmt: skip
+    learned = learn(Capacity(), light, waiting_before=0.0)
+    assert learned.prefill_leg_tokens_per_s == 8_000.0 and learned.prefill_tokens_per_s is None
+    assert learned.prefill_engine_tokens_per_s == 8_000.0
+    queued = replace(light, prefill=role(1, waiting=3.0))
+    assert learn(Capacity(), queued, waiting_before=3.0).prefill_leg_tokens_per_s is None, "a queue lengthens the leg"
+    busy = observation(0.0, role(1), role(2), requests=450, ttft_s=0.4, prefill_leg_s=0.3, prefill_leg_mean_s=0.25,
+                       prefill_tokens=900_000.0)  # fmt: skip
+    decision, _ = decide(policy(max_step=16, prefill=RoleBounds(1, 16, 1)), busy, Memory(capacity=learned))
+    assert decision.sizes["prefill"] == 10, decision
 
 
 def test_decode_grows_with_the_prompts_prefill_takes_in_before_its_kv_fills() -> None:

@@ -38,6 +38,7 @@ def test_an_interval_is_what_happened_between_two_reads_of_one_revision() -> Non
     assert got.requests == 100 and got.tpot.count == 100
     assert got.uncached_prompt_tokens == 25_000
     assert got.ttft.quantile(0.5) == pytest.approx(0.29, abs=0.05)  # in the (0.2, 0.35] bucket
+    assert got.prefill_leg.mean == pytest.approx((90 * 0.24 + 10 * 4.8) / 100), "the mean from the series' sums"
     assert 5.0 < got.ttft.quantile(0.95) <= 7.5  # the slow tenth: p95 falls in (5, 7.5]
     assert interval(None, first, "r1", ["p0"]) == Interval(), "a router's first read only starts its interval"
 
@@ -49,6 +50,7 @@ def test_a_router_that_restarted_counts_from_zero() -> None:
     serve(restarted, "r1", [1.2] * 20, prompt=2_000)
     got = interval(parse_router_metrics(text(before)), parse_router_metrics(text(restarted)), "r1", ["p0"])
     assert got.requests == 20 and got.uncached_prompt_tokens == 2_000
+    assert got.prefill_leg.mean == pytest.approx(1.2 * 0.8)
 
 
 def test_routers_add_up() -> None:
@@ -60,6 +62,8 @@ def test_routers_add_up() -> None:
         interval(empty, parse_router_metrics(text(b)), "r1", ["p0", "p1"]))  # fmt: skip
     assert total.requests == 40 and total.uncached_prompt_tokens == 4_000
     assert 2.0 < total.ttft.quantile(0.9) <= 3.0
+    assert total.prefill_leg.mean == pytest.approx((30 * 0.24 + 10 * 2.4) / 40)
+    assert Histogram().mean is None
 
 
 def test_quantile_like_histogram_quantile() -> None:
