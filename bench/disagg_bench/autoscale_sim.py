@@ -324,6 +324,7 @@ class SloAutoscaler:
             tpot_s=_p([_tpot(f) for f in done], self.percentile),
             prefill_leg_s=_p([f.prefilled - f.request.at for f in prefilled], self.percentile),
             prefill_leg_mean_s=statistics.fmean(f.prefilled - f.request.at for f in prefilled) if prefilled else None,
+            prefill_legs=len(prefilled),
             prefill_tokens=float(sum(r.uncached for r in sent)),
         )  # fmt: skip
         decision, self.memory = autoscaler.decide(self.policy, obs, self.memory)

@@ -139,6 +139,7 @@ class Observation:
     tpot_s: float | None = None
     prefill_leg_s: float | None = None  # the same percentile of the prefill leg (queue + compute)
     prefill_leg_mean_s: float | None = None  # the prefill legs' mean
+    prefill_legs: int = 0  # prefill legs that ended in the interval (a prompt decode prefilled itself has none)
     prefill_tokens: float = 0.0  # uncached prompt tokens sent to prefill in the interval
     rolling_out: bool = False
     local_ttft_s: float | None = None  # the percentile of TTFT of prompts decode prefilled itself (below the
@@ -239,8 +240,8 @@ def learn(capacity: Capacity, obs: Observation, waiting_before: float | None = N
             out = replace(out, prefill_floor=max(out.prefill_floor, per_engine))
     # A leg is its prompt's queue, compute and hand-off: read where prefill had no queue at either end.
     unqueued = max(p.waiting, before) < max(p.warm, 1)
-    if only_warm and unqueued and obs.prefill_leg_mean_s and obs.requests and obs.prefill_tokens > 0:
-        leg_rate = _tokens_per_request(obs) / obs.prefill_leg_mean_s
+    if only_warm and unqueued and obs.prefill_leg_mean_s and obs.prefill_legs and obs.prefill_tokens > 0:
+        leg_rate = obs.prefill_tokens / obs.prefill_legs / obs.prefill_leg_mean_s
         known = out.prefill_leg_tokens_per_s
         out = replace(out, prefill_leg_tokens_per_s=leg_rate if known is None else known + LEARN_RATE * (leg_rate - known))
     if d.warm and d.current == d.warm and obs.tpot_s is not None and d.kv_tokens > 0:
@@ -540,7 +541,7 @@ def observe(policy: Policy, seen: Seen, measured: Interval, seconds: float, perc
 
     return Observation(at=seen.now, seconds=seconds, prefill=role("prefill"), decode=role("decode"), requests=measured.requests,
                        ttft_s=measured.ttft.quantile(q), tpot_s=measured.tpot.quantile(q), prefill_leg_s=measured.prefill_leg.quantile(q),
-                       prefill_leg_mean_s=measured.prefill_leg.mean,
+                       prefill_leg_mean_s=measured.prefill_leg.mean, prefill_legs=int(measured.prefill_leg.count),
                        prefill_tokens=measured.uncached_prompt_tokens, rolling_out=seen.rolling_out,
                        local_ttft_s=measured.local_ttft.quantile(q))  # fmt: skip
 

@@ -74,7 +74,7 @@ def test_the_observation_counts_the_engines_that_serve_and_the_decode_engines_wh
     assert obs.decode.kv_engines == 3 and obs.decode.kv_tokens == 300_000 and obs.decode.kv_capacity == 200_000
     assert obs.decode.current == 3 and obs.decode.warm <= 1, "the census has one decode pod"
     assert (obs.prefill.ready, obs.decode.ready) == (1, 1), "the census's serving engines, warm or not"
-    assert obs.prefill_leg_mean_s == 0.65 and obs.prefill_leg_s == 1.0
+    assert obs.prefill_leg_mean_s == 0.65 and obs.prefill_leg_s == 1.0 and obs.prefill_legs == 4
 
 
 def test_tpot_over_target_grows_decode_to_what_the_learned_line_says() -> None:
@@ -223,17 +223,17 @@ def test_while_young_engines_serve_the_prompts_sent_are_not_a_warm_engines_capac
 
 def test_a_prompts_leg_bounds_what_an_engine_computes_at_any_load() -> None:
     """At light load no queue shows an engine's limit, but each leg is at least its prompt's compute: 2k tokens
-    in a 0.25 s leg on average, so an engine computes at least 8k tokens/s. Growth sizes on it: 60k tokens/s
-    sent to one engine need 10 (at 80 % each)."""
-    light = observation(0.0, role(1), role(2), requests=30, ttft_s=0.4, prefill_leg_s=0.3, prefill_leg_mean_s=0.25,
-                        prefill_tokens=60_000.0)  # fmt: skip
+    in a 0.25 s leg on average (30 legs: the other 10 requests' prompts decode prefilled itself), so an engine
+    computes at least 8k tokens/s. Growth sizes on it: 60k tokens/s sent to one engine need 10 (at 80 % each)."""
+    light = observation(0.0, role(1), role(2), requests=40, ttft_s=0.4, prefill_leg_s=0.3, prefill_leg_mean_s=0.25,
+                        prefill_legs=30, prefill_tokens=60_000.0)  # fmt: skip
     learned = learn(Capacity(), light, waiting_before=0.0)
     assert learned.prefill_leg_tokens_per_s == 8_000.0 and learned.prefill_tokens_per_s is None
     assert learned.prefill_engine_tokens_per_s == 8_000.0
     queued = replace(light, prefill=role(1, waiting=3.0))
     assert learn(Capacity(), queued, waiting_before=3.0).prefill_leg_tokens_per_s is None, "a queue lengthens the leg"
     busy = observation(0.0, role(1), role(2), requests=450, ttft_s=0.4, prefill_leg_s=0.3, prefill_leg_mean_s=0.25,
-                       prefill_tokens=900_000.0)  # fmt: skip
+                       prefill_legs=450, prefill_tokens=900_000.0)  # fmt: skip
     decision, _ = decide(policy(max_step=16, prefill=RoleBounds(1, 16, 1)), busy, Memory(capacity=learned))
     assert decision.sizes["prefill"] == 10, decision
 
