@@ -32,10 +32,10 @@ served teaches prefill nothing: the routers' tokens and legs are every serving e
   leg less than half of it) grows by a step
   proportional to the miss, whatever the model says.
 P and D are decided together: decode's demand includes the prompts prefill takes in times decode's residence, so
-a surge grows decode before its KV fills. A role shrinks only when its signal is well under target, to the fewest
-engines that run the demand below the headroom (consolidation-aware, dynamo#9294), and no lower than any
-recommendation of the scale-down window (hysteresis: no 2<->1 flapping on a steady load). Either way a role
-moves by at most `max_step` engines per interval.
+a surge grows decode before its KV fills. A role shrinks only when its signal is well under target (decode's
+TPOT: measured from an idle engine's step), to the fewest engines that run the demand below the headroom
+(consolidation-aware, dynamo#9294), and no lower than any recommendation of the scale-down window (hysteresis: no
+2<->1 flapping on a steady load). Either way a role moves by at most `max_step` engines per interval.
 
 **The budget**: bounds first, then, when the engines' accelerators exceed the budget, the role whose target is
 less missed gives up engines first (its pressure: measured / target), down to its minimum; below the budget's
@@ -124,8 +124,11 @@ class RoleObservation:
     waiting: float = 0.0
     kv_tokens: float = 0.0  # KV tokens in use on the role's engines (decode)
     kv_capacity: float = 0.0  # KV tokens one engine holds (decode)
-    kv_engines: int = 0  # the engines whose KV kv_tokens sums (serving, warm or not; 0: as many as are warm)
-    ready: int = 0  # engines serving now, warm or not (0: as many as are warm)
+    # Engines serving, warm or not, seen two ways, each where it is the right count: `kv_engines` from the routers'
+    # reads (the engines whose KV kv_tokens sums: a new pod the routers read before the census lists it counts),
+    # `ready` from the census (the engines whose work the routers' tokens and legs include). 0: as many as are warm.
+    kv_engines: int = 0
+    ready: int = 0
 
 
 @dataclass(frozen=True)
@@ -316,6 +319,14 @@ def _prefill_need(policy: Policy, obs: Observation, cap: Capacity, demand: float
     return p.current, "on target"
 
 
+def _calm_tpot(policy: Policy, line: tuple[float, float] | None) -> float:
+    """TPOT under which decode may shrink: SHRINK_BELOW of the way from an idle engine's step (the decode line's
+    intercept) to the target. Load adds only the part above the idle step: where that step is most of the
+    target (a small model's 19 ms of 30), TPOT never falls under SHRINK_BELOW of the target itself."""
+    idle = line[0] if line and 0 < line[0] < policy.tpot_s else 0.0
+    return idle + SHRINK_BELOW * (policy.tpot_s - idle)
+
+
 def _decode_need(policy: Policy, obs: Observation, cap: Capacity, demand: float) -> tuple[int, str]:
     d = obs.decode
     line = cap.decode_line()
@@ -347,7 +358,7 @@ def _decode_need(policy: Policy, obs: Observation, cap: Capacity, demand: float)
     if model > d.current:
         return model, f"{demand:.0f} KV tokens need {model} engines at {per_engine:.0f} each within the TPOT target"
     local_calm = obs.local_ttft_s is None or obs.local_ttft_s < SHRINK_BELOW * policy.ttft_s
-    if (obs.tpot_s is None or obs.tpot_s < SHRINK_BELOW * policy.tpot_s) and local_calm and d.current > 1:
+    if (obs.tpot_s is None or obs.tpot_s < _calm_tpot(policy, line)) and local_calm and d.current > 1:
         if per_engine and (fewer := max(model, 1)) < d.current:
             return fewer, f"TPOT well under target and {fewer} engines hold {demand:.0f} KV tokens"
         if not per_engine and obs.requests == 0 and demand == 0:

@@ -89,6 +89,21 @@ def test_tpot_over_target_grows_decode_to_what_the_learned_line_says() -> None:
     assert "decode_engine_kv_tokens_at_target" in last.estimates
 
 
+def test_decode_shrinks_where_an_idle_engines_step_is_most_of_the_tpot_target() -> None:
+    """A 28 ms TPOT target on engines whose idle step is 20 ms: TPOT never falls under 70 % of the target (19.6 ms),
+    yet eight engines holding 100k KV tokens are twice what the target needs. Once the line is learned (the KV
+    ramps first), decode shrinks to the engines that hold the KV within the target, and TPOT stays under it."""
+    target = 0.028
+    kv = lambda at: 50_000.0 + 5_000.0 * min(at, 150.0) / INTERVAL  # noqa: E731  (100k from the tenth interval on)
+    history = run(policy(tpot_s=target), [plant(lambda at: 5_000.0, kv)] * 30, {"prefill": 1, "decode": 8})
+    assert all(o.tpot_s > 0.7 * target for o, _ in history), "the idle step alone is over 70 % of the target"
+    per_engine = (target - TPOT_AT_EMPTY) / TPOT_PER_KV_TOKEN * 0.8  # at the headroom: 32k
+    obs, last = history[-1]
+    assert last.sizes["decode"] == math.ceil(100_000.0 / per_engine) and "TPOT well under target" not in last.reasons["decode"]
+    assert any("TPOT well under target" in d.reasons["decode"] for _, d in history), [d.reasons["decode"] for _, d in history]
+    assert all(o.tpot_s <= target for o, _ in history), [o.tpot_s for o, _ in history]
+
+
 def test_a_ttft_miss_that_is_not_prefills_does_not_grow_prefill() -> None:
     """TTFT over target, but the prefill leg is a small part of it (the KV wait or the decode's first token):
     more prefill engines would not help."""
