@@ -311,12 +311,13 @@ class SloAutoscaler:
         def role(name: str) -> autoscaler.RoleObservation:
             engines = [e for e in fleet._role(name) if e.gone is None and not e.retiring]
             warm = sum(1 for e in engines if now - e.ready_at >= self.policy.warmup_s)
-            ready = sum(1 for e in engines if e.ready_at <= now)
+            serving = [e for e in engines if e.ready_at <= now]
             if name == "prefill":
-                return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(e.waiting(now) for e in engines)), ready=ready)
-            return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(len(e.pending) for e in engines)), ready=ready,
-                                              kv_tokens=sum(e.kv() for e in engines if e.ready_at <= now), kv_capacity=float(KV_TOKENS),
-                                              kv_engines=sum(1 for e in engines if e.ready_at <= now))  # fmt: skip
+                return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(e.waiting(now) for e in engines)), ready=len(serving))
+            # the routers read every serving engine's KV: the census's serving engines and the KV's holders are one
+            return autoscaler.RoleObservation(len(engines), warm, waiting=float(sum(len(e.pending) for e in engines)), ready=len(serving),
+                                              kv_tokens=sum(e.kv() for e in serving), kv_capacity=float(KV_TOKENS),
+                                              kv_engines=len(serving))  # fmt: skip
 
         obs = autoscaler.Observation(
             at=now, seconds=now - since, prefill=role("prefill"), decode=role("decode"), requests=len(firsts),

@@ -406,12 +406,13 @@ start_kubelet() { # ip
 # a bind of /dev/null as /dev/nvidia<i> in the containers it is allocated to. It registers on the kubelet's socket,
 # which the kubelet hard-codes at /var/lib/kubelet/device-plugins (so two real nodes on one host would clash there).
 start_device_plugin() {
-  local d="$N/fakegpu" pid plugin i
+  local d="$N/fakegpu" pid plugin
   if pid="$(alive "$d/pid")"; then log "device plugin already running (pid $pid)"; return 0; fi
   plugin="$(DISAGG_REAL_NODE=1 bash "$ROOT/hack/cluster.sh" path fakegpu)"
   [ -x "$plugin" ] || die "no device plugin at $plugin: DISAGG_REAL_NODE=1 hack/cluster.sh build-node"
   mkdir -p "$d"
-  for ((i = 0; i < 60; i++)); do [ -S "$PLUGIN_DIR/kubelet.sock" ] && break; sleep 0.5; done
+  # the kubelet's registration socket: a plugin started before it has nowhere to register
+  wait_for kubelet "$N/kubelet/pid" "$N/kubelet/log" 30 test -S "$PLUGIN_DIR/kubelet.sock"
   ( setsid "$plugin" --count "$GPUS" --dir "$PLUGIN_DIR" --endpoint "$PLUGIN_SOCKET" >> "$d/log" 2>&1 < /dev/null 9>&- 8>&- &
     echo $! > "$d/pid" )
   wait_for "the device plugin" "$d/pid" "$d/log" 30 gpus_advertised

@@ -61,14 +61,9 @@ def _cluster_env() -> dict[str, str]:
     return env
 
 
-def _cached_kubectl(env: dict[str, str] | None = None) -> str | None:
-    """The kubectl that hack/cluster.sh built, if it is there (else kubectl from PATH). ENV: `_cluster_env()`,
-    when the caller has read it."""
-    try:
-        path_dir = (env if env is not None else _cluster_env()).get("PATH", "").split(":")[0]
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    exe = Path(path_dir) / "kubectl"
+def _cached_kubectl(env: dict[str, str]) -> str | None:
+    """The kubectl that hack/cluster.sh built, if it is there (else kubectl from PATH). ENV: `_cluster_env()`."""
+    exe = Path(env.get("PATH", "").split(":")[0]) / "kubectl"
     return str(exe) if exe.is_file() and os.access(exe, os.X_OK) else None
 
 
@@ -170,7 +165,7 @@ def cluster(pytestconfig: pytest.Config) -> Iterator[Cluster]:
         c = Cluster(
             kubeconfig=kubeconfig,
             audit_log=os.environ.get("DISAGG_AUDIT_LOG") or None,
-            kubectl_path=_cached_kubectl(),
+            kubectl_path=_cached_kubectl(_cluster_env()),
             local=False,
         )
         yield c
