@@ -8,11 +8,13 @@ engine drained, its pod gone); with decode's step over the TPOT target too, both
 and come back. Blocked: on a pool of two whole nodes the second prefill engine cannot be placed;
 the autoscaler holds prefill where it is, says the scheduler's reason in status and an AutoscalerBlocked Event,
 and does not count the pending engine as capacity. Frozen: while a rollout is in progress the sizes stay, and
-scaling resumes once it completes."""
+scaling resumes once it completes. Replayed traces (compressed, open loop): a burst, against a static pair; a
+sinusoid, which prefill follows up and down and up again with every request answered."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -245,7 +247,7 @@ REPLAY_KV = {"leaseSeconds": 120}
 
 class EngineSeconds:
     """Samples, every second until stopped, how many engine pods of a model exist (a draining one still costs
-    its GPUs), per role: engine-seconds and the most engines seen."""
+    its GPUs), per role: engine-seconds, the most engines seen and every sample's count."""
 
     def __init__(self, core: client.CoreV1Api, namespace: str, model: str) -> None:
         import threading
@@ -253,6 +255,7 @@ class EngineSeconds:
         self.core, self.namespace, self.model = core, namespace, model
         self.seconds = {"prefill": 0.0, "decode": 0.0}
         self.most = {"prefill": 0, "decode": 0}
+        self.counts: dict[str, list[int]] = {"prefill": [], "decode": []}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-seconds", daemon=True)
 
@@ -267,6 +270,7 @@ class EngineSeconds:
                 n = sum(1 for p in pods if (p.metadata.labels or {}).get(contract.LABEL_ROLE) == role)
                 self.seconds[role] += n * (now - last)
                 self.most[role] = max(self.most[role], n)
+                self.counts[role].append(n)
             last = now
 
     def __enter__(self) -> "EngineSeconds":
@@ -312,3 +316,46 @@ def test_a_replayed_burst_through_the_router_and_the_operator_against_a_static_p
     static, scaled = ([r.meets(*REPLAY_TARGETS_S) for r in outcomes[p][0]] for p in ("static 1P1D", "SLO autoscaler"))
     assert outcomes["SLO autoscaler"][1].most["prefill"] >= 2, "prefill grew during the burst"
     assert sum(scaled) > sum(static), (sum(scaled), sum(static))
+
+
+# A sinusoid replayed open loop (issue 32's periodic trace, compressed): 1 <-> 8 requests/s over a 120 s period, from
+# trough to past the second peak. One prefill engine (BURST_TIMING) computes 6.7 prompts a second: each peak needs
+# two, each trough one.
+SINE_PERIOD_S, SINE_S = 120.0, 210.0
+SINE = lambda t: 1.0 + 3.5 * (1.0 - math.cos(2.0 * math.pi * t / SINE_PERIOD_S))  # noqa: E731
+
+
+def _moves(counts: list[int]) -> list[int]:
+    """The counts with repeats dropped: [1, 1, 2, 2, 1] -> [1, 2, 1]."""
+    return [n for i, n in enumerate(counts) if i == 0 or n != counts[i - 1]]
+
+
+def test_a_replayed_sine_grows_prefill_on_each_peak_and_gives_it_back_in_the_trough_with_every_stream_answered(
+        operator, cluster, api_client, namespace, tmp_path: Path) -> None:  # fmt: skip
+    """A periodic load through the real router to the SLO autoscaler (Active, from 1P1D): prefill grows on the
+    first peak, shrinks in the trough (the leaving engine drained while requests still flow), and grows again on
+    the second; every request is answered. Attainment and engine-seconds are printed, not asserted."""
+    custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+    times = arrivals(SINE, SINE_S, 8.0, seed=11)
+    slo = {**SLO, "mode": "Active", "ttftMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 1},
+           "scaleDownStabilizationSeconds": 20}  # fmt: skip
+    name = "sine-slo"
+    with _model_deleted(custom, core, namespace, name):
+        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {
+            "autoscaling": slo, "router": REPLAY_ROUTER, "kvTransfer": REPLAY_KV}))  # fmt: skip
+        ready = wait_ready(custom, namespace, name, 180)
+        served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
+        with Serving(cluster, namespace, name, served, tmp_path, listening=(1, 1), timing=BURST_TIMING) as serving:
+            wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
+            with EngineSeconds(core, namespace, name) as engines:
+                results = replay(serving.router.url, served, times)
+    met = sum(r.meets(*REPLAY_TARGETS_S) for r in results) / len(results)
+    print(f"\nsine replay: {len(times)} requests over {SINE_S:.0f} s; attainment {met:.1%}; engines (P:D) at most "
+          f"{engines.most['prefill']}:{engines.most['decode']}, {sum(engines.seconds.values()):.0f} engine-seconds; "
+          f"prefill engines over time {_moves(engines.counts['prefill'])}")  # fmt: skip
+    failed = [r for r in results if not r.ok]
+    assert not failed, f"{len(failed)} requests failed, e.g. {failed[0].detail}"
+    moves = _moves(engines.counts["prefill"])
+    grew = next((i for i, n in enumerate(moves) if n >= 2), None)
+    shrank = next((i for i, n in enumerate(moves) if grew is not None and i > grew and n == 1), None)
+    assert grew is not None and shrank is not None and max(moves[shrank:]) >= 2, f"prefill engines over time: {moves}"
