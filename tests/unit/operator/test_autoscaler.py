@@ -94,11 +94,11 @@ def test_decode_shrinks_where_an_idle_engines_step_is_most_of_the_tpot_target() 
     yet eight engines holding 100k KV tokens are twice what the target needs. Once the line is learned (the KV
     ramps first), decode shrinks to the engines that hold the KV within the target, and TPOT stays under it."""
     target = 0.028
-    kv = lambda at: 50_000.0 + 5_000.0 * min(at, 150.0) / INTERVAL  # noqa: E731  (100k from the tenth interval on)
+    kv = lambda at: 50_000.0 + 5_000.0 * min(at, 150.0) / INTERVAL  # noqa: E731  (100k from 150 s on)
     history = run(policy(tpot_s=target), [plant(lambda at: 5_000.0, kv)] * 30, {"prefill": 1, "decode": 8})
     assert all(o.tpot_s > 0.7 * target for o, _ in history), "the idle step alone is over 70 % of the target"
     per_engine = (target - TPOT_AT_EMPTY) / TPOT_PER_KV_TOKEN * 0.8  # at the headroom: 32k
-    obs, last = history[-1]
+    last = history[-1][1]
     assert last.sizes["decode"] == math.ceil(100_000.0 / per_engine) and "TPOT well under target" not in last.reasons["decode"]
     assert any("TPOT well under target" in d.reasons["decode"] for _, d in history), [d.reasons["decode"] for _, d in history]
     assert all(o.tpot_s <= target for o, _ in history), [o.tpot_s for o, _ in history]
