@@ -24,8 +24,10 @@ served teaches prefill nothing: the routers' tokens and legs are every serving e
 **How it decides**, per role, the larger of:
 - *model*: the demand (prefill tokens/s; decode KV tokens) over what one engine can do at the target, with
   headroom; the demand is the larger of now and the trend over the last minutes projected one warm-up ahead
-  (predictive, for scale-up only; the higher of a line over the trend window and one over its last
-  RECENT_TREND_S, so an accelerating ramp is followed);
+  (predictive: a rise is met ahead, and a shrink goes no lower; prefill's trend is the higher of a line over the
+  trend window and one over its last RECENT_TREND_S, so an accelerating ramp is followed; decode's KV trend is
+  the window's line alone: a ramp of prompts reaches decode through P and D together, below, and the KV's own
+  last seconds swing with the answers' lengths);
 - *reactive*: a role whose own signal misses its target (prefill: TTFT over target while the prefill leg takes
   most of it, or requests waiting on prefill; decode: TPOT over target, KV nearly full, the TTFT of the
   prompts it prefills itself over target, or TTFT over target with requests waiting on decode and the prefill
@@ -436,7 +438,10 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
     demand_pts = tuple(p for p in memory.demand if obs.at - p[0] <= policy.trend_window_s) + ((obs.at, rate, obs.decode.kv_tokens),)
     current = {r: obs.role(r).current for r in ROLES}
     forecast_p = _forecast(tuple((t, p) for t, p, _ in demand_pts), policy.warmup_s)
-    forecast_d = _forecast(tuple((t, d) for t, _, d in demand_pts), policy.warmup_s)
+    # Decode's own KV by the trend window's line only: an accelerating ramp of prompts reaches decode through the
+    # coupled term below, and the KV's last RECENT_TREND_S swing with the answers' lengths (a chance swing of
+    # multi-turn's conversations projected a warm-up ahead asked for 1-3 engines more, held by the scale-down window).
+    forecast_d = _trend(tuple((t, d) for t, _, d in demand_pts), policy.warmup_s)
     backlog = obs.prefill.waiting * _tokens_per_request(obs) / BACKLOG_DRAIN_S
     # P and D together: the prompts prefill takes in now are decode's KV one residence later.
     coupled = max(rate, forecast_p or 0.0) * capacity.decode_residence_s if capacity.decode_residence_s else 0.0

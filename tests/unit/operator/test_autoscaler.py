@@ -303,6 +303,21 @@ def test_an_accelerating_ramp_is_followed_by_its_recent_trend() -> None:
     assert decision.sizes["prefill"] >= math.ceil(22_000 / (PREFILL_ENGINE_TOKENS_PER_S * 0.8))
 
 
+def test_a_swing_of_decodes_kv_with_the_prompts_flat_is_not_projected_a_warm_up_ahead() -> None:
+    """The prompts flat, decode's KV swings around 300k for two minutes and rises 260k -> 400k in the last 45 s
+    (longer answers by chance): three engines hold it. Projected a warm-up ahead, that rise alone would ask for
+    786k (six engines); decode's forecast is the trend window's line, which a sustained rise still moves."""
+    pol = policy(tpot_s=1.0, warmup_s=120.0, scale_down_window_s=300.0)
+    memory, decision = Memory(), None
+    for i, kv in enumerate((300, 340, 280, 320, 300, 260, 300, 360, 400)):
+        obs = observation(i * INTERVAL, role(2), role(3, kv_tokens=kv * 1_000.0), requests=75, ttft_s=0.3, prefill_leg_s=0.2,
+                          tpot_s=0.03, prefill_tokens=10_000.0 * INTERVAL)  # fmt: skip
+        decision, memory = decide(pol, obs, memory)
+    assert decision is not None
+    assert 400_000 <= decision.estimates["decode_kv_tokens_forecast"] < 0.9 * KV_CAPACITY * 0.8 * 3, decision.estimates
+    assert decision.sizes["decode"] == 3, decision
+
+
 @settings(max_examples=300, deadline=None)
 @given(policies(), st.lists(st.integers(0, 100), min_size=1, max_size=6).flatmap(
     lambda gaps: st.tuples(*[observations(at=15.0 * sum(gaps[: i + 1])) for i in range(len(gaps))])))
