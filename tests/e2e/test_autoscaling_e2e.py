@@ -333,8 +333,9 @@ def _moves(counts: list[int]) -> list[int]:
 def test_a_replayed_sine_grows_prefill_on_each_peak_and_gives_it_back_in_the_trough_with_every_stream_answered(
         operator, cluster, api_client, namespace, tmp_path: Path) -> None:  # fmt: skip
     """A periodic load through the real router to the SLO autoscaler (Active, from 1P1D): prefill grows on the
-    first peak, shrinks in the trough (the leaving engine drained while requests still flow), and grows again on
-    the second; every request is answered. Attainment and engine-seconds are printed, not asserted."""
+    first peak, gives engines back in the trough (each leaving engine drained while requests still flow), and
+    grows again on the second; every request is answered. Attainment and engine-seconds are printed, not
+    asserted."""
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
     times = arrivals(SINE, SINE_S, 8.0, seed=11)
     slo = {**SLO, "mode": "Active", "ttftMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 1},
@@ -355,7 +356,8 @@ def test_a_replayed_sine_grows_prefill_on_each_peak_and_gives_it_back_in_the_tro
           f"prefill engines over time {_moves(engines.counts['prefill'])}")  # fmt: skip
     failed = [r for r in results if not r.ok]
     assert not failed, f"{len(failed)} requests failed, e.g. {failed[0].detail}"
+    # from 1 engine, up on the first peak, down in the trough (how far depends on where the trough's decisions fall:
+    # to 1 or to 2 in the runs so far), up again on the second peak
     moves = _moves(engines.counts["prefill"])
-    grew = next((i for i, n in enumerate(moves) if n >= 2), None)
-    shrank = next((i for i, n in enumerate(moves) if grew is not None and i > grew and n == 1), None)
-    assert grew is not None and shrank is not None and max(moves[shrank:]) >= 2, f"prefill engines over time: {moves}"
+    down = next((i for i in range(1, len(moves)) if moves[i] < moves[i - 1]), None)
+    assert down is not None and max(moves[down:]) > moves[down], f"prefill engines over time: {moves}"
