@@ -870,11 +870,16 @@ class Engine:
         self.make_ready(seq)
 
     def load_failed(self, seq: Seq, what: str, why: str) -> None:
+        if seq.done:
+            # aborted (its client closed the leg) while the transfer ran: vLLM's scheduler no longer holds the
+            # request, so no load fails for it (counting one ended a cancelled leg twice)
+            self.event("transfer_failed_after_abort", xid=seq.xid, rid=seq.rid, what=what)
+            return
         self.counters["kv_load_failures"] += 1
         self.event("kv_load_failed", xid=seq.xid, rid=seq.rid, what=what, why=why)
         log.warning("NIXL transfer failure: %s | Context: {request_id: %s, error: %s}", what, seq.rid, why)
         self.by_rid.pop(seq.rid, None)
-        if self.a.kv_load_failure_policy == "recompute" and not seq.done:
+        if self.a.kv_load_failure_policy == "recompute":
             self.counters["recomputed"] += 1
             seq.path = "local"
             self.arrivals.append(seq)

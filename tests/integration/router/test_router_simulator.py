@@ -143,6 +143,40 @@ def test_vllm_main_matches_push_legs_by_transfer_id(sims):
     assert isinstance(d_reply, asyncio.TimeoutError)
 
 
+def test_a_leg_aborted_while_its_registration_is_in_flight_ends_once(sims):
+    """A push decode aborted (the router gave up its prefill) while its registration with that prefill is still
+    in flight: the registration failing afterwards fails no load, as vLLM's scheduler no longer holds the request."""
+    D = sims["D"]
+    xid = uuid.uuid4().hex
+    cancelled = D.counter("cancelled")
+
+    async def aborted_mid_registration() -> None:
+        arrived, held = asyncio.Event(), []
+
+        async def silent_side_channel(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            held.append(writer)  # takes the registration in and never answers: a prefill that hangs, then dies
+            arrived.set()
+
+        server = await asyncio.start_server(silent_side_channel, h.HOST, 0)
+        port = server.sockets[0].getsockname()[1]
+        params = {**_push_params(sims["P"], xid), "remote_port": port, "pp_size": 1}
+        leg = asyncio.create_task(_post(D, h.completion(max_tokens=2, kv_transfer_params=params), xid))
+        try:
+            await asyncio.wait_for(arrived.wait(), 20)
+            leg.cancel()  # the router gives the pair up: vLLM aborts the decode request
+            await asyncio.to_thread(h.wait_until, lambda: D.counter("cancelled") == cancelled + 1, 20, what="the abort")
+        finally:
+            for writer in held:
+                writer.close()  # the side channel dies: the registration fails now
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(aborted_mid_registration())
+    h.wait_until(lambda: [e for e in D.events("transfer_failed_after_abort") if e["xid"] == xid], 20, what="the failed registration")
+    assert not [e for e in D.events("kv_load_failed") if e["xid"] == xid]
+    assert D.counter("cancelled") == cancelled + 1
+
+
 def _waiting(sim: h.Sim) -> tuple[float, float, float]:
     """vllm:num_requests_waiting, and its reason="capacity" and reason="deferred" parts, summed over the engines."""
     text = h.http_get(sim.url + "/metrics")[1].decode()
