@@ -42,7 +42,9 @@ prefill leg is cancelled first, then the decode leg (closing a connection is vLL
 while its prefill still runs is where a late push would write into freed blocks, vLLM #48633 C1). While
 nothing has reached the client, the request is retried, at most ``max_retries`` times, with fresh ids on a
 pair that avoids every backend blamed for an earlier attempt (no retry ever goes back into an engine that
-failed or timed out on its own); when no such pair exists the request fails at once with the failure it has. A
+failed or timed out on its own, unless its probe re-admitted it after it refused or dropped the connection); when
+no such pair exists the request fails at once with the failure it has, but a retry that finds only ejected engines
+first waits up to ``leg_timeout`` for a re-admission (``_choose``). A
 push decode that failed before its first token, while its prefill's own leg did not fail, may have failed for
 its prefill (D's KV comes from P): both are implicated (``push_failure``), and the retry avoids both where a
 pair does, else the prefill, else the decode, never the pair again (``_avoidance``).
@@ -98,9 +100,12 @@ class PairingChanges:
         table.listeners.append(self._changed)
         ejections.listeners.append(self._changed)
 
+    def _present(self) -> set[str]:
+        return {b.key for b in self.table.snapshot().backends()}
+
     def _changed(self) -> None:
         if self._watched:
-            present = {b.key for b in self.table.snapshot().backends()}
+            present = self._present()
             for comeback, excluded in self._watched.values():
                 excluded -= comeback.observe(present, self.ejections)
         for f in self._waiters:
@@ -110,7 +115,9 @@ class PairingChanges:
 
     @contextlib.contextmanager
     def watching(self, comeback: Comeback, excluded: set[str]) -> Iterator[None]:
-        """While in it, each failed engine of ``comeback`` that comes back leaves ``excluded``."""
+        """While in it, each failed engine of ``comeback`` that comes back leaves ``excluded``; one already gone
+        (ejected as it failed) counts as gone from the start."""
+        comeback.observe(self._present(), self.ejections)
         self._watched[id(comeback)] = (comeback, excluded)
         try:
             yield
@@ -172,10 +179,11 @@ def push_failure(f: LegFailure, p_task: asyncio.Task[Any], p: Backend, d: Backen
     failed too, that failure is the account (a prefill that refuses connections fails D's handshake as
     well); otherwise either may be at fault, and both are implicated rather than blamed. Blaming D alone
     failed requests that another prefill would have served: with one decode engine, a prefill pod listed
-    before its side channel listened left no pair that avoided D (CI, the autoscaler's burst e2e)."""
+    before its side channel listened left no pair that avoided D (CI, the autoscaler's burst e2e). A decode
+    that refused or dropped the router's own connection is D's failure alone: P plays no part in it."""
     if f.cause == "protocol_mismatch":
         f.blamed = (p, d)  # the pair speaks another protocol than its revision announces
-    elif f.blamed == (d,):
+    elif f.blamed == (d,) and f.cause != "decode_connection":
         own = p_task.exception() if p_task.done() and not p_task.cancelled() else None
         if isinstance(own, LegFailure):
             return own
@@ -381,17 +389,34 @@ class Dispatcher:
             held.callback(_discard, answer.resp)
         return answer
 
-    async def _attempt(self, ctx: RequestContext, local: bool, retry: bool, held: contextlib.ExitStack) -> Opened:
+    def _pick(self, ctx: RequestContext) -> Candidates | None:
         snap = self.table.snapshot()
-        chosen = None
         for avoid in self._avoidance(ctx):  # fewer implicated engines avoided while nothing pairs: they may serve
-            chosen = self.balancer.pick(snap, avoid)
-            if chosen is not None:
-                break
+            if (chosen := self.balancer.pick(snap, avoid)) is not None:
+                return chosen
+        return None
+
+    async def _choose(self, ctx: RequestContext, retry: bool) -> Candidates:
+        chosen = self._pick(ctx)
+        if chosen is None and retry and len(self.balancer.ejections):
+            # A retry that finds only engines ejected moments ago (they refused or dropped a connection: a pod Ready
+            # before its server listens, a restarting engine) waits, up to a leg's deadline, for a probe to re-admit
+            # one or any other change of the pairing: panic routing at once spent every retry on them within
+            # milliseconds (a 502 in CI's kv-events rollout). An engine this request blamed that is re-admitted is
+            # back (Comeback: a connection it refused or dropped took nothing of the request).
+            comeback = Comeback({k for k in ctx.excluded if k in self.balancer.ejections})
+            deadline = time.monotonic() + self.cfg.leg_timeout
+            with self.changes.watching(comeback, ctx.excluded):
+                while chosen is None and len(self.balancer.ejections) and await self.changes.wait(deadline - time.monotonic()):
+                    chosen = self._pick(ctx)
         if chosen is None and len(self.balancer.ejections):  # nor without the ejected ones (panic routing)
-            chosen = self.balancer.pick(snap, ctx.excluded, despite_ejections=True)
+            chosen = self.balancer.pick(self.table.snapshot(), ctx.excluded, despite_ejections=True)
         if chosen is None:
             raise self._no_pair()
+        return chosen
+
+    async def _attempt(self, ctx: RequestContext, local: bool, retry: bool, held: contextlib.ExitStack) -> Opened:
+        chosen = await self._choose(ctx, retry)
         rev = chosen.revision
         if chosen.despite_ejections:
             self.outcomes.despite_ejections(rev.revision, len(self.balancer.ejections))

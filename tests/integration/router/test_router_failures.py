@@ -63,12 +63,14 @@ def test_prefill_killed_before_the_first_byte_retries_on_another_pair(log_dir):
             task = asyncio.create_task(h.post(R.url + "/v1/completions", h.completion(prompt_words=400, max_tokens=3, stream=True)))
             victim = await asyncio.to_thread(
                 h.wait_until,
-                lambda: next((p for p in (P1, P2) if p.counter("requests") == 1 and p.events("prefill_start")), None),
+                lambda: next((p for p in (P1, P2) if p.counter("requests") == 1 and p.events("prefill_start") and p.counter("registrations_received") == 1), None),
                 30,
                 0.02,
-                "a prefill in progress",
-            )
-            victim.proc.signal(signal.SIGKILL)  # the prefill engine dies while computing
+                "a prefill in progress, its decode's registration answered",
+            )  # fmt: skip
+            # the prefill engine dies while computing; D's registration already went through (killed while D's
+            # registration was in flight, D's own leg fails first: the retry is then the decode's, decode_failed)
+            victim.proc.signal(signal.SIGKILL)
             return victim, await task
 
         victim, reply = asyncio.run(go())
@@ -82,18 +84,45 @@ def test_prefill_killed_before_the_first_byte_retries_on_another_pair(log_dir):
         first_tid, retry_tid = (e["kv_transfer_params"]["transfer_id"] for e in decode_legs)
         assert first_tid != retry_tid
         assert survivor.events("leg_received")[0]["kv_transfer_params"]["transfer_id"] == retry_tid
-        # exactly one answer: the abandoned decode leg ended (cancelled by the router, or failed by itself when its
-        # registration found the prefill already dead: whichever came first), one leg completed
-        abandoned = decode_legs[0]["xid"]
-        h.wait_until(lambda: D.counter("cancelled") + len([e for e in D.events("kv_load_failed") if e["xid"] == abandoned]) == 1,
-                     20, what="abandoned decode leg ended")  # fmt: skip
-        assert D.counter("completed") == 1
+        # exactly one answer: the abandoned decode leg was cancelled by the router, one leg completed
+        h.wait_until(lambda: D.counter("cancelled") == 1, 20, what="abandoned decode leg cancelled")
+        assert not D.events("kv_load_failed") and D.counter("completed") == 1
         victim_key = victim.name
         assert R.backend(victim_key)["ejected"] is True  # connection refused: ejected, re-probed
         assert _failures(R) == {"prefill_connection": 1}
         assert 'disagg_router_retries_total{revision="r1"} 1.0' in R.metrics()
     finally:
         h.stop_all(R, P1, P2, D)
+
+
+def test_a_retry_waits_for_the_refusing_decode_to_be_readmitted(log_dir):
+    """A decode listed before its engine listens (a rollout's new pod: kwok marks pods Ready at once) or a restarting
+    engine refuses the connection and is ejected. The retry waits for a probe to re-admit it, then goes there: it
+    took nothing of the request. (Panic routing at once spent every retry on it within milliseconds: a 502.)"""
+    P = h.launch_sim(log_dir, "prefill", "push")
+    D = h.launch_sim(log_dir, "decode", "push")
+    static = log_dir / "refuses.json"
+    h.write_static(static, [P.static_entry(), D.static_entry()])
+    R = h.launch_router(log_dir, static, "push", max_retries=3, name="router-refused")
+    try:
+        h.wait_ready(P, D, R)
+        D.proc.signal(signal.SIGKILL)
+        D.proc.popen.wait(20)  # the decode's port is closed, its address still listed
+
+        async def go():
+            task = asyncio.create_task(h.post(R.url + "/v1/completions", h.completion(prompt_words=200, max_tokens=3, stream=True)))
+            await asyncio.to_thread(h.wait_until, lambda: R.backend(D.name)["ejected"], 20, 0.02, "the refusing decode ejected")
+            D.restart()  # its engine listens again
+            return await task
+
+        reply = asyncio.run(go())
+        assert reply.status == 200, reply.body
+        assert reply.body.endswith(b"data: [DONE]\n\n") and b'"error"' not in reply.body
+        assert [e["xid"] for e in D.events("leg_received")] == [reply.xid]  # the restarted engine served the retry
+        assert _failures(R) == {"decode_connection": 1}
+        assert 'disagg_router_retries_total{revision="r1"} 1.0' in R.metrics()
+    finally:
+        h.stop_all(R, P, D)
 
 
 @pytest.mark.parametrize(
