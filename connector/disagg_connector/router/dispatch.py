@@ -406,6 +406,8 @@ class Dispatcher:
             # back (Comeback: a connection it refused or dropped took nothing of the request).
             comeback = Comeback({k for k in ctx.excluded if k in self.balancer.ejections})
             deadline = time.monotonic() + self.cfg.leg_timeout
+            log.info("retry: every pair left has an ejected engine (%d ejected); waiting up to %gs for one to be re-admitted",
+                     len(self.balancer.ejections), self.cfg.leg_timeout)  # fmt: skip
             with self.changes.watching(comeback, ctx.excluded):
                 while chosen is None and len(self.balancer.ejections) and await self.changes.wait(deadline - time.monotonic()):
                     chosen = self._pick(ctx)
