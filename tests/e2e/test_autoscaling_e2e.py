@@ -291,19 +291,19 @@ class EngineSeconds:
 
 def _replayed(cluster: Any, custom: client.CustomObjectsApi, core: client.CoreV1Api, namespace: str, name: str,
               patch: dict[str, Any], send: Callable[[str, str], R], logs: Path,
-              timing: dict[str, float] = BURST_TIMING) -> tuple[R, EngineSeconds, PodEngines]:  # fmt: skip
-    """Traffic sent by ``send(router URL, served model name)`` through the router of a new model ``name`` (1P1D,
-    ``patch`` on it, production-like request bounds) once its router's table is 1P1D: what ``send`` returned, the
-    engines the model held, and its simulated engines, stopped once ``send`` returned (each keeping its events and
-    stats). The model is deleted after."""
+              timing: dict[str, float] = BURST_TIMING, listening: tuple[int, int] = (1, 1)) -> tuple[R, EngineSeconds, PodEngines]:  # fmt: skip
+    """Traffic sent by ``send(router URL, served model name)`` through the router of a new model ``name`` (the
+    example's 1P1D with ``patch`` on it, production-like request bounds) once its router's table holds
+    ``listening`` (prefill, decode) engines: what ``send`` returned, the engines the model held, and its simulated
+    engines, stopped once ``send`` returned (each keeping its events and stats). The model is deleted after."""
     with _model_deleted(custom, core, namespace, name):
         custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {
             "router": REPLAY_ROUTER, "kvTransfer": REPLAY_KV, **patch}))  # fmt: skip
         ready = wait_ready(custom, namespace, name, 180)
         served, revision = ready["spec"]["model"]["name"], ready["status"]["revision"]
         logs.mkdir()
-        with Serving(cluster, namespace, name, served, logs, listening=(1, 1), timing=timing) as serving:
-            wait_for("the router's table 1P1D", lambda: serving.router.table() == {revision: (1, 1)}, 60)
+        with Serving(cluster, namespace, name, served, logs, listening=listening, timing=timing) as serving:
+            wait_for(f"the router's table {listening}", lambda: serving.router.table() == {revision: listening}, 60)
             with EngineSeconds(core, namespace, name) as engines:
                 sent = send(serving.router.url, served)
             for engine in serving.engines.all():
