@@ -1283,13 +1283,18 @@ class Engine:
             self.arrivals.append(seq)
             self.wake.set()
             return await self.respond(request, body, seq, stream, None, None)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionResetError) as gone:
+            # The client went: vLLM aborts the request. Most often aiohttp cancels this handler; when the handler
+            # first meets the closed connection (writing the answer's headers), the same, and quietly: aiohttp
+            # logs any other exception as an unhandled error and counts nothing cancelled.
             if not seq.done:
                 self.counters["cancelled"] += 1
                 self.event("cancelled", xid=xid, rid=rid, path=seq.path)
             seq.done = True
             self.by_rid.pop(seq.rid, None)
             self.stop_heartbeat(seq)
+            if isinstance(gone, ConnectionResetError):
+                raise asyncio.CancelledError from gone
             raise
         finally:
             self.inflight.pop(id(seq), None)

@@ -15,11 +15,13 @@ from disagg_connector import contract
 from disagg_bench.vllm_sim import sim
 from disagg_bench.vllm_sim.as_vllm import sim_argv
 
+from tests.fixtures.vllm_sim import sim_engine
+
 KV = '{"kv_connector":"NixlPushConnector","kv_role":"kv_producer"}'
 
 
 def _engine(mode: str, *extra: str) -> sim.Engine:
-    return sim.Engine(sim.build_parser().parse_args(["--role", "prefill", "--mode", mode, "--engine-id", "p", *extra]))
+    return sim_engine("prefill", mode, *extra, engine_id="p")
 
 
 def _finished_prefill() -> sim.Seq:
@@ -70,16 +72,13 @@ def test_engines_of_two_releases_never_handshake(prefill: str, decode: str, pair
     of otherwise equal settings refuse each other's handshake, so a rollout between them that paired across revisions
     would fail."""
 
-    def engine(role: str, version: str) -> sim.Engine:
-        return sim.Engine(sim.build_parser().parse_args(["--role", role, "--mode", "push", "--engine-id", role, "--vllm-version", version]))
-
-    assert (engine("prefill", prefill).compat_hash == engine("decode", decode).compat_hash) == pair
+    hashes = (sim_engine(role, "push", "--vllm-version", version).compat_hash for role, version in (("prefill", prefill), ("decode", decode)))
+    assert (next(hashes) == next(hashes)) == pair
 
 
 def test_engines_without_a_cpu_tier_start_whatever_their_kv_size() -> None:
     """Zero-cost engines (router_bench's peers: no KV size) have no tier; a tier needs a KV size to count blocks."""
-    zero = sim.Engine(sim.build_parser().parse_args(["--role", "prefill", "--engine-id", "p", "--kv-bytes-per-token", "0"]))
+    zero = sim_engine("prefill", "push", "--kv-bytes-per-token", "0")
     assert zero.caches[0].cpu_blocks == 0
     with pytest.raises(SystemExit, match="kv-bytes-per-token"):
-        sim.Engine(sim.build_parser().parse_args(["--role", "prefill", "--engine-id", "p", "--kv-bytes-per-token", "0",
-                                                  "--cpu-offload-bytes", "1024"]))
+        sim_engine("prefill", "push", "--kv-bytes-per-token", "0", "--cpu-offload-bytes", "1024")
