@@ -27,6 +27,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
+from disagg_bench.localrun.loadgen import MultiTurnWorkload, RequestRecord, multi_turn_sessions
 from disagg_bench.vllm_sim.harness import FAST
 from disagg_operator.api.models import EngineSpec
 from disagg_bench.vllm_sim.pods import PodEngines
@@ -34,7 +35,7 @@ from disagg_bench.vllm_sim.pods import PodEngines
 from tests.fixtures.e2e.models import get_model, model_manifest, rolled_out, wait_ready, whole_node_pair
 from tests.fixtures.e2e.nodes import Pool
 from tests.fixtures.e2e.serving import Serving
-from tests.fixtures.e2e.traffic import Timed, arrivals, conversations, replay, replay_conversations, wait_for
+from tests.fixtures.e2e.traffic import arrivals, replay, replay_chats, wait_for
 from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
@@ -295,7 +296,7 @@ def _replayed(cluster: Any, custom: client.CustomObjectsApi, core: client.CoreV1
     """Traffic sent by ``send(router URL, served model name)`` through the router of a new model ``name`` (the
     example's 1P1D with ``patch`` on it, production-like request bounds) once its router's table holds
     ``listening`` (prefill, decode) engines: what ``send`` returned, the engines the model held, and its simulated
-    engines, stopped once ``send`` returned (each keeping its events and stats). The model is deleted after."""
+    engines (stopped by the Serving's exit, each keeping its events and stats). The model is deleted after."""
     with _model_deleted(custom, core, namespace, name):
         custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, model_manifest(name, {
             "router": REPLAY_ROUTER, "kvTransfer": REPLAY_KV, **patch}))  # fmt: skip
@@ -306,12 +307,10 @@ def _replayed(cluster: Any, custom: client.CustomObjectsApi, core: client.CoreV1
             wait_for(f"the router's table {listening}", lambda: serving.router.table() == {revision: listening}, 60)
             with EngineSeconds(core, namespace, name) as engines:
                 sent = send(serving.router.url, served)
-            for engine in serving.engines.all():
-                engine.stop()  # keeping what it saw (the Serving's exit stops them without)
             return sent, engines, serving.engines
 
 
-def _attained(results: list[Timed]) -> float:
+def _attained(results: list[RequestRecord]) -> float:
     return sum(r.meets(*REPLAY_TARGETS_S) for r in results) / len(results)
 
 
@@ -334,7 +333,7 @@ def test_a_replayed_burst_through_the_router_and_the_operator_against_a_static_p
         print(f"| {policy} | {_attained(results):.1%} | {engines.most('prefill')}:{engines.most('decode')} | {sum(engines.seconds.values()):.0f} |")
     for policy, (results, _) in outcomes.items():
         failed = [r for r in results if not r.ok]
-        assert not failed, f"{policy}: {len(failed)} requests failed, e.g. {failed[0].detail}"
+        assert not failed, f"{policy}: {len(failed)} requests failed, e.g. {failed[0].error}"
     static, scaled = ([r.meets(*REPLAY_TARGETS_S) for r in outcomes[p][0]] for p in ("static 1P1D", "SLO autoscaler"))
     assert outcomes["SLO autoscaler"][1].most("prefill") >= 2, "prefill grew during the burst"
     assert sum(scaled) > sum(static), (sum(scaled), sum(static))
@@ -368,7 +367,7 @@ def test_a_replayed_sine_grows_prefill_on_each_peak_and_gives_it_back_in_the_tro
           f"most {engines.most('prefill')}:{engines.most('decode')}, {sum(engines.seconds.values()):.0f} engine-seconds; "
           f"prefill engines over time {_moves(engines.counts['prefill'])}")  # fmt: skip
     failed = [r for r in results if not r.ok]
-    assert not failed, f"{len(failed)} requests failed, e.g. {failed[0].detail}"
+    assert not failed, f"{len(failed)} requests failed, e.g. {failed[0].error}"
     # from 1 engine, up on the first peak, down in the trough (how far depends on where the trough's decisions fall:
     # to 1 or to 2 in the runs so far), up again on the second peak
     moves = _moves(engines.counts["prefill"])
@@ -376,27 +375,31 @@ def test_a_replayed_sine_grows_prefill_on_each_peak_and_gives_it_back_in_the_tro
     assert down is not None and max(moves[down:]) > moves[down], f"prefill engines over time: {moves}"
 
 
-# Conversations replayed (issue 32's multi-turn trace, compressed): 0.5 a second for 120 s, 4 turns each of a
-# 300-word system prompt and 60-200 words a turn, 1-4 s of thought between an answer and the next turn. Prefill
-# costs 1 ms a token past the prefix its engine holds: a turn whose history is cached stays well within the TTFT
-# target, one whose history is not (a 900-token prompt: 1.05 s) misses it.
-CHATS = {"rate": 0.5, "seconds": 120.0, "turns": 4, "system_words": 300, "user_words": (60, 200), "think_s": (1.0, 4.0)}
+# Conversations replayed (issue 32's multi-turn trace, compressed): 62 chats arriving 0.5 a second (about 2
+# minutes), 4 turns each of the run's 300-word system prompt and 130 words a turn, 2.5 s of thought on average
+# between an answer and the next turn. Prefill costs 1 ms a token past the prefix its engine holds: a turn whose
+# history is cached stays well within the TTFT target, one whose history is not (a 900-token prompt: 1.05 s)
+# misses it.
+CHATS = MultiTurnWorkload(session_rate=0.5, sessions=62, turns=4, system_tokens=300, user_tokens=130, answer_tokens=16, think_time=2.5)
 CHAT_TIMING = {**BURST_TIMING, "prefill_us_per_token": 1000.0}
 BLOCK = EngineSpec.model_fields["block_size"].default  # what a prefix cache holds of a prompt is its whole blocks
 
 
-def _histories_cached(turns: list[list[Timed]], engines: PodEngines) -> tuple[int, int]:
+def _histories_cached(turns: list[RequestRecord], engines: PodEngines) -> tuple[int, int]:
     """(later turns whose prefill found the conversation's previous prompt cached, later turns prefilled): from the
     prefill engines' own record of each prompt (``prompt_scheduled``: its tokens found in the prefix cache)."""
     scheduled = {e["xid"]: e for engine in engines.all() if engine.role == "prefill" for e in engine.events() if e["kind"] == "prompt_scheduled"}
     cached = prefilled = 0
-    for conversation in turns:
-        for before, turn in zip(conversation, conversation[1:]):
-            if (prev := scheduled.get(before.xid)) is None or (now := scheduled.get(turn.xid)) is None:
-                continue
-            prefilled += 1
-            prompt = prev["hit_tokens"] + prev["restored_tokens"] + prev["computed_tokens"]
-            cached += now["hit_tokens"] + now["restored_tokens"] >= prompt // BLOCK * BLOCK
+    by_turn = {(t.session, t.turn): t for t in turns}
+    for (session, k), turn in by_turn.items():
+        if k == 0:
+            continue
+        before = by_turn[(session, k - 1)]
+        if (prev := scheduled.get(before.request_id)) is None or (now := scheduled.get(turn.request_id)) is None:
+            continue
+        prefilled += 1
+        prompt = prev["hit_tokens"] + prev["restored_tokens"] + prev["computed_tokens"]
+        cached += now["hit_tokens"] + now["restored_tokens"] >= prompt // BLOCK * BLOCK
     return cached, prefilled
 
 
@@ -407,22 +410,21 @@ def test_replayed_conversations_keep_their_history_cached_while_prefill_scales(o
     in their prefill engine's prefix cache while prefill grows. Attainment, engine-seconds and the
     share of histories found cached are printed."""
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
-    chats = conversations(seed=5, **CHATS)
+    chats = multi_turn_sessions(CHATS, timing_seed=5, content_seed=5)
     slo = {**SLO, "mode": "Active", "ttftMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 1},
            "scaleDownStabilizationSeconds": 20}  # fmt: skip
     turns, engines, sims = _replayed(
         cluster, custom, core, namespace, "chat-slo", {"autoscaling": slo, "router": {**REPLAY_ROUTER, "prefillPolicy": "PrefixAndLoad"}},
-        lambda url, served: replay_conversations(url, served, chats), tmp_path / "chat-slo", CHAT_TIMING,
+        lambda url, served: replay_chats(url, served, chats), tmp_path / "chat-slo", CHAT_TIMING,
     )  # fmt: skip
-    results = [t for conversation in turns for t in conversation]
     cached, prefilled = _histories_cached(turns, sims)
-    print(f"\nconversation replay: {len(chats)} conversations, {len(results)} turns over {CHATS['seconds']:.0f} s; "
-          f"attainment {_attained(results):.1%}; engines (P:D) at most {engines.most('prefill')}:{engines.most('decode')}, "
+    print(f"\nconversation replay: {len(chats)} conversations, {len(turns)} turns over {chats[-1].arrival:.0f} s; "
+          f"attainment {_attained(turns):.1%}; engines (P:D) at most {engines.most('prefill')}:{engines.most('decode')}, "
           f"{sum(engines.seconds.values()):.0f} engine-seconds; prefill engines over time {_moves(engines.counts['prefill'])}; "
           f"histories found cached {cached} of {prefilled}")  # fmt: skip
-    failed = [r for r in results if not r.ok]
-    assert not failed, f"{len(failed)} turns failed, e.g. {failed[0].detail}"
-    assert len(results) == len(chats) * CHATS["turns"]
+    failed = [t for t in turns if not t.ok]
+    assert not failed, f"{len(failed)} turns failed, e.g. {failed[0].error}"
+    assert len(turns) == CHATS.sessions * CHATS.turns
     # Prefix-and-load routing sends a turn where its history is unless that engine is much busier. Measured on
     # this trace: 177 of 186 found; with LeastOutstanding 57 (and 89.9 % attained against 96.0 %).
     assert cached >= 0.75 * prefilled, f"histories found cached {cached} of {prefilled}"

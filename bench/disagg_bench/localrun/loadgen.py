@@ -19,7 +19,9 @@ Two workloads:
   text the server returned: the prompts are then fixed by the seed alone, so every routing mode of a cell is
   sent token sequences of the same lengths, and their counts are known without a tokenizer. A prefill
   engine never holds the answer's KV anyway (the decode engine generated it), so what it can reuse, the
-  previous turn's prompt, is the same either way.
+  previous turn's prompt, is the same either way. A chat cell (`run_sessions(api="chat")`,
+  `/v1/chat/completions`) resends the answers the server returned instead: its prompts follow the server's
+  text, so its turns are a conversation as a chat client holds it, at lengths the seed no longer fixes.
 
 Router replicas (`Replicas`): several routers behind one client, as a Service spreads clients over a router
 Deployment's pods. A Service (kube-proxy) balances connections, not requests, so a client that keeps one
@@ -55,6 +57,7 @@ WORD_IDS = range(1, 151643)
 DISPATCHES = ("push", "push-sequential", "pull")
 PROMPT_FORMATS = ("text", "token-ids")
 SPREADS = ("session", "request")
+API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}  # by the contract's name of each API
 
 
 # --- pure arithmetic ----------------------------------------------------------------------------------
@@ -135,6 +138,7 @@ class RequestRecord:
     request_id: str | None = None  # the router's X-Request-Id
     replica: int | None = None  # which router replica it was sent to (Replicas only)
     server_timing: str | None = None  # the router's Server-Timing (prefill, kv_wait, first_token in ms)
+    answer: str | None = None  # the streamed text, kept only where it is "" before sending (a chat turn's history)
 
     @property
     def ok(self) -> bool:
@@ -165,6 +169,11 @@ class RequestRecord:
     def after_prefill(self) -> float:
         """From the later of (prefill answered, decode sent) to decode's first token: KV wait + first step."""
         return self.first_token - max(self.prefill_done, self.decode_sent)
+
+    def meets(self, ttft_s: float, tpot_s: float) -> bool:
+        """Answered within both targets (an SLO's attainment): the first token within TTFT_S, TPOT within TPOT_S
+        (an answer of one token has no TPOT to miss)."""
+        return self.ok and self.ttft <= ttft_s and (math.isnan(self.tpot) or self.tpot <= tpot_s)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -324,6 +333,17 @@ def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dic
     }
 
 
+def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """`completion_body`'s request for /v1/chat/completions."""
+    body = {k: v for k, v in completion_body(model, "", max_tokens).items() if k != "prompt"}
+    return {**body, "messages": messages}
+
+
+def _api(body: dict[str, Any]) -> str:
+    """The OpenAI API a body is for, as the contract names it: "chat" (it has messages) or "completions"."""
+    return "chat" if "messages" in body else "completions"
+
+
 async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord) -> None:
     async for event in sse_events(resp):
         if event == "[DONE]":
@@ -333,10 +353,12 @@ async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord) -> None
         if "error" in event:
             rec.error = f"stream error: {event['error'].get('message', event['error'])}"[:300]
             return
-        if event.get("choices"):
+        if choices := event.get("choices"):
             if rec.chunks == 0:
                 rec.first_token = time.perf_counter()
             rec.chunks += 1
+            if rec.answer is not None:
+                rec.answer += "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in choices)
         usage = event.get("usage")
         if usage:
             rec.usage_prompt_tokens = usage.get("prompt_tokens")
@@ -358,8 +380,8 @@ async def _stream_post(session: aiohttp.ClientSession, url: str, body: dict[str,
 async def _prefill(
     session: aiohttp.ClientSession, t: DirectTarget, body: dict[str, Any], xid: str, transfer_id: str, rec: RequestRecord
 ) -> dict[str, Any]:
-    leg = prefill_body("completions", body, transfer_id)
-    async with session.post(t.prefill_url + "/v1/completions", json=leg, headers={"X-Request-Id": xid}) as resp:
+    leg = prefill_body(_api(body), body, transfer_id)
+    async with session.post(t.prefill_url + API_PATHS[_api(body)], json=leg, headers={"X-Request-Id": xid}) as resp:
         data = await resp.read()
         rec.prefill_done = time.perf_counter()
         if resp.status != 200:
@@ -371,15 +393,16 @@ async def _prefill(
 async def send(session: aiohttp.ClientSession, target: Target, body: dict[str, Any], rec: RequestRecord) -> None:
     """One request, recorded in `rec`; never raises for a failed request."""
     rec.start = time.perf_counter()
+    api = _api(body)
     try:
         if isinstance(target, RouterTarget):
-            await _stream_post(session, target.url + "/v1/completions", body, {}, rec)
+            await _stream_post(session, target.url + API_PATHS[api], body, {}, rec)
             return
         xid, transfer_id = mint_ids()  # the router's ids and legs (router/dispatch.py), without the router
-        decode_url = target.decode_url + "/v1/completions"
+        decode_url = target.decode_url + API_PATHS[api]
         headers = {"X-Request-Id": xid}
         if target.dispatch == "push":
-            params = target.prefill.push_decode_params(engine_request_id("completions", xid), transfer_id)
+            params = target.prefill.push_decode_params(engine_request_id(api, xid), transfer_id)
             rec.decode_sent = rec.start
             prefill = asyncio.create_task(_prefill(session, target, body, xid, transfer_id, rec))
             try:
@@ -395,7 +418,7 @@ async def send(session: aiohttp.ClientSession, target: Target, body: dict[str, A
         if target.dispatch == "pull":
             params = {"transfer_id": transfer_id, **returned}
         else:  # push-sequential: P's identity known up front, its internal request id from its answer
-            rid = returned.get("remote_request_id") or engine_request_id("completions", xid)
+            rid = returned.get("remote_request_id") or engine_request_id(api, xid)
             params = target.prefill.push_decode_params(rid, transfer_id)
         rec.decode_sent = time.perf_counter()
         await _stream_post(session, decode_url, {**body, "kv_transfer_params": params}, headers, rec)
@@ -426,6 +449,18 @@ async def run_cell(
     arrivals = poisson_arrivals(rate, n, arrival_rng)
     records = [RequestRecord(mode, prompt_tokens, rate, i, a) for i, a in enumerate(arrivals)]
     bodies = [completion_body(model, as_prompt(random_prompt(prompt_tokens, prompt_rng), prompt_format), max_tokens) for _ in records]
+    return await run_requests(session, target, records, bodies, drain_timeout)
+
+
+async def run_requests(
+    session: aiohttp.ClientSession,
+    target: Target | Replicas,
+    records: Sequence[RequestRecord],
+    bodies: Sequence[dict[str, Any]],
+    drain_timeout: float,
+) -> list[RequestRecord]:
+    """Each body sent at its record's `scheduled` time (seconds from now) whatever the others are doing (open
+    loop); those still running `drain_timeout` s after the last is sent are cancelled and recorded unfinished."""
     t0 = time.perf_counter()
 
     async def one(rec: RequestRecord, body: dict[str, Any]) -> None:
@@ -433,14 +468,20 @@ async def run_cell(
         await send(session, _resolve(target, rec), body, rec)
 
     tasks = [asyncio.create_task(one(r, b)) for r, b in zip(records, bodies)]
-    done, pending = await asyncio.wait(tasks, timeout=arrivals[-1] + drain_timeout)
+    await _ended_by(tasks, max(r.scheduled for r in records) + drain_timeout, records)
+    return list(records)
+
+
+async def _ended_by(tasks: list[asyncio.Task[None]], timeout: float, records: Iterable[RequestRecord]) -> None:
+    """Wait up to TIMEOUT s for TASKS, cancel what still runs, and record each request not sent or not
+    answered in full as unfinished."""
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
     for task in pending:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     for rec in records:
         if math.isnan(rec.start) or (rec.error is None and math.isnan(rec.end)):
             rec.error = "unfinished"
-    return records
 
 
 # --- multi-turn conversations ------------------------------------------------------------------------------
@@ -489,9 +530,10 @@ class MultiTurnWorkload:
 class Turn:
     session: int
     turn: int
-    prompt: str
+    prompt: str  # the whole prompt: the system prompt, the history with filler answers, this turn's message
     prompt_tokens: int
     think_before: float  # seconds between the previous turn's answer and this turn (0 for the first)
+    message: str = ""  # this turn's user message alone (a chat resends the history itself)
 
 
 @dataclass(frozen=True)
@@ -499,6 +541,7 @@ class Session:
     index: int
     arrival: float  # seconds from the cell's start
     turns: tuple[Turn, ...]
+    system: str = ""  # the system prompt alone
 
 
 def _words(tokens: int, rng: random.Random) -> list[str]:
@@ -518,10 +561,11 @@ def multi_turn_sessions(w: MultiTurnWorkload, timing_seed: int, content_seed: in
         history, turns = list(system), []
         for k in range(w.turns):
             think = timing.expovariate(1 / w.think_time) if k and w.think_time > 0 else 0.0
-            history += _words(w.user_tokens, content)
-            turns.append(Turn(i, k, " ".join(history), len(history), think))
+            message = _words(w.user_tokens, content)
+            history += message
+            turns.append(Turn(i, k, " ".join(history), len(history), think, " ".join(message)))
             history += _words(w.answer_tokens, content)  # stands for the answer (see the module's docstring)
-        sessions.append(Session(i, arrival, tuple(turns)))
+        sessions.append(Session(i, arrival, tuple(turns), " ".join(system)))
     return sessions
 
 
@@ -558,11 +602,19 @@ async def run_sessions(
     max_tokens: int,
     drain_timeout: float,
     prompt_format: str = "text",
+    api: str = "completions",
 ) -> list[RequestRecord]:
     """Every session's turns in order, each after the previous turn's answer and its think time; sessions
-    start at their arrivals. A failed turn does not end its session (the next prompt does not depend on the
-    answer). Turns not answered by the deadline (`session_deadline`) are cancelled and recorded unfinished.
-    With `Replicas`, each turn goes to the replica its spread picks."""
+    start at their arrivals. With `api="completions"` each turn sends its whole prompt, and a failed turn does
+    not end its session (the next prompt does not depend on the answer). With `api="chat"` each turn sends the
+    system prompt and the conversation so far (every earlier message and the answer the server streamed) to
+    /v1/chat/completions, and a failed turn ends its session (there is no answer to resend). Turns not answered
+    by the deadline (`session_deadline`) or never sent are recorded unfinished. With `Replicas`, each turn goes
+    to the replica its spread picks."""
+    if api not in API_PATHS:
+        raise ValueError(f"multi-turn api {api!r}: choose from {', '.join(API_PATHS)}")
+    if api == "chat" and prompt_format != "text":
+        raise ValueError("a chat's messages are text: prompt_format must be 'text' with api='chat'")
     records = session_records(sessions, mode, cell_tokens, rate)
     t0 = time.perf_counter()
 
@@ -572,13 +624,20 @@ async def run_sessions(
             await asyncio.sleep(t.think_before)
             await send(session, _resolve(target, rec), completion_body(model, as_prompt(t.prompt, prompt_format), max_tokens), rec)
 
-    tasks = [asyncio.create_task(converse(s, r)) for s, r in zip(sessions, records)]
-    done, pending = await asyncio.wait(tasks, timeout=session_deadline(sessions, drain_timeout))
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    async def chat(s: Session, recs: list[RequestRecord]) -> None:
+        await asyncio.sleep(max(0.0, t0 + s.arrival - time.perf_counter()))
+        messages = [{"role": "system", "content": s.system}]
+        for t, rec in zip(s.turns, recs):
+            await asyncio.sleep(t.think_before)
+            messages.append({"role": "user", "content": t.message})
+            rec.answer, rec.sent_prompt_tokens = "", sum(len(m["content"].split()) for m in messages)
+            await send(session, _resolve(target, rec), chat_body(model, messages, max_tokens), rec)
+            if not rec.ok:
+                return
+            messages.append({"role": "assistant", "content": rec.answer})
+
+    play = chat if api == "chat" else converse
+    tasks = [asyncio.create_task(play(s, r)) for s, r in zip(sessions, records)]
     flat = [rec for recs in records for rec in recs]
-    for rec in flat:
-        if math.isnan(rec.start) or (rec.error is None and math.isnan(rec.end)):
-            rec.error = "unfinished"
+    await _ended_by(tasks, session_deadline(sessions, drain_timeout), flat)
     return flat

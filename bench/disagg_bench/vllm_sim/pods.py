@@ -126,7 +126,7 @@ class PodEngine:
     engine_id: str
     publishes_kv_events: bool = False  # its pod's vllm serve has --kv-events-config (so the simulator publishes)
     vllm_version: str | None = None  # the release its pod runs (its annotation), which the simulator answers as
-    final: tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]] | None = None  # (legs, stats, events) at stop
+    final: tuple[dict[str, Any], list[dict[str, Any]]] | None = None  # (stats, events) when it was stopped
     pre_stop: PreStop | None = None  # the pod's preStop, once its pod was deleted
     stopped_at: float | None = None  # monotonic time the engine was stopped
 
@@ -156,7 +156,7 @@ class PodEngine:
     def stats(self) -> dict[str, Any]:
         """The simulator's /sim/stats: counters, and what it still holds (KV blocks, writes, requests)."""
         if self.final is not None:
-            return self.final[1]
+            return self.final[0]
         if not self.proc.alive() and self.pre_stop is not None and self.pre_stop.stats_at_start is not None:
             # its pod was being deleted and the engine died on its own before it was stopped: a rank of a retired
             # LeaderWorkerSet group whose leader went first (their collectives fail, as vLLM's do). What it held
@@ -169,19 +169,17 @@ class PodEngine:
 
     def events(self) -> list[dict[str, Any]]:
         if self.final is not None:
-            return self.final[2]
+            return self.final[1]
         return self._get("/sim/events")["events"]
 
     def legs(self) -> dict[str, dict[str, Any]]:
         """xid -> the leg_received event of every leg this engine got."""
-        if self.final is not None:
-            return self.final[0]
         return {e["xid"]: e for e in self.events() if e["kind"] == "leg_received"}
 
     def stop(self) -> None:
         """Keep what it saw, then stop it."""
         if self.final is None and self.proc.alive():
-            self.final = (self.legs(), self.stats(), self.events())
+            self.final = (self.stats(), self.events())
             self.stopped_at = time.monotonic()
         self.proc.stop()
 
@@ -404,7 +402,7 @@ class PodEngines:
         for thread in self._hooks:
             thread.join(timeout=10)
         for e in self.all():
-            e.proc.stop()
+            e.stop()  # keeping what it saw: a test reads its engines' events and stats after the model is gone
         # No engine runs for these pods any more: a kubelet's hook would return at once, so kwok need not hold
         # them (a namespace deleted after the test goes at once, not after each pod's grace period).
         for e in self.all():

@@ -1,6 +1,7 @@
 """The load generator's multi-turn workload: seeded sessions whose prompts share one system prompt and grow
 turn by turn, Poisson session arrivals and exponential think times, and the client that plays them (each turn
-after the previous answer), against a small in-process HTTP server that records what it was sent."""
+after the previous answer; a chat resending the answers it got), against a small in-process HTTP server that
+records what it was sent."""
 
 from __future__ import annotations
 
@@ -127,8 +128,13 @@ async def _recording_server(received: list[dict[str, Any]], fail_turn_of: set[in
         received[-1]["done"] = asyncio.get_running_loop().time()
         return resp
 
+    return await _serving("/v1/completions", completions)
+
+
+async def _serving(path: str, handler: Any) -> tuple[web.AppRunner, str]:
+    """HANDLER serving POST PATH on a free local port: its runner (to clean up) and base URL."""
     app = web.Application()
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -164,3 +170,54 @@ def test_run_sessions_plays_each_session_in_order_after_each_answer() -> None:
     assert all(r.request_id and r.request_id.startswith("x") for r in ok)
     summary = loadgen.summarize(records, "multi-turn")
     assert (summary.workload, summary.sessions, summary.ok, summary.failed) == ("multi-turn", 6, 12, 6)
+
+
+def test_a_chat_resends_the_answers_it_got_and_ends_at_a_failed_turn() -> None:
+    w = MultiTurnWorkload(session_rate=200.0, sessions=4, turns=3, system_tokens=6, user_tokens=4, answer_tokens=2, think_time=0.0)
+    sessions = multi_turn_sessions(w, 2, 3)
+    failing = sessions[1].turns[1].message
+    received: list[list[dict[str, str]]] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        received.append(body["messages"])
+        if body["messages"][-1]["content"] == failing:
+            return web.json_response({"error": {"message": "no"}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Request-Id": f"x{len(received)}"})
+        await resp.prepare(request)
+        for piece in (f"answer{len(received)}", " to", f" {body['messages'][-1]['content'].split()[0]}"):
+            await resp.write(b"data: " + json.dumps({"choices": [{"delta": {"content": piece}}]}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main() -> list[loadgen.RequestRecord]:
+        runner, url = await _serving("/v1/chat/completions", chat)
+        try:
+            async with aiohttp.ClientSession() as s:
+                return await loadgen.run_sessions(s, loadgen.RouterTarget(url), sessions, mode="chat", model="x", cell_tokens=0,
+                                                  rate=200.0, max_tokens=3, drain_timeout=30, api="chat")  # fmt: skip
+        finally:
+            await runner.cleanup()
+
+    records = asyncio.run(main())
+    by_turn = {(r.session, r.turn): r for r in records}
+    for s in sessions:
+        for t in s.turns[1:]:
+            if not by_turn[(s.index, t.turn - 1)].ok:
+                continue
+            sent = next(m for m in received if m[-1]["content"] == t.message)
+            # the system prompt, then each earlier message with the very answer streamed back for it
+            expected = [{"role": "system", "content": s.system}]
+            for before in s.turns[: t.turn]:
+                expected += [{"role": "user", "content": before.message}, {"role": "assistant", "content": by_turn[(s.index, before.turn)].answer}]
+            assert sent == expected + [{"role": "user", "content": t.message}]
+    assert all(r.ok and r.answer and r.answer.startswith("answer") for r in records if r.session != 1)
+    assert [(r.turn, r.error) for r in records if r.session == 1] == [(0, None), (1, "HTTP 500: " + json.dumps({"error": {"message": "no"}})), (2, "unfinished")]
+    assert len(received) == 4 * 3 - 1  # the failed turn ended its chat: nothing left to resend
+
+
+def test_a_chat_of_token_ids_is_refused() -> None:
+    sessions = multi_turn_sessions(SHAPE, 1, 1)
+    with pytest.raises(ValueError, match="prompt_format must be 'text'"):
+        asyncio.run(loadgen.run_sessions(None, loadgen.RouterTarget("http://127.0.0.1:9"), sessions, mode="m", model="x",  # type: ignore[arg-type]
+                                         cell_tokens=0, rate=1.0, max_tokens=1, drain_timeout=1, prompt_format="token-ids", api="chat"))  # fmt: skip

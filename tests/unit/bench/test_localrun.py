@@ -258,6 +258,14 @@ def test_request_figures() -> None:
     assert seq.after_prefill == pytest.approx(0.04)
 
 
+def test_a_request_meets_an_slo_only_answered_within_both_targets() -> None:
+    r = record()  # TTFT 0.2 s, TPOT 0.1 s
+    assert r.meets(0.2, 0.1) and not r.meets(0.19, 0.1) and not r.meets(0.2, 0.09)
+    assert record(chunks=1, end=10.2).meets(0.2, 0.0)  # one token: no TPOT to miss
+    assert not record(status=500, error="HTTP 500: x").meets(10.0, 10.0)
+    assert not record(error="unfinished", end=math.nan).meets(10.0, 10.0)
+
+
 def test_summary_counts_and_splits() -> None:
     recs = [record(index=i, start=10.0 + i, first_token=10.1 + i + 0.01 * i, end=11.0 + i) for i in range(4)]
     recs += [record(index=4, status=500, error="HTTP 500: x"), record(index=5, error="unfinished", end=math.nan)]
