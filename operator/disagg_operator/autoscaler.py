@@ -37,7 +37,8 @@ P and D are decided together: decode's demand includes the prompts prefill takes
 a surge grows decode before its KV fills. A role shrinks only when its signal is well under target (decode's
 TPOT: measured from an idle engine's step), to the fewest engines that run the demand below the headroom
 (consolidation-aware, dynamo#9294), and no lower than any recommendation of the scale-down window (hysteresis: no
-2<->1 flapping on a steady load). Either way a role moves by at most `max_step` engines per interval.
+2<->1 flapping on a steady load; the window forgets decode's recommendations made before its TPOT line was first
+learned, the guesses of a cold start). Either way a role moves by at most `max_step` engines per interval.
 
 **The budget**: bounds first, then, when the engines' accelerators exceed the budget, the role whose target is
 less missed gives up engines first (its pressure: measured / target), down to its minimum; below the budget's
@@ -195,9 +196,11 @@ class Memory:
     """What the decision keeps between intervals."""
 
     capacity: Capacity = field(default_factory=Capacity)
-    recommendations: tuple[tuple[float, int, int], ...] = ()  # (at, prefill, decode) within the longer window
+    # (at, prefill, decode) within the longer window; None: a role's recommendation forgotten (see `decide`)
+    recommendations: tuple[tuple[float, int | None, int | None], ...] = ()
     demand: tuple[tuple[float, float, float], ...] = ()  # (at, prefill tokens/s, decode KV tokens) within the trend window
     prefill_waiting: float = 0.0  # requests waiting on prefill at the last interval's end
+    decode_line_learned: bool = False  # decode's TPOT line has been learned (once is enough: it may drop out later)
 
 
 @dataclass(frozen=True)
@@ -409,14 +412,15 @@ def within_budget(policy: Policy, obs: Observation, sizes: dict[str, int]) -> tu
     return out, note
 
 
-def _stabilised(policy: Policy, memory: Memory, now: float, current: Mapping[str, int], wanted: Mapping[str, int]) -> dict[str, int]:
+def _stabilised(policy: Policy, recommendations: tuple[tuple[float, int | None, int | None], ...], now: float,
+                current: Mapping[str, int], wanted: Mapping[str, int]) -> dict[str, int]:  # fmt: skip
     """HPA's rule: grow to the least of the scale-up window's recommendations, shrink to the most of the
     scale-down window's; a move only once the memory covers its whole window and the window agrees."""
 
     def window(seconds: float, i: int) -> list[int] | None:
-        if seconds > 0 and not any(now - rec[0] >= seconds for rec in memory.recommendations):
+        if seconds > 0 and not any(now - rec[0] >= seconds for rec in recommendations):
             return None  # the window is not covered yet (a new operator, a new model)
-        return [rec[i] for rec in memory.recommendations if now - rec[0] <= seconds]
+        return [n for rec in recommendations if now - rec[0] <= seconds and (n := rec[i]) is not None]
 
     out = {}
     for i, role in enumerate(ROLES, start=1):
@@ -455,13 +459,19 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
 
     if obs.rolling_out:
         frozen = Decision(current, {r: "frozen: a rollout is in progress (scaling waits for it)" for r in ROLES}, None, estimates)
-        return frozen, Memory(capacity, memory.recommendations, demand_pts, obs.prefill.waiting)
+        return frozen, replace(memory, capacity=capacity, demand=demand_pts, prefill_waiting=obs.prefill.waiting)
 
     needs = {"prefill": _prefill_need(policy, obs, capacity, demand["prefill"]),
              "decode": _decode_need(policy, obs, capacity, demand["decode"])}  # fmt: skip
     wanted, budget_note = within_budget(policy, obs, {r: needs[r][0] for r in ROLES})
-    recs = tuple(r for r in memory.recommendations if obs.at - r[0] <= longest) + ((obs.at, wanted["prefill"], wanted["decode"]),)
-    sizes = _stabilised(policy, memory, obs.at, current, wanted)
+    past = tuple(r for r in memory.recommendations if obs.at - r[0] <= longest)
+    if line and not memory.decode_line_learned:
+        # Decode's TPOT line is learned for the first time: what decode was recommended before was sized without
+        # it (a cold start's steps while its first engines start: 16 engines asked for where 4 hold the KV), and
+        # the scale-down window would hold that guess for its whole length. It keeps what is sized from now on.
+        past = tuple((at, p, None) for at, p, _ in past)
+    recs = past + ((obs.at, wanted["prefill"], wanted["decode"]),)
+    sizes = _stabilised(policy, past, obs.at, current, wanted)
     # a bounded step per interval, both ways
     sizes = {r: min(max(sizes[r], current[r] - policy.max_step), current[r] + policy.max_step) for r in ROLES}
     blocked = None
@@ -479,7 +489,8 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
             reason = f"{reason}; waiting out the {'scale-down' if wanted[role] < current[role] else 'scale-up'} window"
         reasons[role] = reason
     final, _ = within_budget(policy, obs, sizes)  # the blocked hold kept within the bounds too
-    return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts, obs.prefill.waiting)
+    learned = memory.decode_line_learned or line is not None
+    return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts, obs.prefill.waiting, learned)
 
 
 # --- from the model and what a pass saw (still pure) ------------------------------------------------------------
