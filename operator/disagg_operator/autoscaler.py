@@ -464,13 +464,15 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
     needs = {"prefill": _prefill_need(policy, obs, capacity, demand["prefill"]),
              "decode": _decode_need(policy, obs, capacity, demand["decode"])}  # fmt: skip
     wanted, budget_note = within_budget(policy, obs, {r: needs[r][0] for r in ROLES})
-    past = tuple(r for r in memory.recommendations if obs.at - r[0] <= longest)
+    # The window is read from the memory as the last interval left it: it still holds a recommendation a window
+    # old, which says the window is covered (passes are never exactly an interval apart).
+    past = memory.recommendations
     if line and not memory.decode_line_learned:
         # Decode's TPOT line is learned for the first time: what decode was recommended before was sized without
         # it (a cold start's steps while its first engines start: 16 engines asked for where 4 hold the KV), and
         # the scale-down window would hold that guess for its whole length. It keeps what is sized from now on.
         past = tuple((at, p, None) for at, p, _ in past)
-    recs = past + ((obs.at, wanted["prefill"], wanted["decode"]),)
+    recs = tuple(r for r in past if obs.at - r[0] <= longest) + ((obs.at, wanted["prefill"], wanted["decode"]),)
     sizes = _stabilised(policy, past, obs.at, current, wanted)
     # a bounded step per interval, both ways
     sizes = {r: min(max(sizes[r], current[r] - policy.max_step), current[r] + policy.max_step) for r in ROLES}

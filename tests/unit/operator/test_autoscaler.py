@@ -190,6 +190,19 @@ def test_idle_shrinks_to_the_minimum_once_the_scale_down_window_passed_by_a_boun
     assert stepped[3:] == [(4, 4), (3, 3), (2, 2), (1, 1), (1, 1)], stepped
 
 
+def test_a_shrink_waits_one_window_also_when_the_intervals_drift() -> None:
+    """The operator's passes are not exactly an interval apart (a pass takes its time): an idle model shrinks once
+    the scale-down window has passed all the same, not never (the window counts as covered by a recommendation at
+    least a window old)."""
+    idle = plant(lambda at: 0.0, lambda at: 0.0)
+    memory, sizes, seen = Memory(), {"prefill": 4, "decode": 4}, []
+    for i in range(10):
+        decision, memory = decide(policy(scale_down_window_s=60.0), idle(i * (INTERVAL + 0.37), sizes), memory)
+        sizes = dict(decision.sizes)
+        seen.append((sizes["prefill"], sizes["decode"]))
+    assert seen[:4] == [(4, 4)] * 4 and seen[-1] == (1, 1), seen
+
+
 def test_the_specs_max_step_bounds_how_far_a_role_grows_in_one_decision() -> None:
     """80k prompt tokens/s on one prefill engine (still warming: it teaches nothing) of a learned 10k: ten engines
     are needed; it grows by the spec's step."""
