@@ -94,6 +94,26 @@ def test_the_slo_autoscaler_grows_both_roles_on_a_burst_and_meets_the_targets_it
     assert outcome.attainment > static.attainment
 
 
+def test_the_passes_drift_and_the_slo_autoscaler_still_shrinks_both_roles_after_a_burst() -> None:
+    """The operator's passes are never exactly an interval apart; a decision that counted on exact intervals kept
+    every role at its peak (26453e5). The fleet model's passes drift, so such a decision fails here too."""
+    trace = steady(2.0, 120) + [Request(120 + i / 12.0, 16_000, 16_000, 256) for i in range(12 * 240)]
+    trace += [Request(360 + i / 2.0, 16_000, 16_000, 256) for i in range(2 * 720)]
+    autoscaler = SloAutoscaler()
+    passes: list[tuple[float, dict[str, int]]] = []
+
+    def recorded(fleet: Fleet, since: float) -> dict[str, int]:
+        passes.append((fleet.now - since, autoscaler(fleet, since)))
+        return passes[-1][1]
+
+    run(trace, 1, 1, recorded, autoscaler.interval)
+    gaps = sorted(gap for gap, _ in passes)
+    assert autoscaler.interval < gaps[0] < gaps[-1] <= autoscaler.interval + sim.PASS_DRIFT_S
+    for role in ("prefill", "decode"):
+        peak, last = max(s[role] for _, s in passes), passes[-1][1][role]
+        assert last < peak, f"{role} held at {peak} after the burst"
+
+
 def test_the_burst_bound_asks_for_the_maximum_from_the_instant_of_the_step_and_not_before() -> None:
     bound, fleet = sim.BurstBound(), Fleet(1, 1)
     fleet.now = 285.0
