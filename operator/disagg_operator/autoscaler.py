@@ -37,8 +37,8 @@ P and D are decided together: decode's demand includes the prompts prefill takes
 a surge grows decode before its KV fills. A role shrinks only when its signal is well under target (decode's
 TPOT: measured from an idle engine's step), to the fewest engines that run the demand below the headroom
 (consolidation-aware, dynamo#9294), and no lower than any recommendation of the scale-down window (hysteresis: no
-2<->1 flapping on a steady load; the window forgets decode's recommendations made before its TPOT line was first
-learned, the guesses of a cold start). Either way a role moves by at most `max_step` engines per interval.
+2<->1 flapping on a steady load; the window forgets decode's recommendations made before every decode engine
+was first warm, the guesses of a cold start). Either way a role moves by at most `max_step` engines per interval.
 
 **The budget**: bounds first, then, when the engines' accelerators exceed the budget, the role whose target is
 less missed gives up engines first (its pressure: measured / target), down to its minimum; below the budget's
@@ -200,7 +200,7 @@ class Memory:
     recommendations: tuple[tuple[float, int | None, int | None], ...] = ()
     demand: tuple[tuple[float, float, float], ...] = ()  # (at, prefill tokens/s, decode KV tokens) within the trend window
     prefill_waiting: float = 0.0  # requests waiting on prefill at the last interval's end
-    decode_line_learned: bool = False  # decode's TPOT line has been learned (once is enough: it may drop out later)
+    decode_warmed: bool = False  # every decode engine has been warm at once (once is enough: the cold start is over)
 
 
 @dataclass(frozen=True)
@@ -467,10 +467,13 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
     # The window is read from the memory as the last interval left it: it still holds a recommendation a window
     # old, which says the window is covered (passes are never exactly an interval apart).
     past = memory.recommendations
-    if line and not memory.decode_line_learned:
-        # Decode's TPOT line is learned for the first time: what decode was recommended before was sized without
-        # it (a cold start's steps while its first engines start: 16 engines asked for where 4 hold the KV), and
-        # the scale-down window would hold that guess for its whole length. It keeps what is sized from now on.
+    all_warm = 0 < obs.decode.current == obs.decode.warm
+    if all_warm and not memory.decode_warmed:
+        # Every decode engine is warm for the first time: what decode was recommended before was sized on engines
+        # starting or warming (a cold start's steps while its first engines start: 16 engines asked for where 4
+        # hold the KV), and the scale-down window would hold that guess for its whole length. Not the first TPOT
+        # line: engines that many hold too little KV for their points to spread into one (the fleet model's
+        # multi-turn: 16 warm at 292 s, a line at 417 s). It keeps what is sized from now on.
         past = tuple((at, p, None) for at, p, _ in past)
     recs = tuple(r for r in past if obs.at - r[0] <= longest) + ((obs.at, wanted["prefill"], wanted["decode"]),)
     sizes = _stabilised(policy, past, obs.at, current, wanted)
@@ -491,8 +494,8 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
             reason = f"{reason}; waiting out the {'scale-down' if wanted[role] < current[role] else 'scale-up'} window"
         reasons[role] = reason
     final, _ = within_budget(policy, obs, sizes)  # the blocked hold kept within the bounds too
-    learned = memory.decode_line_learned or line is not None
-    return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts, obs.prefill.waiting, learned)
+    warmed = memory.decode_warmed or all_warm
+    return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts, obs.prefill.waiting, warmed)
 
 
 # --- from the model and what a pass saw (still pure) ------------------------------------------------------------

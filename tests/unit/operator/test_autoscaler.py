@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_operator.api.models import ModelAutoscalingSpec
-from disagg_operator.autoscaler import ROLES, Capacity, Memory, RoleBounds, decide, learn, policy_of
+from disagg_operator.autoscaler import ROLES, Capacity, Memory, Observation, RoleBounds, decide, learn, policy_of
 
 from tests.fixtures.autoscaling import (INTERVAL, KV_CAPACITY, PREFILL_ENGINE_TOKENS_PER_S, TPOT_AT_EMPTY, TPOT_PER_KV_TOKEN,
                                         observation, observations, plant, policies, policy, role, run)  # fmt: skip
@@ -104,22 +104,28 @@ def test_decode_shrinks_where_an_idle_engines_step_is_most_of_the_tpot_target() 
     assert all(o.tpot_s <= target for o, _ in history), [o.tpot_s for o, _ in history]
 
 
-def test_what_decode_was_asked_before_its_line_was_learned_does_not_hold_it() -> None:
+def test_what_decode_was_asked_before_its_engines_were_all_warm_does_not_hold_it() -> None:
     """A cold start's guesses: decode was asked for 8 engines (first tokens waiting on one decode engine while the
-    others started), none sized by a TPOT line. Once the warm engines' TPOT teaches the line (KV 600k, then 450k
-    tokens), four engines hold the KV: decode shrinks at once rather than holding the guesses through the 300 s
-    scale-down window. The same recommendations made with the line already known hold decode at 8."""
+    others started), sized on engines starting and warming. Once every engine is warm (the third interval), four
+    hold the KV: decode shrinks at once rather than holding the guesses through the 300 s scale-down window. The
+    same recommendations made after the cold start hold decode at 8."""
     pile_up = tuple((at, 1, 8) for at in range(-285, 0, 15))
-    kv = lambda at: 600_000.0 if at < INTERVAL else 450_000.0  # noqa: E731
+    kv = lambda at: 450_000.0  # noqa: E731  (four engines of 120k each: the headroom of the 150k below)
     per_engine = (0.05 - TPOT_AT_EMPTY) / TPOT_PER_KV_TOKEN  # 150k at the TPOT target
     known_line = Capacity(decode_points=tuple((k, TPOT_AT_EMPTY + TPOT_PER_KV_TOKEN * k) for k in (0.5 * per_engine, per_engine, 0.75 * per_engine)))
-    cold = run(policy(scale_down_window_s=300.0), [plant(lambda at: 5_000.0, kv)] * 6, {"prefill": 1, "decode": 8},
-               Memory(recommendations=pile_up))  # fmt: skip
-    assert [d for _, d in sizes_over(cold)][:2] == [8, 8], "no line yet: the window holds"
+    planted = plant(lambda at: 5_000.0, kv)
+
+    def warming(at: float, sizes: dict[str, int]) -> Observation:
+        obs = planted(at, sizes)
+        return obs if at >= 2 * INTERVAL else replace(obs, decode=replace(obs.decode, warm=obs.decode.current - 3))
+
+    cold = run(policy(scale_down_window_s=300.0), [warming] * 6, {"prefill": 1, "decode": 8},
+               Memory(capacity=known_line, recommendations=pile_up))  # fmt: skip
+    assert [d for _, d in sizes_over(cold)][:2] == [8, 8], "engines still warming: the window holds"
     assert [d for _, d in sizes_over(cold)][2:] == [4] * 4, [d.reasons["decode"] for _, d in cold]
     assert all(o.tpot_s <= 0.05 for o, _ in cold)
-    held = run(policy(scale_down_window_s=300.0), [plant(lambda at: 5_000.0, kv)] * 6, {"prefill": 1, "decode": 8},
-               Memory(capacity=known_line, recommendations=pile_up, decode_line_learned=True))  # fmt: skip
+    held = run(policy(scale_down_window_s=300.0), [planted] * 6, {"prefill": 1, "decode": 8},
+               Memory(capacity=known_line, recommendations=pile_up, decode_warmed=True))  # fmt: skip
     assert [d for _, d in sizes_over(held)] == [8] * 6, [d.reasons["decode"] for _, d in held]
     assert "waiting out the scale-down window" in held[-1][1].reasons["decode"]
 
