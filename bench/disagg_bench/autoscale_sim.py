@@ -51,8 +51,9 @@ import random
 import statistics
 from collections import deque
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Iterator
+from typing import Callable
 
+from disagg_bench.localrun.loadgen import thinned_arrivals
 from disagg_bench.vllm_sim.as_vllm import profile
 from disagg_operator import autoscaler
 from disagg_operator.api.models import ModelAutoscalingSpec
@@ -84,17 +85,6 @@ class Request:
     output: int
 
 
-def _poisson(rng: random.Random, rate: Callable[[float], float], seconds: float, peak: float) -> Iterator[float]:
-    """Arrival times of a Poisson process of rate RATE(t) <= PEAK (thinning)."""
-    t = 0.0
-    while True:
-        t += rng.expovariate(peak)
-        if t >= seconds:
-            return
-        if rng.random() < rate(t) / peak:
-            yield t
-
-
 def _one_shot(rng: random.Random, at: float) -> Request:
     prompt = rng.randint(8_000, 24_000)
     return Request(at, prompt, prompt, rng.randint(128, 384))
@@ -109,18 +99,18 @@ def burst_rate(t: float) -> float:
 
 
 def sine(rng: random.Random) -> list[Request]:
-    return [_one_shot(rng, t) for t in _poisson(rng, sine_rate, 1800, 24)]
+    return [_one_shot(rng, t) for t in thinned_arrivals(sine_rate, 1800, 24, rng)]
 
 
 def burst(rng: random.Random) -> list[Request]:
-    return [_one_shot(rng, t) for t in _poisson(rng, burst_rate, 1200, 20)]
+    return [_one_shot(rng, t) for t in thinned_arrivals(burst_rate, 1200, 20, rng)]
 
 
 def multi_turn(rng: random.Random) -> list[Request]:
     """Conversations (1.2 a second for 20 min): a 4k-token system prompt, 6 turns of 1-3k new tokens, answers of
     128-384 tokens, 5-20 s of thought between an answer's likely end and the next turn."""
     out = []
-    for start in _poisson(rng, lambda t: 1.2, 1200, 1.2):
+    for start in thinned_arrivals(lambda t: 1.2, 1200, 1.2, rng):
         history, at = 4_000, start
         for _ in range(6):
             new, answer = rng.randint(1_000, 3_000), rng.randint(128, 384)

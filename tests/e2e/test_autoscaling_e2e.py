@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from disagg_connector import contract
-from disagg_bench.localrun.loadgen import MultiTurnWorkload, RequestRecord, multi_turn_sessions
+from disagg_bench.localrun.loadgen import MultiTurnWorkload, RequestRecord, multi_turn_sessions, thinned_arrivals
 from disagg_bench.vllm_sim.harness import FAST
 from disagg_operator.api.models import EngineSpec
 from disagg_bench.vllm_sim.pods import PodEngines
@@ -35,7 +36,7 @@ from disagg_bench.vllm_sim.pods import PodEngines
 from tests.fixtures.e2e.models import get_model, model_manifest, rolled_out, wait_ready, whole_node_pair
 from tests.fixtures.e2e.nodes import Pool
 from tests.fixtures.e2e.serving import Serving
-from tests.fixtures.e2e.traffic import arrivals, replay, replay_chats, wait_for
+from tests.fixtures.e2e.traffic import replay, replay_chats, wait_for
 from tests.fixtures.e2e.waiting import condition
 
 GROUP, VERSION, PLURAL = contract.API_GROUP, contract.API_VERSION, contract.PLURAL
@@ -320,7 +321,7 @@ def test_a_replayed_burst_through_the_router_and_the_operator_against_a_static_p
     (Active, from 1P1D): the autoscaler grows prefill during the burst and meets both targets on more requests;
     every request of both is answered. The figures are printed (attainment, engine-seconds), not asserted."""
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
-    times = arrivals(BURST, BURST_S, 8.0, seed=7)
+    times = list(thinned_arrivals(BURST, BURST_S, 8.0, random.Random(7)))
     slo = {**SLO, "mode": "Active", "ttftMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 1},
            "scaleDownStabilizationSeconds": 30}  # fmt: skip
     outcomes = {
@@ -358,7 +359,7 @@ def test_a_replayed_sine_grows_prefill_on_each_peak_and_gives_it_back_in_the_tro
     grows again on the second; every request is answered. Attainment and engine-seconds are printed, not
     asserted."""
     custom, core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
-    times = arrivals(SINE, SINE_S, 8.0, seed=11)
+    times = list(thinned_arrivals(SINE, SINE_S, 8.0, random.Random(11)))
     slo = {**SLO, "mode": "Active", "ttftMilliseconds": 1000, "prefill": {"maxEngines": 3}, "decode": {"maxEngines": 1},
            "scaleDownStabilizationSeconds": 20}  # fmt: skip
     results, engines, _ = _replayed(cluster, custom, core, namespace, "sine-slo", {"autoscaling": slo},

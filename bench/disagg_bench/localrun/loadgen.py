@@ -44,7 +44,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 import aiohttp
 
@@ -70,6 +70,15 @@ def poisson_arrivals(rate: float, n: int, rng: random.Random) -> list[float]:
         out.append(t)
         t += rng.expovariate(rate)
     return out
+
+
+def thinned_arrivals(rate: Callable[[float], float], seconds: float, peak: float, rng: random.Random) -> Iterator[float]:
+    """Send times (seconds from the start) of a Poisson process of rate RATE(t) <= PEAK over SECONDS, by thinning.
+    A generator: a trace that draws its requests from RNG between arrivals stays the same for a seed."""
+    t = 0.0
+    while (t := t + rng.expovariate(peak)) < seconds:
+        if rng.random() < rate(t) / peak:
+            yield t
 
 
 def random_prompt(tokens: int, rng: random.Random) -> str:
@@ -321,10 +330,11 @@ def _resolve(target: Target | Replicas, rec: "RequestRecord") -> Target:
     return chosen
 
 
-def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+def _streamed(model: str, max_tokens: int, **content: Any) -> dict[str, Any]:
+    """A streamed request of exactly MAX_TOKENS tokens, with its CONTENT (a prompt or messages)."""
     return {
         "model": model,
-        "prompt": prompt,
+        **content,
         "max_tokens": max_tokens,
         "ignore_eos": True,  # exactly max_tokens tokens, whatever dummy weights predict
         "temperature": 0.0,
@@ -333,10 +343,13 @@ def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dic
     }
 
 
+def completion_body(model: str, prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+    return _streamed(model, max_tokens, prompt=prompt)
+
+
 def chat_body(model: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     """`completion_body`'s request for /v1/chat/completions."""
-    body = {k: v for k, v in completion_body(model, "", max_tokens).items() if k != "prompt"}
-    return {**body, "messages": messages}
+    return _streamed(model, max_tokens, messages=messages)
 
 
 def _api(body: dict[str, Any]) -> str:
@@ -378,10 +391,11 @@ async def _stream_post(session: aiohttp.ClientSession, url: str, body: dict[str,
 
 
 async def _prefill(
-    session: aiohttp.ClientSession, t: DirectTarget, body: dict[str, Any], xid: str, transfer_id: str, rec: RequestRecord
+    session: aiohttp.ClientSession, t: DirectTarget, api: str, body: dict[str, Any], xid: str, transfer_id: str,
+    rec: RequestRecord,
 ) -> dict[str, Any]:
-    leg = prefill_body(_api(body), body, transfer_id)
-    async with session.post(t.prefill_url + API_PATHS[_api(body)], json=leg, headers={"X-Request-Id": xid}) as resp:
+    leg = prefill_body(api, body, transfer_id)
+    async with session.post(t.prefill_url + API_PATHS[api], json=leg, headers={"X-Request-Id": xid}) as resp:
         data = await resp.read()
         rec.prefill_done = time.perf_counter()
         if resp.status != 200:
@@ -404,7 +418,7 @@ async def send(session: aiohttp.ClientSession, target: Target, body: dict[str, A
         if target.dispatch == "push":
             params = target.prefill.push_decode_params(engine_request_id(api, xid), transfer_id)
             rec.decode_sent = rec.start
-            prefill = asyncio.create_task(_prefill(session, target, body, xid, transfer_id, rec))
+            prefill = asyncio.create_task(_prefill(session, target, api, body, xid, transfer_id, rec))
             try:
                 await _stream_post(session, decode_url, {**body, "kv_transfer_params": params}, headers, rec)
             finally:
@@ -414,7 +428,7 @@ async def send(session: aiohttp.ClientSession, target: Target, body: dict[str, A
             if prefill.done() and not prefill.cancelled() and prefill.exception() and rec.error is None:
                 rec.error = str(prefill.exception())[:300]
             return
-        returned = await _prefill(session, target, body, xid, transfer_id, rec)
+        returned = await _prefill(session, target, api, body, xid, transfer_id, rec)
         if target.dispatch == "pull":
             params = {"transfer_id": transfer_id, **returned}
         else:  # push-sequential: P's identity known up front, its internal request id from its answer

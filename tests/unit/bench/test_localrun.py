@@ -229,6 +229,16 @@ def test_poisson_arrivals_are_reproducible_with_the_rate_as_mean() -> None:
         loadgen.poisson_arrivals(0.0, 3, random.Random(0))
 
 
+def test_thinned_arrivals_follow_a_rate_that_changes_and_are_reproducible() -> None:
+    rate = lambda t: 0.0 if t < 100 else 8.0  # noqa: E731  (silent, then 8 a second)
+    a = list(loadgen.thinned_arrivals(rate, 600.0, 8.0, random.Random(5)))
+    assert a == list(loadgen.thinned_arrivals(rate, 600.0, 8.0, random.Random(5)))
+    assert 100 <= a[0] and a[-1] < 600 and all(x < y for x, y in zip(a, a[1:]))
+    assert len(a) == pytest.approx(8.0 * 500, rel=0.05)
+    half = list(loadgen.thinned_arrivals(lambda t: 4.0, 600.0, 8.0, random.Random(5)))
+    assert len(half) == pytest.approx(4.0 * 600, rel=0.05), "thinned to the rate, not the peak"
+
+
 def test_requests_per_cell() -> None:
     assert loadgen.requests_per_cell(1.0, 10.0, 12) == 12
     assert loadgen.requests_per_cell(8.0, 10.0, 12) == 80
