@@ -226,7 +226,7 @@ def launch_sim(
     if dp_local is not None:
         argv += ["--dp-start-rank", str(dp_start), "--dp-size-local", str(dp_local)]
     if group_leader is not None:
-        argv += ["--group-leader", group_leader.url]
+        argv += ["--group-leader", group_leader.url, "--group-leader-engine-id", group_leader.engine_id]
     for k, v in {**FAST, **timing}.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
     argv += list(extra)

@@ -234,8 +234,8 @@ class PodEngines:
                 ip = (pod.get("status") or {}).get("podIP")
                 if known or not ip or not contract.pod_serving(pod):
                     return
-                leader = self._leader_url(pod)
-                if leader == "":
+                leader = self._leader(pod) if self._is_worker(pod) else None
+                if self._is_worker(pod) and leader is None:
                     return  # a worker pod before its leader's engine: the next relist (2 s) launches it
                 # kwok hands a deleted pod's IP to the next pod of its node at once: that pod's engine is gone.
                 for other_uid, other in self.engines.items():
@@ -293,17 +293,19 @@ class PodEngines:
         with self.lock:
             return next((e.pre_stop for e in self.engines.values() if e.pod == pod and e.pre_stop is not None), None)
 
-    def _leader_url(self, pod: dict[str, Any]) -> str | None:
-        """For a worker pod of an engine that spans pods, the URL of its leader pod's engine ("" while that engine is
-        not running); None for any other pod. The simulator's pods of one engine then fail together."""
-        meta = pod["metadata"]
-        if (meta.get("labels") or {}).get(contract.LWS_WORKER_INDEX_LABEL, "0") == "0":
-            return None
-        name = (meta.get("annotations") or {}).get(contract.LWS_LEADER_NAME_ANNOTATION)
-        leader = next((e for e in self.engines.values() if e.pod == name and e.proc.alive()), None)
-        return f"http://{leader.ip}:{leader.http_port}" if leader is not None else ""
+    @staticmethod
+    def _is_worker(pod: dict[str, Any]) -> bool:
+        """A worker pod of an engine that spans pods (an LWS group's pod other than its leader)."""
+        return (pod["metadata"].get("labels") or {}).get(contract.LWS_WORKER_INDEX_LABEL, "0") != "0"
 
-    def _launch(self, pod: dict[str, Any], ip: str, leader: str | None = None) -> PodEngine:
+    def _leader(self, pod: dict[str, Any]) -> PodEngine | None:
+        """For a worker pod, its leader pod's running engine (None while there is none): the simulator's pods of
+        one engine then fail together. Never the engine of a deleted leader pod (an earlier incarnation of the
+        group, still draining or not yet stopped): the worker would join a group that is going."""
+        name = (pod["metadata"].get("annotations") or {}).get(contract.LWS_LEADER_NAME_ANNOTATION)
+        return next((e for uid, e in self.engines.items() if e.pod == name and uid not in self.gone and e.proc.alive()), None)
+
+    def _launch(self, pod: dict[str, Any], ip: str, leader: PodEngine | None = None) -> PodEngine:
         meta = pod["metadata"]
         ann = meta.get("annotations") or {}
         labels = meta["labels"]
@@ -326,8 +328,8 @@ class PodEngines:
         if len(ranks) < int(ann.get(contract.ANNOTATION_DP_SIZE, "1")):  # a pod of an engine that spans pods
             argv += ["--dp-start-rank", str(ranks[0]), "--dp-size-local", str(len(ranks))]
         argv += kv_cache_argv(pod, ip)
-        if leader:
-            argv += ["--group-leader", leader]
+        if leader is not None:
+            argv += ["--group-leader", leader.url, "--group-leader-engine-id", leader.engine_id]
         for k, v in self.timing.items():
             argv += [f"--{k.replace('_', '-')}", str(v)]
         env = engine_env(pod)

@@ -71,7 +71,10 @@ Only a bidirectional turn-2 read checks the expiry first.
   collectives together at every step, so when one pod's engine stops answering, every other pod's engine dies at
   its next collective (NCCL: the remote process is gone) and every stream on every rank of the group ends; the
   LWS (``RecreateGroupOnPodRestart``) then recreates the whole group. Workers join their leader and watch it, the
-  leader watches every worker that joined (``/health`` every ``GROUP_WATCH_SECONDS``).
+  leader watches every worker that joined (``/sim/group/member`` every ``GROUP_WATCH_SECONDS``). A peer is a
+  process, not an address (NCCL's connections are to a process): the leader refuses a worker that names another
+  leader (``--group-leader-engine-id``: a rank of an earlier incarnation of the group, whose leader's pod IP the new
+  leader took), and a peer whose address answers with another engine id is gone.
 - Legs whose ids don't match never rendezvous: D waits in WAITING_FOR_REMOTE_KVS forever (after
   ``--push-registration-timeout`` it only logs and counts), until the client disconnects.
 - A registration arriving after P's lease ended finds nothing: push D waits forever.
@@ -570,7 +573,7 @@ class Engine:
         self.session: aiohttp.ClientSession | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
         pc.generated_index()  # built before the engine listens, not on its first request's path
-        self.group_peers: set[str] = set()  # the other pods of an engine that spans pods (group_watch)
+        self.group_peers: dict[str, str] = {}  # the other pods of an engine that spans pods: URL -> engine id (group_watch)
         self.group_task: asyncio.Task[None] | None = None
         self.inflight: dict[int, Seq] = {}  # id(seq) -> every request handed to the engine, until its answer is sent
         self.writing: dict[int, Seq] = {}  # id(seq) -> prefills whose KV P is writing (push)
@@ -1077,32 +1080,55 @@ class Engine:
         app.router.add_get("/sim/body/{xid}", self.body)
         app.router.add_post("/sim/control", self.control)
         app.router.add_post("/sim/group/join", self.group_join)
+        app.router.add_get("/sim/group/member", self.group_member)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
 
     # --- an engine that spans pods ----------------------------------------------------------------------
     async def group_join(self, request: web.Request) -> web.Response:
-        """A worker pod of this (leader's) engine joins its collectives: from now on this engine watches it too."""
-        url = (await request.json())["url"]
-        if url not in self.group_peers:
-            self.group_peers.add(url)
-            self.event("group_joined", peer=url)
-            if len(self.group_peers) == 1 and self.group_task is None:
+        """A worker pod of this (leader's) engine joins its collectives: from now on this engine watches it too. A
+        worker that names another leader belongs to another incarnation of the group (its leader's pod IP is now this
+        engine's): refused, as its collectives never connect to this process."""
+        body = await request.json()
+        url, peer, leader = body["url"], body["engine_id"], body["leader"]
+        if leader != self.a.engine_id:
+            log.warning("refused rank %s at %s: it belongs to the group of leader %s", peer, url, leader)
+            return web.json_response({"error": f"this is engine {self.a.engine_id}, not {leader}"}, status=409)
+        if self.group_peers.get(url) != peer:
+            self.group_peers[url] = peer
+            self.event("group_joined", peer=url, engine_id=peer)
+            if self.group_task is None:
                 self.group_task = asyncio.create_task(self.group_watch())
         return web.json_response({"joined": True})
+
+    async def group_member(self, request: web.Request) -> web.Response:
+        """What a peer's watch asks: this engine's id while it lives (503 once dead, as ``/health``)."""
+        if self.dead:
+            return web.Response(status=503)
+        return web.json_response({"engine_id": self.a.engine_id})
+
+    async def _peer_alive(self, url: str, engine_id: str) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=GROUP_PEER_TIMEOUT)
+            async with self.session.get(url + "/sim/group/member", timeout=timeout) as r:  # type: ignore[union-attr]
+                return r.status == 200 and (await r.json())["engine_id"] == engine_id
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+            return False
 
     async def group_watch(self) -> None:
         """The collectives of an engine that spans pods (expert/data parallel over an LWS group): every rank takes
         part in every step, so when one pod's engine stops answering, the others fail at their next collective
         (NCCL reports the remote process gone) and die: every stream on every rank of the group ends, as in vLLM.
-        A worker joins its leader (``--group-leader``) and watches it; the leader watches every worker that joined."""
+        A worker joins its leader (``--group-leader``, ``--group-leader-engine-id``) and watches it; the leader
+        watches every worker that joined. A peer whose address answers as another engine is gone too."""
         assert self.session is not None
         if self.a.group_leader:
-            self.group_peers.add(self.a.group_leader)
+            self.group_peers[self.a.group_leader] = self.a.group_leader_engine_id
             me = f"http://{self.a.host}:{self.a.port}"
+            join = {"url": me, "engine_id": self.a.engine_id, "leader": self.a.group_leader_engine_id}
             while not self.dead:
                 try:
-                    async with self.session.post(self.a.group_leader + "/sim/group/join", json={"url": me}) as r:
+                    async with self.session.post(self.a.group_leader + "/sim/group/join", json=join) as r:
                         if r.status == 200:
                             break
                 except aiohttp.ClientError:
@@ -1110,14 +1136,9 @@ class Engine:
                 await asyncio.sleep(GROUP_WATCH_SECONDS)
         while not self.dead:
             await asyncio.sleep(GROUP_WATCH_SECONDS)
-            for peer in list(self.group_peers):
-                try:
-                    async with self.session.get(peer + "/health", timeout=aiohttp.ClientTimeout(total=GROUP_PEER_TIMEOUT)) as r:
-                        alive = r.status == 200
-                except (aiohttp.ClientError, TimeoutError):
-                    alive = False
-                if not alive:
-                    self.die(f"a collective of the engine's group failed: the rank at {peer} is gone (NCCL: remote process exited)")
+            for url, engine_id in list(self.group_peers.items()):
+                if not await self._peer_alive(url, engine_id):
+                    self.die(f"a collective of the engine's group failed: the rank at {url} ({engine_id}) is gone (NCCL: remote process exited)")
                     return
 
     async def version(self, request: web.Request) -> web.Response:
@@ -1511,6 +1532,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-parallel-address). The ranks of one engine run collectives together: when a pod of the group stops, "
         "every other pod's engine dies with it (see Engine.group_watch)",
     )  # fmt: skip
+    p.add_argument("--group-leader-engine-id", default=None,
+                   help="with --group-leader: that leader's --engine-id (the incarnation of the group this pod belongs to)")
     return p
 
 
@@ -1557,6 +1580,8 @@ def main() -> None:
     ranks = dp_ranks(a)
     if a.dp_size < 1 or not ranks or ranks.start < 0 or ranks.stop > a.dp_size:
         parser.error(f"data-parallel ranks [{ranks.start}, {ranks.stop}) are not within the engine's {a.dp_size}")
+    if bool(a.group_leader) != bool(a.group_leader_engine_id):
+        parser.error("--group-leader and --group-leader-engine-id go together: a worker joins one incarnation of its group")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s vllm_sim: %(message)s")
     try:
         import uvloop

@@ -325,11 +325,11 @@ def test_pod_engines_of_one_group_fail_together(tmp_path):
     ann = {contract.ANNOTATION_TRANSFER_MODE: "Push", contract.ANNOTATION_SIDE_CHANNEL_PORT: str(side)}
     leader = member("d-0", 0, annotations={**ann, contract.ANNOTATION_HTTP_PORT: str(ports[0])})
     worker = member("d-0-1", 1, annotations={**ann, contract.ANNOTATION_HTTP_PORT: str(ports[1]), contract.LWS_LEADER_NAME_ANNOTATION: "d-0"})
-    assert engines._leader_url(leader) is None and engines._leader_url(worker) == ""  # the worker waits for its leader
+    assert not engines._is_worker(leader) and engines._is_worker(worker)
+    assert engines._leader(worker) is None  # the worker waits for its leader's engine
     engines.engines["uid-d-0"] = first = engines._launch(leader, h.HOST)
-    url = engines._leader_url(worker)
-    assert url == f"http://{h.HOST}:{ports[0]}"
-    second = engines._launch(worker, h.HOST, url)
+    assert engines._leader(worker) is first and first.url == f"http://{h.HOST}:{ports[0]}"
+    second = engines._launch(worker, h.HOST, first)
     try:
         h.wait_until(lambda: first.ready() and second.ready(), 60, what="simulators on the pods")
         h.wait_until(lambda: any(e["kind"] == "group_joined" for e in first.events()), 30, what="the worker joined its leader")
@@ -337,4 +337,41 @@ def test_pod_engines_of_one_group_fail_together(tmp_path):
         assert first.proc.popen.wait(30) == 1 and "a collective of the engine's group failed" in first.proc.log_text()
     finally:
         for e in (first, second):
+            e.proc.stop()
+
+
+def test_a_worker_of_the_groups_earlier_incarnation_does_not_join_its_new_leader(tmp_path):
+    """LWS recreates a group; the new leader pod takes the old leader's IP while an old worker's engine still tries
+    to join it there. The new leader refuses that worker (it names the old leader's engine id), so the old worker's
+    stop does not take the new group down; its own worker joins. pods.py never points a worker at a deleted leader."""
+    from types import SimpleNamespace
+
+    from disagg_bench.vllm_sim.pods import PodEngines
+
+    engines = PodEngines(None, "ns", "m", h.MODEL, tmp_path)  # no API call: only its launcher is used
+    side, ports = h.free_port_block(4), h.free_ports(3)
+    ann = {contract.ANNOTATION_TRANSFER_MODE: "Push", contract.ANNOTATION_SIDE_CHANNEL_PORT: str(side)}
+    leader = member("d-0", 0, uid="uid-d-0-b", annotations={**ann, contract.ANNOTATION_HTTP_PORT: str(ports[0])})
+    def worker(uid: str, port: int, side: int = side) -> dict:
+        return member("d-0-1", 1, uid=uid, annotations={**ann, contract.ANNOTATION_HTTP_PORT: str(port), contract.ANNOTATION_SIDE_CHANNEL_PORT: str(side),
+                                                       contract.LWS_LEADER_NAME_ANNOTATION: "d-0"})  # fmt: skip
+    engines.engines["uid-d-0-b"] = new_leader = engines._launch(leader, h.HOST)
+    earlier = SimpleNamespace(url=new_leader.url, engine_id=contract.engine_id("d-0", "uid-d-0-a"))  # the old leader, at its IP
+    old_worker = engines._launch(worker("uid-d-0-1-a", ports[1], h.free_port_block(4)), h.HOST, earlier)  # type: ignore[arg-type]
+    new_worker = engines._launch(worker("uid-d-0-1-b", ports[2]), h.HOST, new_leader)
+    try:
+        h.wait_until(lambda: all(e.ready() for e in (new_leader, old_worker, new_worker)), 60, what="simulators on the pods")
+        h.wait_until(lambda: "refused rank d-0-1.uid-d-0-1-a" in new_leader.proc.log_text(), 30, what="the old worker refused")
+        h.wait_until(lambda: any(e["kind"] == "group_joined" for e in new_leader.events()), 30, what="the new worker joined")
+        assert [e["engine_id"] for e in new_leader.events() if e["kind"] == "group_joined"] == [new_worker.engine_id]
+        assert engines._leader(worker("uid-d-0-1-c", ports[1])) is new_leader
+        engines.gone.add("uid-d-0-b")  # its pod deleted (draining): a deleted leader's engine is no one's leader
+        assert engines._leader(worker("uid-d-0-1-c", ports[1])) is None
+        old_worker.proc.signal(signal.SIGKILL)
+        assert old_worker.proc.popen.wait(30) != 0
+        new_worker.proc.signal(signal.SIGKILL)  # the leader's watch names the first of its peers that is gone
+        assert new_leader.proc.popen.wait(30) == 1
+        assert f"({new_worker.engine_id}) is gone" in new_leader.proc.log_text()
+    finally:
+        for e in (new_leader, old_worker, new_worker):
             e.proc.stop()
