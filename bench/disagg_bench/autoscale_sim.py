@@ -450,12 +450,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="a field of the autoscaler's Policy, e.g. max_step=8 (the results page's variants)")
     parser.add_argument("--autoscaler-only", action="store_true", help="skip the static sweep and the HPA")
+    parser.add_argument("--per-seed", action="store_true", help="a last column: each seed's attainment and GPU-hours")
     args = parser.parse_args(argv)
     changes = _policy_changes(parser, args.set)
     print(f"targets: TTFT {TTFT_TARGET_MS} ms and TPOT {TPOT_TARGET_MS} ms (p90 for the autoscaler; attainment: both, per "
           f"request); bounds {BOUNDS}; an engine starts in {START_S:.0f} s; {args.seeds} seeds, medians")  # fmt: skip
-    print(f"| trace | policy | P:D (start; static) | attainment | after {COLD_S:.0f} s | goodput req/s | GPU-hours |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print(f"| trace | policy | P:D (start; static) | attainment | after {COLD_S:.0f} s | goodput req/s | GPU-hours |"
+          + (" per seed: attainment GPU-hours |" if args.per_seed else ""))
+    print("|---|---|---|---:|---:|---:|---:|" + ("---|" if args.per_seed else ""))
     for name in args.trace or list(TRACES):
         traces = [TRACES[name](random.Random(seed)) for seed in range(args.seeds)]
         rows = {}
@@ -470,8 +472,9 @@ def main(argv: list[str] | None = None) -> None:
             rows["bound: the maximum asked at the step's instant"] = ("1:1", [run(t, 1, 1, (b := BurstBound(changes)), b.interval, 0.0) for t in traces])
         for policy, (shape, outcomes) in rows.items():
             med = {k: statistics.median(getattr(o, k) for o in outcomes) for k in ("attainment", "warm_attainment", "goodput", "gpu_hours")}
+            seeds = ", ".join(f"{o.attainment:.1%} {o.gpu_hours:.2f}" for o in outcomes) + " |" if args.per_seed else ""
             print(f"| {name} | {policy} | {shape} | {med['attainment']:.1%} | {med['warm_attainment']:.1%} | {med['goodput']:.2f} "
-                  f"| {med['gpu_hours']:.2f} |", flush=True)  # fmt: skip
+                  f"| {med['gpu_hours']:.2f} |{seeds}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

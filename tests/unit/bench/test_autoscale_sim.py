@@ -18,6 +18,12 @@ def steady(rate: float, seconds: float, prompt: int = 16_000, output: int = 256)
     return [Request(i / rate, prompt, prompt, output) for i in range(int(rate * seconds))]
 
 
+def step_burst(minutes_after: float = 0) -> list[Request]:
+    """2 a second for two minutes, 12 a second for four, then (MINUTES_AFTER) 2 a second again."""
+    trace = steady(2.0, 120) + [Request(120 + i / 12.0, 16_000, 16_000, 256) for i in range(12 * 240)]
+    return trace + [Request(360 + i / 2.0, 16_000, 16_000, 256) for i in range(int(2 * 60 * minutes_after))]
+
+
 def played(fleet: Fleet, trace: list[Request]) -> Fleet:
     for r in trace:
         fleet.advance(r.at)
@@ -80,7 +86,7 @@ def test_the_hpa_grows_at_once_and_shrinks_after_five_minutes() -> None:
 
 
 def test_the_slo_autoscaler_grows_both_roles_on_a_burst_and_meets_the_targets_it_was_given() -> None:
-    trace = steady(2.0, 120) + [Request(120 + i / 12.0, 16_000, 16_000, 256) for i in range(12 * 240)]
+    trace = step_burst()
     autoscaler = SloAutoscaler()
     sizes: list[dict[str, int]] = []
 
@@ -97,8 +103,7 @@ def test_the_slo_autoscaler_grows_both_roles_on_a_burst_and_meets_the_targets_it
 def test_the_passes_drift_and_the_slo_autoscaler_still_shrinks_both_roles_after_a_burst() -> None:
     """The operator's passes are never exactly an interval apart; a decision that counted on exact intervals kept
     every role at its peak (26453e5). The fleet model's passes drift, so such a decision fails here too."""
-    trace = steady(2.0, 120) + [Request(120 + i / 12.0, 16_000, 16_000, 256) for i in range(12 * 240)]
-    trace += [Request(360 + i / 2.0, 16_000, 16_000, 256) for i in range(2 * 720)]
+    trace = step_burst(minutes_after=12)
     autoscaler = SloAutoscaler()
     passes: list[tuple[float, dict[str, int]]] = []
 
@@ -129,3 +134,14 @@ def test_a_variant_names_a_numeric_field_of_the_policy_or_is_refused_with_the_fi
             sim.main(["--set", bad, "--trace", "burst", "--seeds", "1", "--autoscaler-only"])
         assert exited.value.code == 2
         assert f"--set {bad}:" in capsys.readouterr().err
+
+
+def test_per_seed_shows_each_seeds_outcome_beside_their_median(capsys) -> None:
+    sim.main(["--trace", "burst", "--seeds", "3", "--autoscaler-only", "--per-seed"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| burst |")]
+    assert [row[1].strip() for row in rows] == ["SLO autoscaler (Active)", "bound: the maximum asked at the step's instant"]
+    for row in rows:
+        seeds = [pair.split() for pair in row[-1].split(",")]
+        assert len(seeds) == 3
+        assert float(row[-2]) == statistics.median(float(hours) for _, hours in seeds)
+        assert row[-5].strip() == sorted((s[0] for s in seeds), key=lambda a: float(a.rstrip("%")))[1]
