@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> None:
             rows["bound: the maximum asked at the step's instant"] = ("1:1", [run(t, 1, 1, (b := BurstBound(changes)), b.interval, 0.0) for t in traces])
         for policy, (shape, outcomes) in rows.items():
             med = {k: statistics.median(getattr(o, k) for o in outcomes) for k in ("attainment", "warm_attainment", "goodput", "gpu_hours")}
-            seeds = ", ".join(f"{o.attainment:.1%} {o.gpu_hours:.2f}" for o in outcomes) + " |" if args.per_seed else ""
+            seeds = " " + ", ".join(f"{o.attainment:.1%} {o.gpu_hours:.2f}" for o in outcomes) + " |" if args.per_seed else ""
             print(f"| {name} | {policy} | {shape} | {med['attainment']:.1%} | {med['warm_attainment']:.1%} | {med['goodput']:.2f} "
                   f"| {med['gpu_hours']:.2f} |{seeds}", flush=True)  # fmt: skip
 
