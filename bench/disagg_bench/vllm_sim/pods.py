@@ -234,8 +234,9 @@ class PodEngines:
                 ip = (pod.get("status") or {}).get("podIP")
                 if known or not ip or not contract.pod_serving(pod):
                     return
-                leader = self._leader(pod) if self._is_worker(pod) else None
-                if self._is_worker(pod) and leader is None:
+                worker = self._is_worker(pod)
+                leader = self._leader(pod) if worker else None
+                if worker and leader is None:
                     return  # a worker pod before its leader's engine: the next relist (2 s) launches it
                 # kwok hands a deleted pod's IP to the next pod of its node at once: that pod's engine is gone.
                 for other_uid, other in self.engines.items():

@@ -74,7 +74,8 @@ Only a bidirectional turn-2 read checks the expiry first.
   leader watches every worker that joined (``/sim/group/member`` every ``GROUP_WATCH_SECONDS``). A peer is a
   process, not an address (NCCL's connections are to a process): the leader refuses a worker that names another
   leader (``--group-leader-engine-id``: a rank of an earlier incarnation of the group, whose leader's pod IP the new
-  leader took), and a peer whose address answers with another engine id is gone.
+  leader took), and that worker dies (its rendezvous failed); a peer whose address answers with another engine id
+  is gone.
 - Legs whose ids don't match never rendezvous: D waits in WAITING_FOR_REMOTE_KVS forever (after
   ``--push-registration-timeout`` it only logs and counts), until the client disconnects.
 - A registration arriving after P's lease ended finds nothing: push D waits forever.
@@ -1131,6 +1132,9 @@ class Engine:
                     async with self.session.post(self.a.group_leader + "/sim/group/join", json=join) as r:
                         if r.status == 200:
                             break
+                        if r.status == 409:  # another engine listens where its leader was: its group is gone
+                            self.die(f"the engine's group cannot form: {(await r.json())['error']} (NCCL: the rendezvous failed)")
+                            return
                 except aiohttp.ClientError:
                     pass
                 await asyncio.sleep(GROUP_WATCH_SECONDS)

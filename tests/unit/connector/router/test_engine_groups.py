@@ -342,8 +342,9 @@ def test_pod_engines_of_one_group_fail_together(tmp_path):
 
 def test_a_worker_of_the_groups_earlier_incarnation_does_not_join_its_new_leader(tmp_path):
     """LWS recreates a group; the new leader pod takes the old leader's IP while an old worker's engine still tries
-    to join it there. The new leader refuses that worker (it names the old leader's engine id), so the old worker's
-    stop does not take the new group down; its own worker joins. pods.py never points a worker at a deleted leader."""
+    to join it there. The new leader refuses that worker (it names the old leader's engine id), which dies (its
+    rendezvous failed) without taking the new group down; its own worker joins. pods.py never points a worker at a
+    deleted leader."""
     from types import SimpleNamespace
 
     from disagg_bench.vllm_sim.pods import PodEngines
@@ -360,16 +361,15 @@ def test_a_worker_of_the_groups_earlier_incarnation_does_not_join_its_new_leader
     old_worker = engines._launch(worker("uid-d-0-1-a", ports[1], h.free_port_block(4)), h.HOST, earlier)  # type: ignore[arg-type]
     new_worker = engines._launch(worker("uid-d-0-1-b", ports[2]), h.HOST, new_leader)
     try:
-        h.wait_until(lambda: all(e.ready() for e in (new_leader, old_worker, new_worker)), 60, what="simulators on the pods")
-        h.wait_until(lambda: "refused rank d-0-1.uid-d-0-1-a" in new_leader.proc.log_text(), 30, what="the old worker refused")
+        h.wait_until(lambda: new_leader.ready() and new_worker.ready(), 60, what="simulators on the pods")
+        assert old_worker.proc.popen.wait(30) == 1 and "the engine's group cannot form" in old_worker.proc.log_text()
+        assert "refused rank d-0-1.uid-d-0-1-a" in new_leader.proc.log_text()
         h.wait_until(lambda: any(e["kind"] == "group_joined" for e in new_leader.events()), 30, what="the new worker joined")
         assert [e["engine_id"] for e in new_leader.events() if e["kind"] == "group_joined"] == [new_worker.engine_id]
         assert engines._leader(worker("uid-d-0-1-c", ports[1])) is new_leader
         engines.gone.add("uid-d-0-b")  # its pod deleted (draining): a deleted leader's engine is no one's leader
         assert engines._leader(worker("uid-d-0-1-c", ports[1])) is None
-        old_worker.proc.signal(signal.SIGKILL)
-        assert old_worker.proc.popen.wait(30) != 0
-        new_worker.proc.signal(signal.SIGKILL)  # the leader's watch names the first of its peers that is gone
+        new_worker.proc.signal(signal.SIGKILL)
         assert new_leader.proc.popen.wait(30) == 1
         assert f"({new_worker.engine_id}) is gone" in new_leader.proc.log_text()
     finally:
