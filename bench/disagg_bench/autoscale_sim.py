@@ -2,6 +2,7 @@
 
     python -m disagg_bench.autoscale_sim                  # 3 seeds x 3 traces x (autoscaler, HPA, static sweep)
     python -m disagg_bench.autoscale_sim --seeds 1 --trace burst     # quicker
+    python -m disagg_bench.autoscale_sim --trace sine --trace-passes 0   # every pass of the autoscaler, and why
 
 What decides is the product's own code: every interval the SLO autoscaler's pure decision
 (operator/disagg_operator/autoscaler.py, `decide`, with the Policy that `policy_of` makes from a real
@@ -94,8 +95,11 @@ def sine_rate(t: float) -> float:
     return 1 + 23 * (1 - math.cos(2 * math.pi * t / 600)) / 2
 
 
+BURST_STEP_S = 300.0  # the burst's rate steps up here, and back down 300 s later
+
+
 def burst_rate(t: float) -> float:
-    return 20.0 if 300 <= t < 600 else 2.0
+    return 20.0 if BURST_STEP_S <= t < BURST_STEP_S + 300 else 2.0
 
 
 def sine(rng: random.Random) -> list[Request]:
@@ -284,13 +288,15 @@ def slo_spec() -> ModelAutoscalingSpec:
 
 
 class SloAutoscaler:
-    def __init__(self, changes: dict[str, float] | None = None) -> None:
-        """CHANGES: fields of the Policy set over what the spec makes (a variant: `--set max_step=8`)."""
+    def __init__(self, changes: dict[str, float] | None = None, show: Callable[[str], None] | None = None) -> None:
+        """CHANGES: fields of the Policy set over what the spec makes (a variant: `--set max_step=8`); SHOW: given
+        a line for each pass (what it saw, what it decided and why)."""
         spec = slo_spec()
         self.interval = float(spec.interval_seconds)
         self.percentile = spec.percentile
         self.policy = replace(autoscaler.policy_of(spec, {"prefill": 1, "decode": 1}), **(changes or {}))
         self.memory = autoscaler.Memory()
+        self.show = show
 
     def __call__(self, fleet: Fleet, since: float) -> dict[str, int]:
         now = fleet.now
@@ -324,7 +330,18 @@ class SloAutoscaler:
             prefill_tokens=float(sum(r.uncached for r in sent)),
         )  # fmt: skip
         decision, self.memory = autoscaler.decide(self.policy, obs, self.memory)
+        if self.show is not None:
+            self.show(_pass_line(obs, decision))
         return dict(decision.sizes)
+
+
+def _pass_line(obs: autoscaler.Observation, decision: autoscaler.Decision) -> str:
+    def ms(seconds: float | None) -> str:
+        return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+    roles = " ".join(f"{r} {obs.role(r).current}->{decision.sizes[r]} ({obs.role(r).warm} warm)" for r in autoscaler.ROLES)
+    return (f"{obs.at:7.1f} s  {roles}  TTFT {ms(obs.ttft_s)} ms TPOT {ms(obs.tpot_s)} ms KV {obs.decode.kv_tokens:.0f}"
+            + "".join(f" | {r}: {decision.reasons[r]}" for r in autoscaler.ROLES))
 
 
 class Hpa:
@@ -355,8 +372,8 @@ class BurstBound:
     """A bound on the burst, not a policy: the SLO autoscaler until the step, then, from the instant the rate steps
     up (no measuring, no step limit), the bounds' maximum until it steps down. Its engines still serve START_S
     after it asks. Starting from the fleet the autoscaler holds before the step, no reaction to the step attains
-    more: it could ask no sooner and for no more. Run with passes on exact intervals (`run`'s drift_s=0), so that
-    one falls at the step's instant."""
+    more: it could ask no sooner and for no more. Run on the autoscaler's own drifting passes plus one at the step's
+    instant (`run`'s also_at=(BURST_STEP_S,)): until the step, its fleet is the autoscaler row's."""
 
     def __init__(self, changes: dict[str, float] | None = None) -> None:
         self.inner = SloAutoscaler(changes)
@@ -383,20 +400,24 @@ class Outcome:
 
 
 def run(trace: list[Request], prefill: int, decode: int, decider: Callable[[Fleet, float], dict[str, int]] | None = None,
-        interval: float = 15.0, drift_s: float = PASS_DRIFT_S) -> Outcome:  # fmt: skip
+        interval: float = 15.0, drift_s: float = PASS_DRIFT_S, also_at: tuple[float, ...] = ()) -> Outcome:  # fmt: skip
     """TRACE played on a fleet of PREFILL:DECODE engines, resized by DECIDER's passes (each INTERVAL plus up to
-    DRIFT_S later; None: static)."""
+    DRIFT_S later; None: static), and by a pass at each instant of ALSO_AT besides (the others stay where they were)."""
     fleet = Fleet(prefill, decode)
     end = trace[-1].at
     drift = random.Random(len(trace))  # the same passes for every policy run on one trace
     last, due = 0.0, interval + drift.uniform(0, drift_s)
+    extra = sorted(also_at)
     for r in trace:
         if decider is not None:
-            while due <= r.at:
-                fleet.advance(due)
+            while min([due, *extra[:1]]) <= r.at:
+                at = extra.pop(0) if extra and extra[0] < due else due
+                fleet.advance(at)
                 for role, size in decider(fleet, last).items():
                     fleet.resize(role, size)
-                last, due = due, due + interval + drift.uniform(0, drift_s)
+                if at == due:
+                    due = due + interval + drift.uniform(0, drift_s)
+                last = at
         fleet.advance(r.at)
         fleet.arrive(r)
     while len(fleet.finished) < len(trace):
@@ -451,8 +472,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="a field of the autoscaler's Policy, e.g. max_step=8 (the results page's variants)")
     parser.add_argument("--autoscaler-only", action="store_true", help="skip the static sweep and the HPA")
     parser.add_argument("--per-seed", action="store_true", help="a last column: each seed's attainment and GPU-hours")
+    parser.add_argument("--trace-passes", type=int, metavar="SEED",
+                        help="instead of the table: every pass of the SLO autoscaler on this seed of each trace (what it "
+                        "saw, what it decided and why), then its outcome")  # fmt: skip
     args = parser.parse_args(argv)
     changes = _policy_changes(parser, args.set)
+    if args.trace_passes is not None:
+        for name in args.trace or list(TRACES):
+            print(f"# {name}, seed {args.trace_passes}", flush=True)
+            a = SloAutoscaler(changes, show=lambda line: print(line, flush=True))
+            o = run(TRACES[name](random.Random(args.trace_passes)), 1, 1, a, a.interval)
+            print(f"# {name}: attainment {o.attainment:.1%} (after {COLD_S:.0f} s {o.warm_attainment:.1%}), {o.gpu_hours:.2f} GPU-hours")
+        return
     print(f"targets: TTFT {TTFT_TARGET_MS} ms and TPOT {TPOT_TARGET_MS} ms (p90 for the autoscaler; attainment: both, per "
           f"request); bounds {BOUNDS}; an engine starts in {START_S:.0f} s; {args.seeds} seeds, medians")  # fmt: skip
     print(f"| trace | policy | P:D (start; static) | attainment | after {COLD_S:.0f} s | goodput req/s | GPU-hours |"
@@ -468,8 +499,8 @@ def main(argv: list[str] | None = None) -> None:
         label = "SLO autoscaler (Active)" + "".join(f", {c}" for c in args.set)
         rows[label] = ("1:1", [run(t, 1, 1, (a := SloAutoscaler(changes)), a.interval) for t in traces])
         if name == "burst":
-            # passes without drift: one falls at the step's instant (300 s, a multiple of the interval)
-            rows["bound: the maximum asked at the step's instant"] = ("1:1", [run(t, 1, 1, (b := BurstBound(changes)), b.interval, 0.0) for t in traces])
+            rows["bound: the maximum asked at the step's instant"] = (
+                "1:1", [run(t, 1, 1, (b := BurstBound(changes)), b.interval, also_at=(BURST_STEP_S,)) for t in traces])
         for policy, (shape, outcomes) in rows.items():
             med = {k: statistics.median(getattr(o, k) for o in outcomes) for k in ("attainment", "warm_attainment", "goodput", "gpu_hours")}
             seeds = " " + ", ".join(f"{o.attainment:.1%} {o.gpu_hours:.2f}" for o in outcomes) + " |" if args.per_seed else ""

@@ -5,6 +5,8 @@ autoscaler it drives is the product's decision; and the burst's bound reacts at 
 
 from __future__ import annotations
 
+import random
+import re
 import statistics
 
 import pytest
@@ -119,6 +121,22 @@ def test_the_passes_drift_and_the_slo_autoscaler_still_shrinks_both_roles_after_
         assert last < peak, f"{role} held at {peak} after the burst"
 
 
+def test_a_pass_asked_for_at_an_instant_comes_then_and_leaves_the_drifting_passes_where_they_were() -> None:
+    def passes(also_at: tuple[float, ...]) -> list[float]:
+        seen: list[float] = []
+
+        def record(fleet: Fleet, since: float) -> dict[str, int]:
+            seen.append(fleet.now)
+            return {"prefill": 1, "decode": 1}
+
+        run(step_burst(), 1, 1, record, 15.0, also_at=also_at)
+        return seen
+
+    drifting = passes(())
+    assert len(drifting) > 20 and all(t % 15.0 for t in drifting), "no pass on an exact multiple of the interval"
+    assert passes((sim.BURST_STEP_S,)) == sorted([*drifting, sim.BURST_STEP_S])
+
+
 def test_the_burst_bound_asks_for_the_maximum_from_the_instant_of_the_step_and_not_before() -> None:
     bound, fleet = sim.BurstBound(), Fleet(1, 1)
     fleet.now = 285.0
@@ -145,3 +163,16 @@ def test_per_seed_shows_each_seeds_outcome_beside_their_median(capsys) -> None:
         assert len(seeds) == 3
         assert float(row[-2]) == statistics.median(float(hours) for _, hours in seeds)
         assert row[-5].strip() == sorted((s[0] for s in seeds), key=lambda a: float(a.rstrip("%")))[1]
+
+
+def test_trace_passes_prints_every_pass_and_why_then_the_outcome_of_that_seed(capsys) -> None:
+    sim.main(["--trace", "burst", "--trace-passes", "0"])
+    lines = capsys.readouterr().out.splitlines()
+    passes = [line for line in lines if not line.startswith("#")]
+    outcome = run(sim.burst(random.Random(0)), 1, 1, (a := SloAutoscaler()), a.interval)
+    assert lines[0] == "# burst, seed 0" and lines[-1].endswith(f"{outcome.gpu_hours:.2f} GPU-hours")
+    end = sim.burst(random.Random(0))[-1].at
+    assert end // (a.interval + sim.PASS_DRIFT_S) <= len(passes) <= end // a.interval  # one every 15-16 s
+    assert all(" | prefill: " in line and " | decode: " in line for line in passes)
+    grown = [line for line in passes if (m := re.search(r"prefill (\d+)->(\d+)", line)) and int(m[2]) > int(m[1])]
+    assert grown and all("prefill: TTFT p" in line or "prompt tokens/s need" in line for line in grown), "each growth says why"
