@@ -331,17 +331,21 @@ class SloAutoscaler:
         )  # fmt: skip
         decision, self.memory = autoscaler.decide(self.policy, obs, self.memory)
         if self.show is not None:
-            self.show(_pass_line(obs, decision))
+            self.show(_pass_line(obs, decision, self.policy))
         return dict(decision.sizes)
 
 
-def _pass_line(obs: autoscaler.Observation, decision: autoscaler.Decision) -> str:
-    def ms(seconds: float | None) -> str:
-        return "-" if seconds is None else f"{seconds * 1000:.0f}"
+def _pass_line(obs: autoscaler.Observation, decision: autoscaler.Decision, policy: autoscaler.Policy) -> str:
+    """One pass in the words the operator writes to status.autoscaling (`status_of`), with the warm engines and
+    decode's KV it saw besides."""
+    status = autoscaler.status_of(decision, obs, policy, f"{obs.at:.1f}")
 
-    roles = " ".join(f"{r} {obs.role(r).current}->{decision.sizes[r]} ({obs.role(r).warm} warm)" for r in autoscaler.ROLES)
-    return (f"{obs.at:7.1f} s  {roles}  TTFT {ms(obs.ttft_s)} ms TPOT {ms(obs.tpot_s)} ms KV {obs.decode.kv_tokens:.0f}"
-            + "".join(f" | {r}: {decision.reasons[r]}" for r in autoscaler.ROLES))
+    def ms(key: str) -> str:
+        return f"{status['measured'][key] * 1000:.0f}" if key in status["measured"] else "-"
+
+    roles = " ".join(f"{r} {status[r]['current']}->{status[r]['recommended']} ({obs.role(r).warm} warm)" for r in autoscaler.ROLES)
+    return (f"{obs.at:7.1f} s  {roles}  TTFT {ms('ttftSeconds')} ms TPOT {ms('tpotSeconds')} ms KV {obs.decode.kv_tokens:.0f}"
+            + "".join(f" | {r}: {status[r]['reason']}" for r in autoscaler.ROLES))
 
 
 class Hpa:
@@ -402,7 +406,8 @@ class Outcome:
 def run(trace: list[Request], prefill: int, decode: int, decider: Callable[[Fleet, float], dict[str, int]] | None = None,
         interval: float = 15.0, drift_s: float = PASS_DRIFT_S, also_at: tuple[float, ...] = ()) -> Outcome:  # fmt: skip
     """TRACE played on a fleet of PREFILL:DECODE engines, resized by DECIDER's passes (each INTERVAL plus up to
-    DRIFT_S later; None: static), and by a pass at each instant of ALSO_AT besides (the others stay where they were)."""
+    DRIFT_S later; None: static), and by a pass at each instant of ALSO_AT besides (the others stay where they were;
+    an instant that is a regular pass's is that one pass)."""
     fleet = Fleet(prefill, decode)
     end = trace[-1].at
     drift = random.Random(len(trace))  # the same passes for every policy run on one trace
@@ -410,8 +415,9 @@ def run(trace: list[Request], prefill: int, decode: int, decider: Callable[[Flee
     extra = sorted(also_at)
     for r in trace:
         if decider is not None:
-            while min([due, *extra[:1]]) <= r.at:
-                at = extra.pop(0) if extra and extra[0] < due else due
+            while (at := min([due, *extra[:1]])) <= r.at:
+                if extra and extra[0] == at:
+                    extra.pop(0)
                 fleet.advance(at)
                 for role, size in decider(fleet, last).items():
                     fleet.resize(role, size)
@@ -472,16 +478,20 @@ def main(argv: list[str] | None = None) -> None:
                         help="a field of the autoscaler's Policy, e.g. max_step=8 (the results page's variants)")
     parser.add_argument("--autoscaler-only", action="store_true", help="skip the static sweep and the HPA")
     parser.add_argument("--per-seed", action="store_true", help="a last column: each seed's attainment and GPU-hours")
+    parser.add_argument("--exact-passes", action="store_true",
+                        help=f"every decider's passes exactly an interval apart (default: up to {PASS_DRIFT_S:.0f} s later, as the "
+                        "operator's; the results page's sections before 'The passes drift' were measured so)")  # fmt: skip
     parser.add_argument("--trace-passes", type=int, metavar="SEED",
                         help="instead of the table: every pass of the SLO autoscaler on this seed of each trace (what it "
                         "saw, what it decided and why), then its outcome")  # fmt: skip
     args = parser.parse_args(argv)
     changes = _policy_changes(parser, args.set)
+    drift_s = 0.0 if args.exact_passes else PASS_DRIFT_S
     if args.trace_passes is not None:
         for name in args.trace or list(TRACES):
             print(f"# {name}, seed {args.trace_passes}", flush=True)
             a = SloAutoscaler(changes, show=lambda line: print(line, flush=True))
-            o = run(TRACES[name](random.Random(args.trace_passes)), 1, 1, a, a.interval)
+            o = run(TRACES[name](random.Random(args.trace_passes)), 1, 1, a, a.interval, drift_s)
             print(f"# {name}: attainment {o.attainment:.1%} (after {COLD_S:.0f} s {o.warm_attainment:.1%}), {o.gpu_hours:.2f} GPU-hours")
         return
     print(f"targets: TTFT {TTFT_TARGET_MS} ms and TPOT {TPOT_TARGET_MS} ms (p90 for the autoscaler; attainment: both, per "
@@ -495,12 +505,12 @@ def main(argv: list[str] | None = None) -> None:
         if not args.autoscaler_only:
             p, d = cheapest_static(traces)
             rows[f"static, the cheapest at >= {ATTAINMENT_GOAL:.0%} (sweep)"] = (f"{p}:{d}", [run(t, p, d) for t in traces])
-            rows["HPA on requests waiting"] = ("1:1", [run(t, 1, 1, Hpa(), HPA_PERIOD_S) for t in traces])
+            rows["HPA on requests waiting"] = ("1:1", [run(t, 1, 1, Hpa(), HPA_PERIOD_S, drift_s) for t in traces])
         label = "SLO autoscaler (Active)" + "".join(f", {c}" for c in args.set)
-        rows[label] = ("1:1", [run(t, 1, 1, (a := SloAutoscaler(changes)), a.interval) for t in traces])
+        rows[label] = ("1:1", [run(t, 1, 1, (a := SloAutoscaler(changes)), a.interval, drift_s) for t in traces])
         if name == "burst":
             rows["bound: the maximum asked at the step's instant"] = (
-                "1:1", [run(t, 1, 1, (b := BurstBound(changes)), b.interval, also_at=(BURST_STEP_S,)) for t in traces])
+                "1:1", [run(t, 1, 1, (b := BurstBound(changes)), b.interval, drift_s, (BURST_STEP_S,)) for t in traces])
         for policy, (shape, outcomes) in rows.items():
             med = {k: statistics.median(getattr(o, k) for o in outcomes) for k in ("attainment", "warm_attainment", "goodput", "gpu_hours")}
             seeds = " " + ", ".join(f"{o.attainment:.1%} {o.gpu_hours:.2f}" for o in outcomes) + " |" if args.per_seed else ""

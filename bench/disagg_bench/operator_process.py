@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -13,6 +14,10 @@ from disagg_bench.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+# util-linux's, in every Linux base image; the start's parent-death signal (a pytest worker starts operators from its
+# main thread, which lives as long as the worker: the signal is sent when the thread that started it ends)
+SETPRIV = shutil.which("setpriv") or "setpriv"
 
 # e2e runs resync often enough to be seen within a test (production default: 300 s).
 E2E_RESYNC_SECONDS = 15
@@ -57,7 +62,9 @@ class OperatorProcess:
                "PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}"}  # fmt: skip
         self._log = self.log_path.open("wb")
         try:
-            argv = self.command(url, self.metrics_port)
+            # it dies with the process that started it, however that one ends: a test session killed from outside
+            # (a CI run stopped by hand) would otherwise leave an operator reconciling the cluster the next one reuses
+            argv = [SETPRIV, "--pdeathsig", "TERM", "--", *self.command(url, self.metrics_port)]
             self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
             self._wait_live(url, timeout)
         except BaseException:  # a timeout, an early exit, or the test interrupted: stop what was started

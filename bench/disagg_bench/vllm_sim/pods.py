@@ -296,8 +296,10 @@ class PodEngines:
 
     @staticmethod
     def _is_worker(pod: dict[str, Any]) -> bool:
-        """A worker pod of an engine that spans pods (an LWS group's pod other than its leader)."""
-        return (pod["metadata"].get("labels") or {}).get(contract.LWS_WORKER_INDEX_LABEL, "0") != "0"
+        """A worker pod of an engine that spans pods (an LWS group's pod other than its leader), as the
+        contract reads it (ValueError on a pod that cannot say, surfaced through ``errors``)."""
+        meta = pod["metadata"]
+        return contract.engine_group(meta["name"], meta.get("labels"), meta.get("annotations")).index > 0
 
     def _leader(self, pod: dict[str, Any]) -> PodEngine | None:
         """For a worker pod, its leader pod's running engine (None while there is none): the simulator's pods of

@@ -1,6 +1,6 @@
 """`disagg-operator run` with a port it cannot serve exits at once with the port and the flag to change, before
 any cluster access (the kubeconfig points at a port nothing listens on); a failed e2e start leaves no process;
-one that cannot reach the API server is not healthy."""
+one that cannot reach the API server is not healthy; an e2e operator dies with the session that started it."""
 
 from __future__ import annotations
 
@@ -136,3 +136,50 @@ def test_an_operator_that_cannot_reach_the_api_server_is_not_healthy(nowhere_kub
         proc.terminate()
         _, stderr = proc.communicate(timeout=30)
     assert "apiserver" in stderr and "failed" in stderr, stderr[-3000:]
+
+
+# A stand-in operator: answers its liveness URL (the port argv[1]) with 200 and does nothing else.
+SERVES_LIVENESS = """
+import http.server, sys
+class Live(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Live).serve_forever()
+"""
+
+# A test session that starts an operator, says its pid, and waits to be killed.
+SESSION = """
+import sys, threading
+from pathlib import Path
+from disagg_bench.operator_process import OperatorProcess
+def serves(liveness_url, metrics_port):
+    return [sys.executable, "-c", sys.argv[2], liveness_url.rsplit(":", 1)[1].split("/")[0]]
+op = OperatorProcess("nowhere", Path(sys.argv[1]), command=serves).start(timeout=30)
+print(op.proc.pid, flush=True)
+threading.Event().wait()
+"""
+
+
+def running(pid: int) -> bool:
+    """A process that has not exited (a zombie nobody reaped yet has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_an_e2e_operator_dies_with_the_session_that_started_it_however_that_ends(tmp_path: Path) -> None:
+    """A CI run stopped from outside (SIGKILL to pytest) must not leave its operator reconciling the cluster that
+    the next run reuses: two operators then fight over every model."""
+    session = subprocess.Popen([sys.executable, "-c", SESSION, str(tmp_path), SERVES_LIVENESS], cwd=REPO,
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert session.stdout is not None
+        pid = int(session.stdout.readline())
+        assert running(pid), "the operator is up while its session lives"
+        session.kill()
+        session.wait()
+        wait_for("the operator to exit once its session was killed", lambda: not running(pid), timeout=30)
+    finally:
+        session.kill()

@@ -135,6 +135,27 @@ def test_a_pass_asked_for_at_an_instant_comes_then_and_leaves_the_drifting_passe
     drifting = passes(())
     assert len(drifting) > 20 and all(t % 15.0 for t in drifting), "no pass on an exact multiple of the interval"
     assert passes((sim.BURST_STEP_S,)) == sorted([*drifting, sim.BURST_STEP_S])
+    assert passes((drifting[3],)) == drifting, "an instant that is a regular pass's is that one pass"
+
+
+def test_exact_passes_come_exactly_an_interval_apart_for_every_decider(capsys, monkeypatch) -> None:
+    gaps: dict[str, set[float]] = {}
+
+    def recording(decider: type) -> type:
+        class Recorded(decider):  # type: ignore[misc, valid-type]
+            def __call__(self, fleet: Fleet, since: float) -> dict[str, int]:
+                gaps.setdefault(decider.__name__, set()).add(round(fleet.now - since, 6))
+                return super().__call__(fleet, since)
+
+        return Recorded
+
+    for decider in (Hpa, SloAutoscaler, sim.BurstBound):
+        monkeypatch.setattr(sim, decider.__name__, recording(decider))
+    monkeypatch.setattr(sim, "cheapest_static", lambda traces: (1, 1))  # the sweep has no passes
+    sim.main(["--trace", "burst", "--seeds", "1", "--exact-passes"])
+    capsys.readouterr()
+    # the bound's pass at the step's instant (300 s, itself a multiple of 15 s) is the regular one there
+    assert gaps == {"Hpa": {sim.HPA_PERIOD_S}, "SloAutoscaler": {15.0}, "BurstBound": {15.0}}
 
 
 def test_the_burst_bound_asks_for_the_maximum_from_the_instant_of_the_step_and_not_before() -> None:
