@@ -27,7 +27,8 @@ served teaches prefill nothing: the routers' tokens and legs are every serving e
   (predictive: a rise is met ahead, and a shrink goes no lower; prefill's trend is the higher of a line over the
   trend window and one over its last RECENT_TREND_S, so an accelerating ramp is followed; decode's KV trend is
   the window's line alone: a ramp of prompts reaches decode through P and D together, below, and the KV's own
-  last seconds swing with the answers' lengths);
+  last seconds swing with the answers' lengths; either projected no higher than the highest it held before the
+  trend window within PEAK_MEMORY_S, while it is below that);
 - *reactive*: a role whose own signal misses its target (prefill: TTFT over target while the prefill leg takes
   most of it, or requests waiting on prefill; decode: TPOT over target, KV nearly full, the TTFT of the
   prompts it prefills itself over target, or TTFT over target with requests waiting on decode and the prefill
@@ -84,6 +85,11 @@ BACKLOG_DRAIN_S = 60.0
 # The trend of the last this many seconds counts too: a ramp that accelerates (a sinusoid leaving its trough)
 # outruns a line fitted over the whole trend window (bench/results/autoscale-sim.md).
 RECENT_TREND_S = 45.0
+# How long the demand (prefill's rate, decode's KV) is remembered. While it is below the highest it held before
+# the trend window, its trend is projected no higher than that: a climb back to a level already held is not
+# projected past it (a sinusoid's next ramp, projected in a line, asked for nearly twice its peak:
+# bench/results/autoscale-sim.md). Above it is new ground, projected in full.
+PEAK_MEMORY_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,7 @@ class Memory:
     demand: tuple[tuple[float, float, float], ...] = ()  # (at, prefill tokens/s, decode KV tokens) within the trend window
     prefill_waiting: float = 0.0  # requests waiting on prefill at the last interval's end
     decode_warmed: bool = False  # every decode engine has been warm at once (once is enough: the cold start is over)
+    held: tuple[tuple[float, float, float], ...] = ()  # (at, prefill tokens/s, decode KV tokens) within PEAK_MEMORY_S
 
 
 @dataclass(frozen=True)
@@ -270,6 +277,13 @@ def _forecast(points: tuple[tuple[float, float], ...], ahead: float) -> float | 
     recent = tuple(p for p in points if points[-1][0] - p[0] <= RECENT_TREND_S)
     found = [f for f in (_trend(points, ahead), _trend(recent, ahead)) if f is not None]
     return max(found) if found else None
+
+
+def _within_held(forecast: float | None, now: float, earlier: list[float]) -> float | None:
+    """FORECAST no higher than the highest of EARLIER (the values held before the trend window) while NOW is
+    below it: a climb back to a level already held is not projected past it; above it is new ground."""
+    held = max(earlier, default=0.0)
+    return min(forecast, held) if forecast is not None and now < held else forecast
 
 
 def _trend(points: tuple[tuple[float, float], ...], ahead: float) -> float | None:
@@ -442,10 +456,14 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
     demand_pts = tuple(p for p in memory.demand if obs.at - p[0] <= policy.trend_window_s) + ((obs.at, rate, obs.decode.kv_tokens),)
     current = {r: obs.role(r).current for r in ROLES}
     forecast_p = _forecast(tuple((t, p) for t, p, _ in demand_pts), policy.warmup_s)
+    held = tuple(p for p in memory.held if obs.at - p[0] <= PEAK_MEMORY_S) + ((obs.at, rate, obs.decode.kv_tokens),)
+    earlier = tuple(p for p in held if obs.at - p[0] > policy.trend_window_s)
+    forecast_p = _within_held(forecast_p, rate, [r for _, r, _ in earlier])
     # Decode's own KV by the trend window's line only: an accelerating ramp of prompts reaches decode through the
     # coupled term below, and the KV's last RECENT_TREND_S swing with the answers' lengths (a chance swing of
     # multi-turn's conversations projected a warm-up ahead asked for 1-3 engines more, held by the scale-down window).
-    forecast_d = _trend(tuple((t, d) for t, _, d in demand_pts), policy.warmup_s)
+    forecast_d = _within_held(_trend(tuple((t, d) for t, _, d in demand_pts), policy.warmup_s), obs.decode.kv_tokens,
+                              [d for _, _, d in earlier])  # fmt: skip
     backlog = obs.prefill.waiting * _tokens_per_request(obs) / BACKLOG_DRAIN_S
     # P and D together: the prompts prefill takes in now are decode's KV one residence later.
     coupled = max(rate, forecast_p or 0.0) * capacity.decode_residence_s if capacity.decode_residence_s else 0.0
@@ -459,7 +477,7 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
 
     if obs.rolling_out:
         frozen = Decision(current, {r: "frozen: a rollout is in progress (scaling waits for it)" for r in ROLES}, None, estimates)
-        return frozen, replace(memory, capacity=capacity, demand=demand_pts, prefill_waiting=obs.prefill.waiting)
+        return frozen, replace(memory, capacity=capacity, demand=demand_pts, prefill_waiting=obs.prefill.waiting, held=held)
 
     needs = {"prefill": _prefill_need(policy, obs, capacity, demand["prefill"]),
              "decode": _decode_need(policy, obs, capacity, demand["decode"])}  # fmt: skip
@@ -495,7 +513,7 @@ def decide(policy: Policy, obs: Observation, memory: Memory) -> tuple[Decision, 
         reasons[role] = reason
     final, _ = within_budget(policy, obs, sizes)  # the blocked hold kept within the bounds too
     warmed = memory.decode_warmed or all_warm
-    return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts, obs.prefill.waiting, warmed)
+    return Decision(final, reasons, blocked, estimates), Memory(capacity, recs, demand_pts, obs.prefill.waiting, warmed, held)
 
 
 # --- from the model and what a pass saw (still pure) ------------------------------------------------------------

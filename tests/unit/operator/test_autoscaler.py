@@ -342,6 +342,33 @@ def test_an_accelerating_ramp_is_followed_by_its_recent_trend() -> None:
     assert decision.sizes["prefill"] >= math.ceil(22_000 / (PREFILL_ENGINE_TOKENS_PER_S * 0.8))
 
 
+def test_a_ramp_back_to_a_rate_already_met_is_not_projected_past_it_and_new_ground_is() -> None:
+    """Prompts held 30k tokens/s for a minute, fell to 10k for four, and now climb 2k an interval, as a sinusoid's
+    next ramp (decode's KV ten times the rate, in step): the trend a warm-up ahead says 40k (400k KV tokens), what
+    was held says 30k (300k). A model that never held 30k projects the same ramp in full; past what was held,
+    the trend stands again."""
+    pol = policy(warmup_s=120.0)
+    learned = Memory(capacity=Capacity(prefill_tokens_per_s=PREFILL_ENGINE_TOKENS_PER_S))
+
+    def fed(memory: Memory, rates: list[float], start: int = 0) -> tuple[dict[str, float], Memory]:
+        decision = None
+        for i, rate in enumerate(rates, start):
+            obs = observation(i * INTERVAL, role(4), role(2, kv_tokens=10 * rate), requests=100, ttft_s=0.5,
+                              prefill_leg_s=0.4, tpot_s=0.03, prefill_tokens=rate * INTERVAL)  # fmt: skip
+            decision, memory = decide(pol, obs, memory)
+        assert decision is not None
+        return dict(decision.estimates), memory
+
+    earlier = [30_000.0] * 4 + [10_000.0] * 16
+    ramp = [10_000.0 + 2_000.0 * i for i in range(1, 8)]  # to 24k
+    seen, memory = fed(learned, earlier + ramp)
+    assert seen["prefill_tokens_per_s_forecast"] == 30_000.0 and seen["decode_kv_tokens_forecast"] == 300_000.0, seen
+    unseen, _ = fed(learned, ramp, start=len(earlier))
+    assert unseen["prefill_tokens_per_s_forecast"] >= 38_000.0 and unseen["decode_kv_tokens_forecast"] >= 380_000.0, unseen
+    beyond, _ = fed(memory, [32_000.0, 34_000.0], start=len(earlier + ramp))
+    assert beyond["prefill_tokens_per_s_forecast"] >= 40_000.0 and beyond["decode_kv_tokens_forecast"] >= 400_000.0, beyond
+
+
 def test_a_swing_of_decodes_kv_with_the_prompts_flat_is_not_projected_a_warm_up_ahead() -> None:
     """The prompts flat, decode's KV swings around 300k for two minutes and rises 260k -> 400k in the last 45 s
     (longer answers by chance): three engines hold it. Projected a warm-up ahead, that rise alone would ask for
