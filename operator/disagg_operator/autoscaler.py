@@ -28,7 +28,7 @@ served teaches prefill nothing: the routers' tokens and legs are every serving e
   trend window and one over its last RECENT_TREND_S, so an accelerating ramp is followed; decode's KV trend is
   the window's line alone: a ramp of prompts reaches decode through P and D together, below, and the KV's own
   last seconds swing with the answers' lengths; either projected no higher than the highest it held before the
-  trend window within PEAK_MEMORY_S, while it is below that);
+  trend window within PEAK_MEMORY_S, or now, until it is NEW_GROUND above that);
 - *reactive*: a role whose own signal misses its target (prefill: TTFT over target while the prefill leg takes
   most of it, or requests waiting on prefill; decode: TPOT over target, KV nearly full, the TTFT of the
   prompts it prefills itself over target, or TTFT over target with requests waiting on decode and the prefill
@@ -88,8 +88,12 @@ RECENT_TREND_S = 45.0
 # How long the demand (prefill's rate, decode's KV) is remembered. While it is below the highest it held before
 # the trend window, its trend is projected no higher than that: a climb back to a level already held is not
 # projected past it (a sinusoid's next ramp, projected in a line, asked for nearly twice its peak:
-# bench/results/autoscale-sim.md). Above it is new ground, projected in full.
+# bench/results/autoscale-sim.md). Well above it (NEW_GROUND) is new ground, projected in full.
 PEAK_MEMORY_S = 3600.0
+# A level is new ground once it is this much above the highest held (an interval's rate at the sine's peak swings
+# by about 6 %; one 2.6 % above the first peak's projected 600k prompt tokens/s, where 390k was held). Until then
+# the forecast is no higher than the level held or now, whichever is higher.
+NEW_GROUND = 0.2
 
 
 @dataclass(frozen=True)
@@ -280,10 +284,10 @@ def _forecast(points: tuple[tuple[float, float], ...], ahead: float) -> float | 
 
 
 def _within_held(forecast: float | None, now: float, earlier: list[float]) -> float | None:
-    """FORECAST no higher than the highest of EARLIER (the values held before the trend window) while NOW is
-    below it: a climb back to a level already held is not projected past it; above it is new ground."""
+    """FORECAST no higher than the highest of EARLIER (the values held before the trend window), or NOW where that
+    is higher, until NOW is NEW_GROUND above it: a climb back to a level already held is not projected past it."""
     held = max(earlier, default=0.0)
-    return min(forecast, held) if forecast is not None and now < held else forecast
+    return min(forecast, max(held, now)) if forecast is not None and now < held * (1 + NEW_GROUND) else forecast
 
 
 def _trend(points: tuple[tuple[float, float], ...], ahead: float) -> float | None:

@@ -345,8 +345,8 @@ def test_an_accelerating_ramp_is_followed_by_its_recent_trend() -> None:
 def test_a_ramp_back_to_a_rate_already_met_is_not_projected_past_it_and_new_ground_is() -> None:
     """Prompts held 30k tokens/s for a minute, fell to 10k for four, and now climb 2k an interval, as a sinusoid's
     next ramp (decode's KV ten times the rate, in step): the trend a warm-up ahead says 40k (400k KV tokens), what
-    was held says 30k (300k). A model that never held 30k projects the same ramp in full; past what was held,
-    the trend stands again."""
+    was held says 30k (300k). A model that never held 30k projects the same ramp in full. A little above what was
+    held (31k) is a swing of the load, projected no higher than itself; well above it (37k), the trend stands."""
     pol = policy(warmup_s=120.0)
     learned = Memory(capacity=Capacity(prefill_tokens_per_s=PREFILL_ENGINE_TOKENS_PER_S))
 
@@ -365,7 +365,9 @@ def test_a_ramp_back_to_a_rate_already_met_is_not_projected_past_it_and_new_grou
     assert seen["prefill_tokens_per_s_forecast"] == 30_000.0 and seen["decode_kv_tokens_forecast"] == 300_000.0, seen
     unseen, _ = fed(learned, ramp, start=len(earlier))
     assert unseen["prefill_tokens_per_s_forecast"] >= 38_000.0 and unseen["decode_kv_tokens_forecast"] >= 380_000.0, unseen
-    beyond, _ = fed(memory, [32_000.0, 34_000.0], start=len(earlier + ramp))
+    swing, _ = fed(memory, [31_000.0], start=len(earlier + ramp))
+    assert swing["prefill_tokens_per_s_forecast"] == 31_000.0 and swing["decode_kv_tokens_forecast"] == 310_000.0, swing
+    beyond, _ = fed(memory, [31_000.0, 34_000.0, 37_000.0], start=len(earlier + ramp))
     assert beyond["prefill_tokens_per_s_forecast"] >= 40_000.0 and beyond["decode_kv_tokens_forecast"] >= 400_000.0, beyond
 
 
