@@ -90,9 +90,9 @@ RECENT_TREND_S = 45.0
 # projected past it (a sinusoid's next ramp, projected in a line, asked for nearly twice its peak:
 # bench/results/autoscale-sim.md). Well above it (NEW_GROUND) is new ground, projected in full.
 PEAK_MEMORY_S = 3600.0
-# A level is new ground once it is this much above the highest held (an interval's rate at the sine's peak swings
-# by about 6 %; one 2.6 % above the first peak's projected 600k prompt tokens/s, where 390k was held). Until then
-# the forecast is no higher than the level held or now, whichever is higher.
+# A level is new ground once it is this much above the highest held; until then the forecast is no higher than
+# the level held or now, whichever is higher. An interval's rate at the sine's peak swings by about 6 %: one
+# interval 2.6 % above the 389k prompt tokens/s the first peak held, taken for new ground, was projected to 600k.
 NEW_GROUND = 0.2
 
 
