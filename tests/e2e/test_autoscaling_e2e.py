@@ -370,10 +370,11 @@ def test_a_replayed_sine_grows_prefill_on_each_peak_and_gives_it_back_in_the_tro
     failed = [r for r in results if not r.ok]
     assert not failed, f"{len(failed)} requests failed, e.g. {failed[0].error}"
     # from 1 engine, up on the first peak, down in the trough (how far depends on where the trough's decisions fall:
-    # to 1 or to 2 in the runs so far), up again on the second peak
+    # to 1 or to 2 in the runs so far, in one step or two), up again on the second peak (to 2 or 3: its forecast
+    # goes no higher than the first peak's rate)
     moves = _moves(engines.counts["prefill"])
     down = next((i for i in range(1, len(moves)) if moves[i] < moves[i - 1]), None)
-    assert down is not None and max(moves[down:]) > moves[down], f"prefill engines over time: {moves}"
+    assert down is not None and any(moves[i] > moves[i - 1] for i in range(down + 1, len(moves))), f"prefill engines over time: {moves}"
 
 
 # Conversations replayed (issue 32's multi-turn trace, compressed): 62 chats arriving 0.5 a second (about 2
